@@ -1,0 +1,209 @@
+"""Qwen2 decoder (the language model of Qwen2-VL and Qwen2.5-VL) with M-RoPE, over flat tokens.
+
+Tokens of all sequences in a step are concatenated: hidden states are [T, hidden], positions
+[3, T]. Attention is the `mmpipe::lm_attention` custom op, which reads per-step metadata and
+the paged KV cache from the forward context, so `forward` has only tensor inputs and no
+data-dependent control flow: it can be traced, split and captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import language.attention.op  # noqa: F401  (registers torch.ops.mmpipe.lm_attention)
+from mmpipe.errors import CheckpointError, UnsupportedModelError
+from mmpipe.runtime.layers import GatedMLP, RMSNorm, rotate_half
+from mmpipe.runtime.weight_copy import WeightMap
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    mrope_section: tuple[int, ...] = (16, 24, 24)
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "TextConfig":
+        """Read the nested `text_config` (transformers 5) or the flat layout of published checkpoints."""
+        tc = dict(cfg.get("text_config") or {})
+        for key, value in cfg.items():  # flat layout: text fields at the top level
+            if key not in ("text_config", "vision_config"):
+                tc.setdefault(key, value)
+        rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
+        theta = rope.get("rope_theta", tc.get("rope_theta", 1_000_000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise UnsupportedModelError(f"config.json: rope type {rope_type!r} is not supported")
+        if tc.get("use_sliding_window"):
+            raise UnsupportedModelError("config.json: use_sliding_window=true is not supported")
+        tie = bool(cfg.get("tie_word_embeddings", False) or tc.get("tie_word_embeddings", False))
+        try:
+            out = cls(
+                vocab_size=int(tc["vocab_size"]),
+                hidden_size=int(tc["hidden_size"]),
+                intermediate_size=int(tc["intermediate_size"]),
+                num_layers=int(tc["num_hidden_layers"]),
+                num_heads=int(tc["num_attention_heads"]),
+                num_kv_heads=int(tc.get("num_key_value_heads") or tc["num_attention_heads"]),
+                rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                mrope_section=tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24))),
+                hidden_act=str(tc.get("hidden_act", "silu")),
+                tie_word_embeddings=tie,
+                max_position_embeddings=int(tc.get("max_position_embeddings", 32768)),
+            )
+        except KeyError as exc:
+            raise CheckpointError(f"config.json: the language model config lacks {exc.args[0]!r}") from None
+        if out.hidden_size % out.num_heads or out.num_heads % out.num_kv_heads:
+            raise CheckpointError("config.json: hidden_size, num_attention_heads and num_key_value_heads "
+                                  "are inconsistent")
+        if sum(out.mrope_section) * 2 != out.head_dim:
+            raise CheckpointError(f"config.json: mrope_section {list(out.mrope_section)} does not cover half "
+                                  f"the head dim ({out.head_dim // 2})")
+        return out
+
+
+class MRotary(nn.Module):
+    """Rotary tables for M-RoPE: frequency band i uses the t, h or w position per `mrope_section`."""
+
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, ...]) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.section = head_dim, theta, section
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.register_buffer("axis", self._axis(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+
+    def _axis(self) -> torch.Tensor:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(self.section)])
+
+    def init_buffers(self) -> None:
+        device = self.inv_freq.device
+        self.inv_freq, self.axis = self._inv_freq().to(device), self._axis().to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] -> cos, sin [T, head_dim] in `dtype`."""
+        pos = positions.index_select(0, self.axis).t().float()  # [T, head_dim/2]
+        freqs = pos * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim).contiguous()
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        out = torch.empty_like(q)
+        torch.ops.mmpipe.lm_attention(q, k, v, out, self.layer)
+        return self.o_proj(out.view(n, self.q_size))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Qwen2Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2LanguageModel(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = MRotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    # Sizes the engine needs to lay out the KV cache.
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.cfg.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.cfg.head_dim
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)
+
+    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_embeds [T, hidden], positions [3, T] -> final-normed hidden states [T, hidden]."""
+        cos, sin = self.rotary(positions, input_embeds.dtype)
+        x = input_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def weight_map(self) -> WeightMap:
+        """Checkpoint names (relative to the language model, plus `lm_head.weight`) -> parameters."""
+        inter = self.cfg.intermediate_size
+        q, kv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        return WeightMap(
+            self,
+            fused={".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
+                   ".self_attn.k_proj.": (".self_attn.qkv_proj.", 1),
+                   ".self_attn.v_proj.": (".self_attn.qkv_proj.", 2),
+                   ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+                   ".mlp.up_proj.": (".mlp.gate_up_proj.", 1)},
+            blocks={".self_attn.qkv_proj.": [q, kv, kv], ".mlp.gate_up_proj.": [inter, inter]},
+        )
+
+    def optional_weight_names(self) -> set[str]:
+        """Names a checkpoint may carry that this model ignores (a tied head saved anyway)."""
+        return {"lm_head.weight"} if self.lm_head is None else set()

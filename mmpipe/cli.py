@@ -1,0 +1,102 @@
+"""The `mmpipe` command.
+
+    mmpipe caption IMAGES...     caption images (files, directories, globs) with a model
+    mmpipe info [--model PATH]   versions, device, and a summary of a model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Any, Sequence
+
+
+def _info(args: argparse.Namespace) -> int:
+    import tokenizers
+    import torch
+    import transformers
+
+    import mmpipe
+
+    info: dict[str, Any] = {
+        "mmpipe": mmpipe.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["cuda"] = torch.version.cuda
+        info["gpu"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"
+        info["gpus"] = torch.cuda.device_count()
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        info["varlen_attn"] = True
+    except ImportError:
+        info["varlen_attn"] = False
+    info["model"] = _model_summary(args.model, args.device)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            if isinstance(value, dict):
+                print(f"{key}:")
+                for k, v in value.items():
+                    print(f"  {k:<{width}} {v}")
+            else:
+                print(f"{key:<{width}} {value}")
+    return 0
+
+
+def _model_summary(path: str | None, device: str | None) -> dict[str, Any]:
+    from mmpipe import Pipeline
+    from mmpipe.errors import MmpipeError
+
+    try:
+        pipe = Pipeline.from_pretrained(path, device=device)
+    except MmpipeError as exc:
+        return {"error": str(exc)}
+    model = pipe.model
+    vit, text = model.vision.cfg, model.language.cfg
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return {
+        "path": model.path,
+        "architecture": model.spec.architecture,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "vision": f"{vit.depth} blocks x {vit.hidden_size} ({vit.num_heads} heads), patch {vit.patch_size}, "
+                  f"window {vit.window_size}px, full attention at {list(vit.fullatt_block_indexes)}, "
+                  f"{count(model.vision) / 1e6:.2f}M params",
+        "language": f"{text.num_layers} layers x {text.hidden_size} ({text.num_heads} heads, "
+                    f"{text.num_kv_heads} kv), vocab {text.vocab_size}, "
+                    f"{'tied' if text.tie_word_embeddings else 'untied'} head, "
+                    f"{count(model.language) / 1e6:.2f}M params",
+        "kv_cache": f"{pipe.runner.pages.capacity} pages x {pipe.runner.page_size} tokens",
+        "max_model_len": pipe.runner.max_model_len,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from app import caption
+
+    parser = argparse.ArgumentParser(prog="mmpipe", description="Fast vision-language model inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    caption.build_parser(sub.add_parser("caption", help="caption images"))
+    info = sub.add_parser("info", help="versions, device and a model summary")
+    info.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    info.add_argument("--device", default=None)
+    info.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.command == "caption":
+        return caption.run(args)
+    return _info(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Engine-level configuration: frozen dataclasses shared by the pipeline, engine and runners.
+
+Model hyper-parameters live next to the model code (`vision/`, `language/`); this module holds
+what is independent of any one architecture: where and how to run, and how to sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmpipe.errors import InputError
+
+
+class GraphMode(str, enum.Enum):
+    """Which parts of the language model run as CUDA graphs (names as in vLLM and ATOM)."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`None` picks CUDA when it is available, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device={str(device)!r}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device={str(device)!r}: only 'cpu' and 'cuda' are supported")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device,
+                  checkpoint_dtype: str | None = None) -> torch.dtype:
+    """`None` gives float32 on the CPU and bfloat16 on CUDA (float16 if the checkpoint is float16)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise InputError(f"dtype={dtype}: use float32, bfloat16 or float16")
+        return dtype
+    if dtype is not None:
+        try:
+            return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+        except KeyError:
+            raise InputError(f"dtype={dtype!r}: use 'float32', 'bfloat16' or 'float16'") from None
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype in ("float16", "torch.float16") else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a loaded model runs. Defaults suit one GPU or a CPU; every limit is checked at start."""
+
+    # KV cache: fixed-size pages; page 0 is reserved for padding writes.
+    kv_page_size: int = 16
+    # Number of KV pages; None sizes the cache from `kv_memory_fraction` (CUDA) or
+    # `cpu_kv_tokens` (CPU).
+    num_kv_pages: int | None = None
+    kv_memory_fraction: float = 0.85
+    cpu_kv_tokens: int = 65536
+    # Longest prompt + generation a request may reach; None uses the model's limit.
+    max_model_len: int | None = None
+    # Most sequences decoded together in one step.
+    max_running_requests: int = 256
+    # Token budget of one prefill forward (prompt chunks of several requests are packed).
+    max_prefill_tokens: int = 8192
+    # Patch budget of one vision-encoder call (several images are packed).
+    max_vision_patches: int = 16384
+    # Attention implementation for the language model and the ViT: "auto" picks the fastest
+    # one available on the device; "torch" is the reference.
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("kv_page_size", "max_running_requests", "max_prefill_tokens", "max_vision_patches",
+                     "cpu_kv_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
+        if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2):
+            raise InputError(f"EngineConfig.num_kv_pages={self.num_kv_pages!r}: must be an integer >= 2")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise InputError(f"EngineConfig.kv_memory_fraction={self.kv_memory_fraction!r}: must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise InputError(f"EngineConfig.max_model_len={self.max_model_len!r}: must be positive")
+        if self.attention_backend not in ("auto", "torch", "cuda"):
+            raise InputError(f"EngineConfig.attention_backend={self.attention_backend!r}: "
+                             "use 'auto', 'torch' or 'cuda'")
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate. A field left as None takes the checkpoint's generation_config.json value,
+    then mmpipe's default (greedy, 256 new tokens).
+
+    temperature 0 means greedy. `seed` makes a sampled request reproducible whatever else is in
+    the batch. `stop` strings are cut from the returned text. `logprobs=k` returns, for each
+    generated token, the k most likely tokens of the model's distribution with their
+    log-probabilities (plus the sampled token).
+    """
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check("max_new_tokens", self.max_new_tokens, lambda v: isinstance(v, int) and v >= 1, ">= 1")
+        _check("min_new_tokens", self.min_new_tokens, lambda v: isinstance(v, int) and v >= 0, ">= 0")
+        _check("temperature", self.temperature, lambda v: math.isfinite(v) and v >= 0, ">= 0")
+        _check("top_k", self.top_k, lambda v: isinstance(v, int) and v >= 0, ">= 0 (0 disables it)")
+        _check("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check("repetition_penalty", self.repetition_penalty, lambda v: math.isfinite(v) and v > 0, "> 0")
+        _check("logprobs", self.logprobs, lambda v: isinstance(v, int) and 0 <= v <= 100, "in [0, 100]")
+        _check("seed", self.seed, lambda v: isinstance(v, int), "an integer")
+        if self.stop is not None and any((not isinstance(s, str)) or not s for s in self.stop):
+            raise InputError(f"SamplingParams.stop={self.stop!r}: stop strings must be non-empty strings")
+        if (self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens):
+            raise InputError(f"SamplingParams: min_new_tokens={self.min_new_tokens} exceeds "
+                             f"max_new_tokens={self.max_new_tokens}")
+
+    def resolve(self, defaults: "GenerationDefaults") -> "ResolvedSampling":
+        """Fill unset fields from the checkpoint's defaults."""
+        temperature = self.temperature if self.temperature is not None else defaults.temperature
+        max_new = self.max_new_tokens if self.max_new_tokens is not None else defaults.max_new_tokens
+        if self.min_new_tokens > max_new:
+            raise InputError(f"SamplingParams: min_new_tokens={self.min_new_tokens} exceeds "
+                             f"max_new_tokens={max_new}")
+        stop_ids = set(self.stop_token_ids or ())
+        eos_ids = () if self.ignore_eos else tuple(defaults.eos_token_ids)
+        return ResolvedSampling(
+            max_new_tokens=max_new,
+            min_new_tokens=self.min_new_tokens,
+            temperature=float(temperature),
+            top_k=self.top_k if self.top_k is not None else defaults.top_k,
+            top_p=float(self.top_p if self.top_p is not None else defaults.top_p),
+            min_p=float(self.min_p if self.min_p is not None else defaults.min_p),
+            repetition_penalty=float(self.repetition_penalty if self.repetition_penalty is not None
+                                     else defaults.repetition_penalty),
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+            stop_token_ids=tuple(sorted(stop_ids)),
+            eos_token_ids=eos_ids,
+            logprobs=self.logprobs or 0,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+def _check(name: str, value: Any, ok: Any, what: str) -> None:
+    if value is None:
+        return
+    try:
+        good = bool(ok(value))
+    except TypeError:
+        good = False
+    if not good or isinstance(value, bool):
+        raise InputError(f"SamplingParams.{name}={value!r}: must be {what}")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The checkpoint's generation_config.json, reduced to what the sampler uses."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> "GenerationDefaults":
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids += [e for e in extra_eos if e not in eos_ids]
+        do_sample = bool(cfg.get("do_sample", False))
+        return cls(
+            max_new_tokens=int(cfg.get("max_new_tokens") or cls.max_new_tokens),
+            temperature=float(cfg.get("temperature", 1.0) or 0.0) if do_sample else 0.0,
+            top_k=int(cfg.get("top_k") or 0) if do_sample else 0,
+            top_p=float(cfg.get("top_p") or 1.0) if do_sample else 1.0,
+            min_p=float(cfg.get("min_p") or 0.0) if do_sample else 0.0,
+            repetition_penalty=float(cfg.get("repetition_penalty") or 1.0),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    """SamplingParams with every field decided; what the engine and sampler consume."""
+
+    max_new_tokens: int
+    min_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]
+    logprobs: int
+    skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,145 @@
+"""A request's state from admission to completion, and the rules that end it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+import numpy as np
+import torch
+
+from mmpipe.config import ResolvedSampling
+from mmpipe.engine.detokenizer import IncrementalDetokenizer
+from mmpipe.outputs import RequestMetrics, RequestOutput
+from vision.preprocess import PreprocessedImage
+
+
+@dataclass
+class Request:
+    index: int  # position in the caller's input list
+    prompt_ids: list[int]
+    positions: np.ndarray  # [3, prompt_len] M-RoPE positions of the prompt
+    mrope_delta: int  # generated token i sits at position i + delta
+    images: list[PreprocessedImage]
+    image_starts: list[int]  # prompt index of each image's first token
+    sampling: ResolvedSampling
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    incremental_text: bool  # detokenise every step (stop strings, streaming) or once at the end
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    image_embeds: list[torch.Tensor | None] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    error: str | None = None
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.image_embeds:
+            self.image_embeds = [None] * len(self.images)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_at(self, index: int) -> int:
+        return self.prompt_ids[index] if index < self.prompt_len else self.output_ids[index - self.prompt_len]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    def positions_of(self, start: int, end: int) -> np.ndarray:
+        """M-RoPE positions [3, end-start] of tokens [start, end) (prompt or generated)."""
+        prompt_end = min(end, self.prompt_len)
+        parts = []
+        if start < prompt_end:
+            parts.append(self.positions[:, start:prompt_end])
+        if end > self.prompt_len:
+            gen = np.arange(max(start, self.prompt_len), end, dtype=np.int64) + self.mrope_delta
+            parts.append(np.broadcast_to(gen, (3, gen.shape[0])))
+        return np.concatenate(parts, axis=1) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+
+    def mark_scheduled(self) -> None:
+        if self.first_scheduled is None:
+            self.first_scheduled = time.monotonic()
+
+    def banned_tokens(self) -> list[int]:
+        """Tokens that may not be sampled yet: stop tokens before min_new_tokens."""
+        if len(self.output_ids) >= self.sampling.min_new_tokens:
+            return []
+        return list(set(self.sampling.stop_token_ids) | set(self.sampling.eos_token_ids))
+
+    def append_token(self, token: int, logprobs: dict[int, float] | None) -> None:
+        """Record a generated token and decide whether the request is done."""
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        self.output_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        sampling = self.sampling
+        if self.incremental_text:
+            self.detokenizer.add(token)
+        if len(self.output_ids) >= sampling.min_new_tokens and (
+                token in sampling.eos_token_ids or token in sampling.stop_token_ids):
+            self.finish("stop")
+        elif self.detokenizer.stopped:
+            self.finish("stop")
+        elif len(self.output_ids) >= sampling.max_new_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.error = error
+            self.finished_at = time.monotonic()
+
+    def final_text(self) -> str:
+        if not self.incremental_text:
+            for token in self.output_ids:
+                self.detokenizer.add(token)
+            self.incremental_text = True
+        self.detokenizer.finish()
+        return self.detokenizer.text
+
+    def to_output(self) -> RequestOutput:
+        end = self.finished_at or time.monotonic()
+        metrics = RequestMetrics()
+        if self.first_scheduled is not None:
+            metrics.queued_s = self.first_scheduled - self.arrival
+        if self.first_token is not None:
+            metrics.time_to_first_token_s = self.first_token - self.arrival
+            if len(self.output_ids) > 1 and end > self.first_token:
+                metrics.decode_tokens_per_s = (len(self.output_ids) - 1) / (end - self.first_token)
+        metrics.total_s = end - self.arrival
+        text = "" if self.error else self.final_text()
+        return RequestOutput(index=self.index, text=text, token_ids=list(self.output_ids),
+                             finish_reason=self.finish_reason, num_prompt_tokens=self.prompt_len,
+                             logprobs=list(self.logprobs) if self.sampling.logprobs else None,
+                             metrics=metrics, error=self.error)
+
+
+def failed_output(index: int, error: str) -> RequestOutput:
+    """The output of a request that could not even be built (bad image, bad message)."""
+    return RequestOutput(index=index, text="", token_ids=[], finish_reason="error", num_prompt_tokens=0,
+                         error=error)
+
+
+def logprob_dict(chosen: int, chosen_lp: float, ids: list[int], lps: list[float], k: int) -> dict[int, float]:
+    out = {int(t): float(v) for t, v in zip(ids[:k], lps[:k])}
+    out.setdefault(int(chosen), float(chosen_lp))
+    return out
+

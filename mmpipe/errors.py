@@ -1,0 +1,21 @@
+"""Exception types. Every error a user can cause names the input and the problem."""
+
+
+class MmpipeError(Exception):
+    """Base class of every error mmpipe raises on purpose."""
+
+
+class InputError(MmpipeError, ValueError):
+    """A request's input (image, message, prompt, parameter) is invalid."""
+
+
+class ImageLoadError(InputError):
+    """An image could not be read: missing, empty, corrupt, truncated or not an image."""
+
+
+class CheckpointError(MmpipeError):
+    """A model directory is incomplete or inconsistent (config, weights, tokenizer)."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint's architecture is not one mmpipe implements."""

@@ -1,0 +1,226 @@
+"""Turning what users pass in into RGB images and chat prompts.
+
+Images may be a path (str or PathLike), raw `bytes`, a `data:` URI, a `PIL.Image`, or an
+HxWx3 uint8 numpy array. Whatever the file holds, the result is an upright RGB image: EXIF
+orientation applied, transparency composited on white, grayscale/CMYK/16-bit/palette converted,
+the first frame of an animation. Anything that cannot be read raises `ImageLoadError` naming
+the input.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from mmpipe.errors import ImageLoadError, InputError
+
+ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Image.Image, np.ndarray]
+
+_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
+                       re.IGNORECASE)
+_TRANSPARENT_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
+
+
+def describe_source(source: Any) -> str:
+    """A short, human-readable name for an image input, used in error messages."""
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if text.startswith("data:"):
+            head = text.split(",", 1)[0]
+            return f"data URI ({head[5:] or 'no media type'}, {len(text)} chars)"
+        return repr(text if len(text) <= 200 else text[:197] + "...")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"bytes ({len(source)} bytes)"
+    if isinstance(source, Image.Image):
+        return f"PIL image ({source.mode}, {source.width}x{source.height})"
+    if isinstance(source, np.ndarray):
+        return f"array {tuple(source.shape)} {source.dtype}"
+    return f"object of type {type(source).__name__}"
+
+
+def load_image(source: ImageSource) -> Image.Image:
+    """Decode any supported image input into an upright RGB `PIL.Image`."""
+    name = describe_source(source)
+    if isinstance(source, Image.Image):
+        image = source
+    elif isinstance(source, np.ndarray):
+        image = _from_array(source, name)
+    else:
+        image = _open(_read_bytes(source, name), name)
+    try:
+        if getattr(image, "n_frames", 1) > 1:
+            image.seek(0)
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        rgb = to_rgb(image)
+    except ImageLoadError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageLoadError(f"image {name}: cannot decode ({_reason(exc)})") from exc
+    if rgb.width == 0 or rgb.height == 0:
+        raise ImageLoadError(f"image {name}: has no pixels ({rgb.width}x{rgb.height})")
+    return rgb
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any PIL mode to RGB: alpha over white, 16/32-bit rescaled to 8 bits."""
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode in _TRANSPARENT_MODES or (mode in ("P", "L", "RGB", "1") and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        return Image.fromarray(_high_depth_to_uint8(image), mode="L").convert("RGB")
+    return image.convert("RGB")
+
+
+def _high_depth_to_uint8(image: Image.Image) -> np.ndarray:
+    """16-bit and 32-bit grayscale to 8 bits, keeping the full range visible."""
+    values = np.asarray(image).astype(np.float64)
+    if image.mode == "F":
+        scale = 255.0 if float(values.max(initial=0.0)) <= 1.0 else 1.0
+    elif image.mode.startswith("I;16") or float(values.max(initial=0.0)) > 255:
+        scale = 255.0 / 65535.0
+    else:
+        scale = 1.0
+    return np.clip(np.rint(values * scale), 0, 255).astype(np.uint8)
+
+
+def _read_bytes(source: Any, name: str) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    elif isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if isinstance(text, str) and text.startswith("data:"):
+            data = _decode_data_uri(text, name)
+        elif isinstance(text, str) and re.match(r"^[a-z][a-z0-9+.-]*://", text, re.IGNORECASE):
+            raise ImageLoadError(f"image {name}: URLs are not fetched; download the file and pass its path")
+        else:
+            try:
+                with open(text, "rb") as handle:
+                    data = handle.read()
+            except FileNotFoundError:
+                raise ImageLoadError(f"image {name}: no such file") from None
+            except IsADirectoryError:
+                raise ImageLoadError(f"image {name}: is a directory, not an image file") from None
+            except OSError as exc:
+                raise ImageLoadError(f"image {name}: cannot read ({_reason(exc)})") from exc
+    else:
+        raise ImageLoadError(f"image {name}: unsupported input; pass a path, bytes, a data: URI, "
+                             "a PIL.Image or an HxWx3 uint8 array")
+    if not data:
+        raise ImageLoadError(f"image {name}: is empty (0 bytes)")
+    return data
+
+
+def _decode_data_uri(uri: str, name: str) -> bytes:
+    match = _DATA_URI.match(uri)
+    if match is None:
+        raise ImageLoadError(f"image {name}: malformed data URI (expected 'data:[<type>][;base64],<data>')")
+    mime = (match.group("mime") or "").lower()
+    if mime and not mime.startswith("image/") and mime != "application/octet-stream":
+        raise ImageLoadError(f"image {name}: data URI has media type {mime!r}, not an image")
+    payload = uri[match.end():]
+    if not match.group("b64"):
+        raise ImageLoadError(f"image {name}: data URI is not base64-encoded")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageLoadError(f"image {name}: data URI payload is not valid base64 ({exc})") from exc
+
+
+def _open(data: bytes, name: str) -> Image.Image:
+    try:
+        return Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ImageLoadError(f"image {name}: not a recognised image format (corrupt or not an image)") from None
+    except Image.DecompressionBombError as exc:
+        raise ImageLoadError(f"image {name}: too many pixels ({exc})") from exc
+    except (OSError, ValueError) as exc:
+        raise ImageLoadError(f"image {name}: cannot open ({_reason(exc)})") from exc
+
+
+def _from_array(array: np.ndarray, name: str) -> Image.Image:
+    if array.dtype != np.uint8 or array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
+        raise ImageLoadError(f"image {name}: arrays must be uint8 of shape HxW, HxWx3 or HxWx4")
+    return Image.fromarray(np.ascontiguousarray(array))
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text or type(exc).__name__
+
+
+# ---------------------------------------------------------------- chat messages
+
+@dataclass
+class ParsedConversation:
+    """A conversation with its images pulled out, in the order they appear."""
+
+    template_messages: list[dict[str, Any]]  # images replaced by {"type": "image"} markers
+    images: list[Any]  # the raw image sources, decoded later
+
+
+def parse_conversation(conversation: Sequence[dict[str, Any]], where: str = "conversation") -> ParsedConversation:
+    """Validate a list of {"role", "content"} messages and separate the images from the text."""
+    if isinstance(conversation, dict) or not isinstance(conversation, (list, tuple)):
+        raise InputError(f"{where}: must be a list of messages like {{'role': 'user', 'content': ...}}")
+    if not conversation:
+        raise InputError(f"{where}: has no messages")
+    messages: list[dict[str, Any]] = []
+    images: list[Any] = []
+    for index, message in enumerate(conversation):
+        here = f"{where}, message {index}"
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise InputError(f"{here}: must be a dict with 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str) or not role:
+            raise InputError(f"{here}: 'role' must be a non-empty string")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, (list, tuple)):
+            raise InputError(f"{here}: 'content' must be a string or a list of parts")
+        parts: list[dict[str, Any]] = []
+        for part_index, part in enumerate(content):
+            image = _image_of_part(part, f"{here}, part {part_index}")
+            if image is not None:
+                images.append(image)
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part["text"]})
+        messages.append({"role": role, "content": parts})
+    return ParsedConversation(messages, images)
+
+
+def _image_of_part(part: Any, where: str) -> Any | None:
+    if isinstance(part, str):
+        raise InputError(f"{where}: parts must be dicts, e.g. {{'type': 'text', 'text': ...}}")
+    if not isinstance(part, dict):
+        raise InputError(f"{where}: parts must be dicts with a 'type'")
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise InputError(f"{where}: a text part needs a string 'text'")
+        return None
+    if kind == "image":
+        if part.get("image") is None:
+            raise InputError(f"{where}: an image part needs 'image' (path, bytes, PIL image or data URI)")
+        return part["image"]
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InputError(f"{where}: an image_url part needs 'image_url': {{'url': ...}}")
+        return url
+    raise InputError(f"{where}: unsupported part type {kind!r} (use 'text' or 'image')")

@@ -1,0 +1,94 @@
+"""Model registry: a checkpoint's architecture name -> its vision tower, language model and
+preprocessing. Adding a model family (Qwen2-VL, Qwen3-VL) is one entry here plus its model
+code; the pipeline and engine do not change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from language.qwen2 import Qwen2LanguageModel, TextConfig
+from mmpipe.errors import CheckpointError, UnsupportedModelError
+from mmpipe.weights import load_checkpoint, materialize, read_json
+from vision.preprocess import ImageProcessorConfig
+from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vision_config: Callable[[dict[str, Any]], Any]
+    vision_model: Callable[[Any], nn.Module]
+    text_config: Callable[[dict[str, Any]], Any]
+    language_model: Callable[[Any], nn.Module]
+    image_token: str = "<|image_pad|>"
+    vision_start_token: str = "<|vision_start|>"
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    "Qwen2_5_VLForConditionalGeneration": ModelSpec(
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        vision_config=VisionConfig.from_hf,
+        vision_model=Qwen25VisionTransformer,
+        text_config=TextConfig.from_hf,
+        language_model=Qwen2LanguageModel,
+    ),
+}
+
+
+def spec_for(hf_config: dict[str, Any], where: str) -> ModelSpec:
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in REGISTRY:
+            return REGISTRY[arch]
+    raise UnsupportedModelError(
+        f"{where}: architecture {archs or hf_config.get('model_type')!r} is not supported; "
+        f"supported: {', '.join(sorted(REGISTRY))}")
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint's models on their device, plus the facts the engine needs about them."""
+
+    path: str
+    spec: ModelSpec
+    hf_config: dict[str, Any]
+    vision: nn.Module
+    language: nn.Module
+    image_processor: ImageProcessorConfig
+    image_token_id: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def merge_size(self) -> int:
+        return self.vision.cfg.spatial_merge_size
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
+    hf_config = read_json(path, "config.json")
+    spec = spec_for(hf_config, path)
+    vision_cfg = spec.vision_config(hf_config)
+    text_cfg = spec.text_config(hf_config)
+    with torch.device("meta"):
+        vision = spec.vision_model(vision_cfg)
+        language = spec.language_model(text_cfg)
+    vision = materialize(vision, device, dtype)
+    language = materialize(language, device, dtype)
+    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype)
+    if vision_cfg.out_hidden_size != text_cfg.hidden_size:
+        raise CheckpointError(f"{path}: vision out_hidden_size {vision_cfg.out_hidden_size} != language "
+                              f"hidden_size {text_cfg.hidden_size}")
+    image_token_id = hf_config.get("image_token_id")
+    if image_token_id is None:
+        raise CheckpointError(f"{path}: config.json has no image_token_id")
+    return LoadedModel(path=path, spec=spec, hf_config=hf_config, vision=vision, language=language,
+                       image_processor=ImageProcessorConfig.from_dir(path), image_token_id=int(image_token_id),
+                       device=device, dtype=dtype)

@@ -1,0 +1,4 @@
+"""Low-level, model-agnostic machinery: forward context, shared layers, weight copying, graph memory.
+
+Imports nothing from `vision`, `language` or `mmpipe.engine`.
+"""

@@ -1,0 +1,157 @@
+"""Synthetic checkpoints for tests, benchmarks and training, made with transformers' own classes.
+
+- `build_tokenizer`: a byte-level BPE tokenizer trained with `tokenizers` on a small corpus,
+  carrying the Qwen special tokens and a Qwen2-VL style chat template.
+- `qwen2_5_vl_config`: a Qwen2.5-VL config of any size (tiny for tests, 3B-shaped for benchmarks).
+- `write_checkpoint`: random (or given) weights saved with `save_pretrained`, plus tokenizer,
+  preprocessor and generation configs: a directory `Pipeline.from_pretrained` and
+  transformers both load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+CHAT_TEMPLATE = r"""
+{%- for message in messages -%}
+  {%- if loop.first and message['role'] != 'system' -%}
+    {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+  {%- endif -%}
+  {{- '<|im_start|>' + message['role'] + '\n' -}}
+  {%- if message['content'] is string -%}
+    {{- message['content'] -}}
+  {%- else -%}
+    {%- for part in message['content'] -%}
+      {%- if part['type'] == 'image' -%}
+        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+      {%- elif part['type'] == 'text' -%}
+        {{- part['text'] -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+  {{- '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+BASE_CORPUS = [
+    "You are a helpful assistant.", "Describe this image.", "What is in the picture?",
+    "system user assistant", "The quick brown fox jumps over the lazy dog.",
+    "a large red circle on the left and a small blue star at the top right",
+    "Hello, how are you today? I am fine, thank you.", "0123456789 .,;:!?'\"()[]{}<>-_+=*/\\|@#$%^&~`",
+]
+
+
+def build_tokenizer(corpus: Iterable[str] = (), vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer (any text encodes) with the Qwen special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(BASE_CORPUS) + list(corpus), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=QWEN_SPECIAL_TOKENS[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def qwen2_5_vl_config(tokenizer: Any, *, vision: dict[str, Any] | None = None, text: dict[str, Any] | None = None,
+                      tie_word_embeddings: bool = False) -> Any:
+    """A Qwen2.5-VL config whose token ids match `tokenizer`. Defaults are tiny."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    vision_cfg = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
+                      fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2)
+    vision_cfg.update(vision or {})
+    text_cfg = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                    bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                    pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=tie_word_embeddings)
+    text_cfg.update(text or {})
+    if vision_cfg["out_hidden_size"] != text_cfg["hidden_size"]:
+        vision_cfg["out_hidden_size"] = text_cfg["hidden_size"]
+    return Qwen2_5_VLConfig(vision_config=vision_cfg, text_config=text_cfg, image_token_id=ids["<|image_pad|>"],
+                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie_word_embeddings)
+
+
+def random_model(config: Any, seed: int = 0, logit_scale: float = 1.0) -> Any:
+    """transformers' Qwen2.5-VL with random weights. `logit_scale` > 1 sharpens the output
+    distribution so greedy decoding has clear winners (random heads give near-ties)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def write_checkpoint(path: str, model: Any, tokenizer: Any, *, min_pixels: int = 28 * 28 * 4,
+                     max_pixels: int = 28 * 28 * 256, layout: str = "published",
+                     generation: dict[str, Any] | None = None, max_shard_size: str | None = None) -> str:
+    """Save model, tokenizer, preprocessor and generation config into `path`.
+
+    layout "published": `visual.*` / `model.*` (what transformers 5 writes, and the published
+    Qwen2.5-VL files); "transformers": `model.visual.*` / `model.language_model.*`.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    os.makedirs(path, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    gen = {"eos_token_id": eos, "pad_token_id": eos[1], "do_sample": False}
+    gen.update(generation or {})
+    with open(os.path.join(path, "generation_config.json"), "w") as handle:
+        json.dump(gen, handle, indent=2)
+    if layout == "transformers":
+        rename_layout(path, {"visual.": "model.visual.", "model.": "model.language_model."})
+    elif layout != "published":
+        raise ValueError(f"layout {layout!r}: use 'published' or 'transformers'")
+    return path
+
+
+def rename_layout(path: str, prefixes: dict[str, str]) -> None:
+    """Rewrite tensor-name prefixes in every safetensors file (and the shard index) of `path`."""
+    from safetensors.torch import load_file, save_file
+
+    def rename(name: str) -> str:
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        full = os.path.join(path, file)
+        tensors = load_file(full)
+        save_file({rename(k): v for k, v in tensors.items()}, full, metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as handle:
+            data = json.load(handle)
+        data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+        with open(index, "w") as handle:
+            json.dump(data, handle, indent=2)

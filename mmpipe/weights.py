@@ -1,0 +1,132 @@
+"""Loading a local Hugging Face checkpoint's safetensors into mmpipe's models.
+
+Single or sharded files (with `model.safetensors.index.json`), read straight onto the target
+device and cast to the target dtype one tensor at a time. Both naming layouts that exist are
+accepted: `model.visual.*` / `model.language_model.*` (transformers 5 in memory) and
+`visual.*` / `model.*` (the published Qwen2.5-VL files). Missing, unexpected or mis-shaped
+tensors are reported together, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from mmpipe.errors import CheckpointError
+
+# Checkpoint prefix -> (component, prefix of the name inside the component). First match wins.
+_LAYOUTS: tuple[tuple[str, str, str], ...] = (
+    ("model.visual.", "vision", ""),
+    ("visual.", "vision", ""),
+    ("model.language_model.", "language", ""),
+    ("language_model.model.", "language", ""),
+    ("model.", "language", ""),
+    ("lm_head.", "language", "lm_head."),
+    ("language_model.lm_head.", "language", "lm_head."),
+)
+
+
+def read_json(directory: str, name: str, required: bool = True) -> dict[str, Any] | None:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        if required:
+            raise CheckpointError(f"{directory}: missing {name}")
+        return None
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files of a checkpoint, from the shard index when there is one."""
+    index = read_json(directory, "model.safetensors.index.json", required=False)
+    if index is not None:
+        names = sorted(set(index.get("weight_map", {}).values()))
+        if not names:
+            raise CheckpointError(f"{directory}: model.safetensors.index.json has an empty weight_map")
+        missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+        if missing:
+            raise CheckpointError(f"{directory}: shards listed in the index are missing: {', '.join(missing)}")
+        return [os.path.join(directory, n) for n in names]
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not found:
+        raise CheckpointError(f"{directory}: no *.safetensors weights (other formats are not supported)")
+    return [os.path.join(directory, f) for f in found]
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """Checkpoint tensor name -> (component, name within the component), or None if unknown."""
+    for prefix, component, inner in _LAYOUTS:
+        if name.startswith(prefix):
+            return component, inner + name[len(prefix):]
+    return None
+
+
+def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor, on `device`, floating tensors cast to `dtype`."""
+    target = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+    for path in checkpoint_files(directory):
+        try:
+            handle = safe_open(path, framework="pt", device=target)
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from exc
+        with handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                if tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+
+
+def load_checkpoint(directory: str, components: dict[str, nn.Module], device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Fill every component's parameters from the checkpoint; raise listing every problem."""
+    maps = {name: module.weight_map() for name, module in components.items()}
+    loaded: dict[str, set[str]] = {name: set() for name in components}
+    unexpected: list[str] = []
+    for name, tensor in iter_checkpoint(directory, device, dtype):
+        split = split_name(name)
+        if split is None or split[0] not in maps:
+            unexpected.append(name)
+            continue
+        component, inner = split
+        module = components[component]
+        if inner in getattr(module, "optional_weight_names", lambda: set())():
+            continue
+        got, extra = maps[component].load([(inner, tensor)])
+        loaded[component] |= got
+        unexpected.extend(name for _ in extra)
+    missing = sorted(f"{component}: {n}" for component, wmap in maps.items()
+                     for n in wmap.expected_names() - loaded[component])
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): {_list(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s): {_list(sorted(unexpected))}")
+    if problems:
+        raise CheckpointError(f"{directory}: weights do not match the model: " + "; ".join(problems))
+
+
+def _list(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Give a module built on the meta device real (uninitialised) storage, then rebuild the
+    derived buffers (rotary tables) that are computed rather than loaded."""
+    module = module.to(dtype=dtype).to_empty(device=device)
+    for sub in module.modules():
+        if hasattr(sub, "init_buffers"):
+            sub.init_buffers()
+    return module.eval().requires_grad_(False)

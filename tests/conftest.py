@@ -1,0 +1,46 @@
+import os
+
+import pytest
+import torch
+
+from tests.helpers import make_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """Tiny untied Qwen2.5-VL in the published layout; window 56px = 2x2 merged units, so a
+    200x300 image spans several windows."""
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt_untied")))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    cache = {}
+
+    def make(**kwargs):
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        if key not in cache:
+            cache[key] = make_checkpoint(str(tmp_path_factory.mktemp("ckpt")), **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pipe(checkpoint):
+    from mmpipe import Pipeline
+
+    return Pipeline.from_pretrained(checkpoint, device="cpu")

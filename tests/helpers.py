@@ -1,0 +1,143 @@
+"""Test helpers: tiny checkpoints, random images, and the transformers oracle."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mmpipe.synthetic import build_tokenizer, qwen2_5_vl_config, random_model, write_checkpoint
+
+CORPUS = ["Tell me a story about a fox.", "Describe this image.", "compare the two pictures",
+          "héllo wörld ✓ 🙂 日本語", "a small green triangle at the bottom"]
+
+
+def make_tokenizer():
+    return build_tokenizer(CORPUS, vocab_size=400)
+
+
+def make_checkpoint(path: str, *, tie: bool = False, layout: str = "published", seed: int = 0,
+                    vision: dict[str, Any] | None = None, text: dict[str, Any] | None = None,
+                    logit_scale: float = 8.0, **write_kwargs: Any) -> str:
+    """A tiny random Qwen2.5-VL checkpoint. `logit_scale` sharpens the head so greedy decoding
+    has clear winners (a random head gives near-ties that any rounding could flip)."""
+    tokenizer = make_tokenizer()
+    config = qwen2_5_vl_config(tokenizer, vision=vision, text=text, tie_word_embeddings=tie)
+    model = random_model(config, seed=seed, logit_scale=1.0 if tie else logit_scale)
+    if tie:  # the head is the embedding: sharpen both
+        with torch.no_grad():
+            model.model.language_model.embed_tokens.weight.mul_(logit_scale ** 0.5 * 4)
+    return write_checkpoint(path, model, tokenizer, layout=layout, **write_kwargs)
+
+
+def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """A smooth random image (noise plus gradients) so resizing has real work to do."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8).astype(np.float32)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base[..., 0] = 0.5 * base[..., 0] + 127 * (xx / max(1, width - 1))
+    base[..., 1] = 0.5 * base[..., 1] + 127 * (yy / max(1, height - 1))
+    image = Image.fromarray(base.clip(0, 255).astype(np.uint8), "RGB")
+    return image if mode == "RGB" else image.convert(mode)
+
+
+def png_bytes(image: Image.Image, **kwargs: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", **kwargs)
+    return buf.getvalue()
+
+
+def hf_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def hf_inputs(path: str, conversation: Sequence[dict[str, Any]], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """What transformers' Qwen2.5-VL processor produces: the chat template rendered, each
+    <|image_pad|> repeated once per merged patch, then tokenised; pixels from the PIL processor."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    messages, images = [], []
+    for message in conversation:
+        content = message["content"]
+        if isinstance(content, str):
+            messages.append(message)
+            continue
+        parts = []
+        for part in content:
+            if part["type"] == "image":
+                images.append(part["image"])
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        messages.append({"role": message["role"], "content": parts})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out: dict[str, torch.Tensor] = {}
+    if images:
+        processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+        pil = [im if isinstance(im, Image.Image) else Image.open(im) for im in images]
+        processed = processor(images=pil, return_tensors="pt")
+        merge = processor.merge_size ** 2
+        pieces = text.split("<|image_pad|>")
+        text = pieces[0]
+        for grid, rest in zip(processed["image_grid_thw"], pieces[1:]):
+            text += "<|image_pad|>" * (int(grid.prod()) // merge) + rest
+        out["pixel_values"] = processed["pixel_values"]
+        out["image_grid_thw"] = processed["image_grid_thw"]
+    ids = tokenizer([text], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token).int())
+    return {k: v.to(device) for k, v in out.items()}
+
+
+@torch.no_grad()
+def hf_generate(model, inputs: dict[str, torch.Tensor], max_new_tokens: int
+                ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """First-step logits, greedy tokens, and per-step log-probabilities [steps, vocab] from transformers."""
+    logits = model(**inputs).logits[0, -1].float()
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens,
+                         eos_token_id=None, pad_token_id=0, top_k=None, top_p=None, temperature=None,
+                         output_logits=True, return_dict_in_generate=True)
+    steps = torch.stack([step[0].float() for step in out.logits]).log_softmax(-1)
+    return logits, out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), steps
+
+
+def max_logprob_diff(ours: list[dict[int, float]], reference: torch.Tensor) -> float:
+    """Largest |difference| between mmpipe's reported logprobs and the reference's, every step."""
+    worst = 0.0
+    for step, entries in enumerate(ours):
+        for token, value in entries.items():
+            worst = max(worst, abs(value - reference[step, token].item()))
+    return worst
+
+
+def first_logits(pipe, conversation: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """mmpipe's logits for the token after the prompt (through the engine's own prefill)."""
+    from mmpipe import SamplingParams
+    from mmpipe.engine.model_runner import PrefillChunk
+    from language.kv_cache import pages_needed
+
+    request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "test"),
+                                   SamplingParams(max_new_tokens=1), "test")
+    request.pages = pipe.runner.pages.allocate(pages_needed(request.prompt_len, pipe.runner.page_size))
+    try:
+        pipe.runner.encode_images([request])
+        return pipe.runner.prefill([PrefillChunk(request, 0, request.prompt_len)])[0]
+    finally:
+        pipe.runner.pages.free(request.pages)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and os.environ.get("MMPIPE_NO_CUDA") != "1"

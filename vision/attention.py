@@ -1,0 +1,87 @@
+"""Bidirectional attention within segments of a packed sequence (images, frames or windows).
+
+`torch` is the reference and the CPU path: scaled_dot_product_attention per run of equal-length
+segments, using host-side lengths (not capturable). `varlen` uses FlashAttention shipped inside
+PyTorch (`torch.nn.attention.varlen.varlen_attn`), reads boundaries from a device tensor and so
+can be captured once and replayed with other boundaries, as long as `max_len` bounds them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from vision.metadata import Segments
+
+
+class VisionAttention(Protocol):
+    name: str
+    graph_safe: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """q, k, v: [N, heads, head_dim] -> [N, heads, head_dim]."""
+
+
+class TorchVisionAttention:
+    name = "torch"
+    graph_safe = False
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for length, count in _runs(seg.lengths):
+            if length == 0:
+                continue
+            stop = start + length * count
+            # Equal-length neighbours attend as one batch: [count, heads, length, dim].
+            shape = (count, length, q.shape[1], q.shape[2])
+            qs, ks, vs = (x[start:stop].reshape(shape).transpose(1, 2) for x in (q, k, v))
+            out[start:stop] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(-1, *q.shape[1:])
+            start = stop
+        if start < q.shape[0]:  # rows past the last segment belong to no image
+            out[start:] = 0
+        return out
+
+
+class VarlenVisionAttention:
+    name = "varlen"
+    graph_safe = True
+
+    def __init__(self) -> None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        self._attn = varlen_attn
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+        cu = seg.cu_seqlens
+        return self._attn(q, k, v, cu, cu, seg.max_len, seg.max_len)
+
+
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for length in lengths:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
+
+
+def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
+
+
+def make_vision_attention(backend: str, device: torch.device, dtype: torch.dtype) -> VisionAttention:
+    """`auto` picks varlen FlashAttention on a capable GPU with a half dtype, else the reference."""
+    if backend in ("auto", "cuda") and varlen_available(device, dtype):
+        return VarlenVisionAttention()
+    return TorchVisionAttention()

@@ -1,0 +1,210 @@
+"""Qwen2.5-VL vision transformer: patch embedding, 2-D rotary, window/full attention blocks, merger.
+
+Split for graph capture: `embed` (patch embedding, outside the graph), `rotary` (cos/sin
+tables, outside), and `forward_blocks` (all blocks + merger + un-permutation: the graph region).
+Inside `forward_blocks` nothing depends on host values: segment boundaries and permutations
+arrive as tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmpipe.errors import CheckpointError
+from mmpipe.runtime.layers import GatedMLP, RMSNorm, rotate_half
+from mmpipe.runtime.weight_copy import WeightMap
+from vision.attention import TorchVisionAttention, VisionAttention
+from vision.metadata import Segments, VisionPackMeta, segments_of
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "VisionConfig":
+        vc = cfg.get("vision_config") or {}
+        rope = vc.get("rope_parameters") or {}
+        try:
+            out = cls(
+                depth=int(vc["depth"]),
+                hidden_size=int(vc["hidden_size"]),
+                intermediate_size=int(vc["intermediate_size"]),
+                num_heads=int(vc["num_heads"]),
+                out_hidden_size=int(vc["out_hidden_size"]),
+                in_channels=int(vc.get("in_channels", vc.get("in_chans", 3))),
+                patch_size=int(vc.get("patch_size", 14)),
+                temporal_patch_size=int(vc.get("temporal_patch_size", 2)),
+                spatial_merge_size=int(vc.get("spatial_merge_size", 2)),
+                window_size=int(vc.get("window_size", 112)),
+                fullatt_block_indexes=tuple(int(i) for i in vc.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                hidden_act=str(vc.get("hidden_act", "silu")),
+                rope_theta=float(rope.get("rope_theta", 10000.0)),
+            )
+        except KeyError as exc:
+            raise CheckpointError(f"config.json: vision_config lacks {exc.args[0]!r}") from None
+        if out.hidden_size % out.num_heads:
+            raise CheckpointError(f"config.json: vision hidden_size {out.hidden_size} is not divisible by "
+                                  f"num_heads {out.num_heads}")
+        return out
+
+
+class VisionSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+                attention: VisionAttention) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        # Rotate in float32 as the reference does, then return to the model dtype.
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        qf, kf = q.float(), k.float()
+        q = (qf * c + rotate_half(qf) * s).to(v.dtype)
+        k = (kf * c + rotate_half(kf) * s).to(v.dtype)
+        out = attention(q, k, v, seg)
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size)
+        self.norm2 = RMSNorm(cfg.hidden_size)
+        self.attn = VisionSelfAttention(cfg.hidden_size, cfg.num_heads)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+                attention: VisionAttention) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, seg, attention)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, out_dim: int, context_dim: int, merge_size: int) -> None:
+        super().__init__()
+        self.hidden = context_dim * merge_size * merge_size
+        self.ln_q = RMSNorm(context_dim)
+        self.fc1 = nn.Linear(self.hidden, self.hidden)
+        self.fc2 = nn.Linear(self.hidden, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).view(-1, self.hidden)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class VisionRotary(nn.Module):
+    """Axial 2-D rotary: a quarter of the head dim for rows, a quarter for columns, doubled."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        dim = self.head_dim // 2
+        return 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+    def init_buffers(self) -> None:
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N, 2] -> cos, sin [N, head_dim] float32."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [N, 2, dim/4]
+        freqs = freqs.flatten(1)  # rows then columns
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class Qwen25VisionTransformer(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        self.patch_embed = nn.Linear(self.patch_dim, cfg.hidden_size, bias=False)
+        self.rotary = VisionRotary(cfg.head_dim, cfg.rope_theta)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, cfg.spatial_merge_size)
+        self.full_blocks = frozenset(cfg.fullatt_block_indexes)
+        self.attention: VisionAttention = TorchVisionAttention()
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg.out_hidden_size
+
+    # ---- outside the graph
+
+    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor) -> torch.Tensor:
+        """Patch embedding of the window-ordered patches: [N, C*T*P*P] -> [N, hidden]."""
+        x = pixel_values.index_select(0, patch_order).to(self.patch_embed.weight.dtype)
+        return self.patch_embed(x)
+
+    def rotary_tables(self, positions: torch.Tensor, patch_order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(positions.index_select(0, patch_order))
+        return cos, sin
+
+    # ---- the graph region
+
+    def forward_blocks(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full: Segments,
+                       windows: Segments, merged_inverse: torch.Tensor) -> torch.Tensor:
+        """Blocks + merger on window-ordered patches; returns merged rows in image order."""
+        for index, block in enumerate(self.blocks):
+            seg = full if index in self.full_blocks else windows
+            hidden = block(hidden, cos, sin, seg, self.attention)
+        return self.merger(hidden).index_select(0, merged_inverse)
+
+    # ---- eager convenience
+
+    def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
+        """Encode a pack of images eagerly: [N, patch_dim] -> [N / merge_unit, out_dim]."""
+        device = pixel_values.device
+        order = torch.from_numpy(meta.patch_order).to(device)
+        hidden = self.embed(pixel_values, order)
+        cos, sin = self.rotary_tables(torch.from_numpy(np.ascontiguousarray(meta.positions)).to(device), order)
+        full = segments_of(meta.full_lengths, device)
+        windows = segments_of(meta.window_lengths, device)
+        inverse = torch.from_numpy(meta.merged_inverse).to(device)
+        return self.forward_blocks(hidden, cos, sin, full, windows, inverse)
+
+    # ---- weights
+
+    def weight_map(self) -> WeightMap:
+        """Checkpoint names (relative to the vision tower) -> parameters."""
+        inter = self.cfg.intermediate_size
+        return WeightMap(
+            self,
+            renames={"patch_embed.proj.": "patch_embed.", "merger.mlp.0.": "merger.fc1.",
+                     "merger.mlp.2.": "merger.fc2."},
+            fused={".mlp.gate_proj.": (".mlp.gate_up_proj.", 0), ".mlp.up_proj.": (".mlp.gate_up_proj.", 1)},
+            blocks={".mlp.gate_up_proj.": [inter, inter]},
+        )
