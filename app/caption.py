@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from mmpipe import Pipeline, SamplingParams
+    from mmpipe.pipeline import caption_conversation
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     paths = find_images(args.images)
@@ -89,12 +90,16 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(todo), unit="img", disable=args.quiet or len(todo) < 2, file=sys.stderr)
     try:
         for batch in _batches(todo, args.batch_size):
-            captions = pipe.caption(batch, prompt=args.prompt, sampling=sampling, errors="return")
-            for path, caption in zip(batch, captions):
-                if caption is None:
+            outputs = pipe.chat([caption_conversation(path, args.prompt) for path in batch], sampling,
+                                errors="return")
+            for path, output in zip(batch, outputs):
+                if not output.ok:
                     failed += 1
+                    bar.clear()
+                    print(f"skipped {path}: {output.error}", file=sys.stderr, flush=True)
                     continue
                 captioned += 1
+                caption = output.text.strip()
                 if sink:
                     sink.write(json.dumps({"image": path, "caption": caption}) + "\n")
                 else:
@@ -108,9 +113,11 @@ def run(args: argparse.Namespace) -> int:
         if sink:
             sink.close()
     seconds = time.monotonic() - start
-    skipped = f", {len(done & set(paths))} already done" if done else ""
+    already = len(done & set(paths))
+    skipped = f", {already} already done" if already else ""
     print(f"captioned {captioned} image(s) in {seconds:.1f} s, {failed} failed{skipped}", file=sys.stderr)
-    return 1 if failed and not captioned else 0
+    # Unreadable images are reported and skipped; the run fails only if nothing could be captioned.
+    return 1 if failed and not (captioned or already) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -117,9 +117,7 @@ class Pipeline:
                 sampling: SamplingParams | None = None, errors: str = "raise") -> list[str | None]:
         """Caption each image; with errors="return" a failed image gives None."""
         image_list = list(images) if isinstance(images, (list, tuple)) else [images]
-        text = prompt or DEFAULT_CAPTION_PROMPT
-        convs = [[{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": text}]}]
-                 for im in image_list]
+        convs = [caption_conversation(image, prompt) for image in image_list]
         outputs = self.chat(convs, sampling, errors=errors)
         return [o.text.strip() if o.ok else None for o in outputs]
 
@@ -154,6 +152,11 @@ class Pipeline:
         requests = [b for b in built if isinstance(b, Request)]
         self.loop.run(requests)
         return [b.to_output() if isinstance(b, Request) else b for b in built]
+
+
+def caption_conversation(image: Any, prompt: str | None = None) -> list[dict[str, Any]]:
+    text = prompt or DEFAULT_CAPTION_PROMPT
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
 
 
 def load_tokenizer(path: str) -> Any:

@@ -1,0 +1,136 @@
+"""The public Pipeline API: shapes of inputs and outputs, sampling controls, and errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmpipe import InputError, Pipeline, SamplingParams
+from tests.helpers import random_image
+
+
+def image_chat(seed: int, text: str = "Describe this image.", size=(120, 90)):
+    return [{"role": "user", "content": [{"type": "image", "image": random_image(*size, seed=seed)},
+                                         {"type": "text", "text": text}]}]
+
+
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def test_single_conversation_or_list(pipe):
+    one = pipe.chat(image_chat(1), GREEDY)
+    many = pipe.chat([image_chat(1), image_chat(2)], GREEDY)
+    assert len(one) == 1 and len(many) == 2
+    assert one[0].token_ids == many[0].token_ids
+    assert [o.index for o in many] == [0, 1]
+    out = many[1]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12 and out.ok
+    assert out.text == pipe.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.metrics.total_s >= out.metrics.time_to_first_token_s > 0
+
+
+def test_generate_with_a_formatted_prompt_equals_chat(pipe):
+    conv = image_chat(3)
+    prompt, images = pipe.processor.render_chat(conv, "x")
+    assert pipe.generate(prompt, [images], GREEDY)[0].token_ids == pipe.chat(conv, GREEDY)[0].token_ids
+    with pytest.raises(InputError, match="1 image placeholder.*2 image"):
+        pipe.generate(prompt, [images * 2], GREEDY)
+
+
+def test_caption(pipe):
+    captions = pipe.caption([random_image(64, 64, seed=1), random_image(90, 40, seed=2)],
+                            sampling=SamplingParams(max_new_tokens=5))
+    assert len(captions) == 2 and all(isinstance(c, str) for c in captions)
+
+
+def test_stop_string_cuts_the_text(pipe):
+    full = pipe.chat(image_chat(4), GREEDY)[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = pipe.chat(image_chat(4), SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop)]
+    assert full.token_ids[:len(out.token_ids)] == out.token_ids
+
+
+def test_stop_token_ids_and_min_new_tokens(pipe):
+    full = pipe.chat(image_chat(5), GREEDY)[0]
+    target = full.token_ids[4]
+    first = full.token_ids.index(target)
+    out = pipe.chat(image_chat(5), SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=[target]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:first + 1]
+    # Until min_new_tokens the stop token may not be sampled at all.
+    first_token = full.token_ids[0]
+    out = pipe.chat(image_chat(5), SamplingParams(max_new_tokens=6, min_new_tokens=4, ignore_eos=True,
+                                                  stop_token_ids=[first_token]))[0]
+    assert len(out.token_ids) >= 4 and first_token not in out.token_ids[:4]
+
+
+def test_logprobs_are_reported_per_token(pipe):
+    out = pipe.chat(image_chat(6), SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=3))[0]
+    assert len(out.logprobs) == 5
+    for token, entries in zip(out.token_ids, out.logprobs):
+        assert token in entries and len(entries) >= 3
+        assert max(entries.values()) == entries[token]  # greedy picks the most likely
+    assert pipe.chat(image_chat(6), GREEDY)[0].logprobs is None
+
+
+def test_seeded_sampling_is_reproducible_across_batches(pipe):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = pipe.chat(image_chat(7), params)[0].token_ids
+    mixed = pipe.chat([image_chat(8), image_chat(7), image_chat(9)],
+                      [SamplingParams(max_new_tokens=3, temperature=0.5), params, GREEDY])
+    assert mixed[1].token_ids == alone
+    other = pipe.chat(image_chat(7), SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=43,
+                                                    ignore_eos=True))[0].token_ids
+    assert other != alone
+
+
+def test_bad_image_in_a_batch(pipe):
+    batch = [image_chat(1), [{"role": "user", "content": [{"type": "image", "image": b"garbage"}]}], image_chat(2)]
+    with pytest.raises(InputError, match="conversation 1, image 0: image bytes"):
+        pipe.chat(batch, GREEDY)
+    outs = pipe.chat(batch, GREEDY, errors="return")
+    assert [o.ok for o in outs] == [True, False, True]
+    assert outs[1].finish_reason == "error" and "not a recognised image" in outs[1].error
+    assert outs[0].token_ids == pipe.chat(image_chat(1), GREEDY)[0].token_ids
+    assert pipe.caption([b"garbage", random_image(30, 30)], errors="return")[0] is None
+
+
+def test_defaults_come_from_generation_config(checkpoint_factory):
+    path = checkpoint_factory(generation={"do_sample": True, "temperature": 0.7, "top_k": 5, "max_new_tokens": 7})
+    pipe = Pipeline.from_pretrained(path, device="cpu")
+    assert (pipe.defaults.temperature, pipe.defaults.top_k, pipe.defaults.max_new_tokens) == (0.7, 5, 7)
+    out = pipe.chat(image_chat(1), SamplingParams(ignore_eos=True, seed=1))[0]
+    assert len(out.token_ids) == 7
+    eos = pipe.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert eos in pipe.defaults.eos_token_ids
+
+
+def test_max_model_len(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_model_len=64)
+    long_chat = image_chat(1, size=(400, 400))
+    with pytest.raises(InputError, match="conversation 0: the prompt has \\d+ tokens; the limit .* is 64"):
+        pipe.chat(long_chat, GREEDY)
+    short = [{"role": "user", "content": "hi"}]
+    outs = pipe.chat([long_chat, short], SamplingParams(max_new_tokens=500, ignore_eos=True), errors="return")
+    assert outs[0].finish_reason == "error" and outs[1].finish_reason == "length"
+    assert outs[1].num_prompt_tokens + len(outs[1].token_ids) == 64
+
+
+def test_tiny_kv_pool_and_small_groups_give_identical_results(pipe, checkpoint):
+    """Static batching in many small groups (few pages, few slots) changes nothing."""
+    batch = [image_chat(i, size=(80 + 20 * i, 100)) for i in range(6)]
+    reference = [o.token_ids for o in pipe.chat(batch, GREEDY)]
+    small = Pipeline.from_pretrained(checkpoint, device="cpu", num_kv_pages=14, kv_page_size=8,
+                                     max_running_requests=2, max_prefill_tokens=40)
+    assert [o.token_ids for o in small.chat(batch, GREEDY)] == reference
+    assert small.runner.stats.prefill_forwards > len(batch)  # prompts really were chunked
+
+
+def test_engine_options_are_validated(checkpoint):
+    with pytest.raises(InputError, match="kv_page_size"):
+        Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=0)
+    with pytest.raises(InputError, match="no_such_option"):
+        Pipeline.from_pretrained(checkpoint, device="cpu", no_such_option=1)
+    with pytest.raises(InputError, match="dtype='int8'"):
+        Pipeline.from_pretrained(checkpoint, device="cpu", dtype="int8")
