@@ -211,12 +211,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     step = 0
     total = args.steps
     for step, batch in enumerate(loader):
-        if args.minutes and step == 50:
-            # A time budget: fix the schedule's length from the measured speed of steps 10..49.
-            per_step = (time.monotonic() - tick) / 40
-            total = min(args.steps, int(args.minutes * 60 / per_step))
+        if args.minutes and step == 200:
+            # A time budget: fix the schedule's length from the steady speed of steps 100..199
+            # (the data workers are still filling their queues before that).
+            per_step = (time.monotonic() - tick) / 100
+            total = min(args.steps, int((args.minutes * 60 - (time.monotonic() - start)) / per_step) + step)
             print(f"{per_step * 1000:.0f} ms/step: training {total} steps", flush=True)
-        if step == 10:
+        if step == 100:
             tick = time.monotonic()
         if step >= total:
             break

@@ -17,7 +17,7 @@ GREEDY_32 = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, 
 
 @pytest.fixture(scope="module")
 def cuda_fp32(checkpoint):
-    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="float32")
+    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="float32", num_kv_pages=4096)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_float32_cuda_batch_equals_cpu(cuda_fp32, pipe):
 
 @pytest.fixture(scope="module")
 def cuda_bf16(checkpoint):
-    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16")
+    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16", num_kv_pages=4096)
 
 
 @pytest.fixture(scope="module")

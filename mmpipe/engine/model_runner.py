@@ -85,6 +85,9 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * cfg.kv_memory_fraction) - (total - free) - self._activation_reserve()
         pages = budget // per_page
+        # Never more than every running request at full length could use.
+        longest = cfg.max_model_len or lm.cfg.max_position_embeddings
+        pages = min(pages, cfg.max_running_requests * -(-longest // self.page_size) + 1)
         if pages < 2:
             raise MemoryError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
                               f"{total / 2**30:.1f} GiB; raise kv_memory_fraction or lower max_prefill_tokens")
