@@ -88,18 +88,24 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     # Patch budget of one vision-encoder call (several images are packed).
     max_vision_patches: int = 16384
+    # Vision embeddings kept for reuse (same image in several requests or turns), in bytes.
+    encoder_cache_bytes: int = 1 << 30
+    # Threads decoding and preprocessing images ahead of the engine.
+    preprocess_workers: int = 4
     # Attention implementation for the language model and the ViT: "auto" picks the fastest
     # one available on the device; "torch" is the reference.
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("kv_page_size", "max_running_requests", "max_prefill_tokens", "max_vision_patches",
-                     "cpu_kv_tokens"):
+                     "cpu_kv_tokens", "preprocess_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2):
             raise InputError(f"EngineConfig.num_kv_pages={self.num_kv_pages!r}: must be an integer >= 2")
+        if not isinstance(self.encoder_cache_bytes, int) or self.encoder_cache_bytes < 0:
+            raise InputError(f"EngineConfig.encoder_cache_bytes={self.encoder_cache_bytes!r}: must be >= 0")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise InputError(f"EngineConfig.kv_memory_fraction={self.kv_memory_fraction!r}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len <= 0:

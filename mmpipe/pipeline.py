@@ -1,28 +1,36 @@
-"""The Python API: load a checkpoint once, then chat, generate or caption in batches.
+"""The Python API: load a checkpoint once, then chat, generate, caption or stream.
 
     pipe = Pipeline.from_pretrained()                     # the bundled model, best device
     outs = pipe.chat([[{"role": "user", "content": [{"type": "image", "image": "cat.jpg"},
                                                     {"type": "text", "text": "What is this?"}]}]])
     print(outs[0].text)
 
-Inputs are validated and images decoded before any forward runs. With errors="raise" (the
-default) the first bad input raises an `InputError` naming it and nothing runs; with
-errors="return" bad requests come back with `finish_reason="error"` and the rest complete.
+Requests run on the continuous-batching engine. Images are decoded and preprocessed on worker
+threads a bounded distance ahead of the engine, so host work overlaps GPU work and memory stays
+flat however many requests a call holds. A request whose input is bad (unreadable image,
+too-long prompt, rejected chat) comes back with `finish_reason="error"` and a message naming
+the input, and every other request completes; pass errors="raise" to raise instead (requests
+already running are then aborted). Several threads may call one Pipeline at once: their
+requests are batched together.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as futures
 import logging
 import os
-from typing import Any, Sequence
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from mmpipe.config import EngineConfig, GenerationDefaults, SamplingParams, resolve_device, resolve_dtype
+from mmpipe.engine.engine import Engine
 from mmpipe.engine.model_runner import ModelRunner
-from mmpipe.engine.processor import InputProcessor
+from mmpipe.engine.processor import InputProcessor, Prepared
 from mmpipe.engine.request import Request, failed_output
-from mmpipe.engine.simple_loop import SimpleLoop
 from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, load_model
 from mmpipe.outputs import RequestOutput
@@ -33,6 +41,7 @@ log = logging.getLogger("mmpipe")
 DEFAULT_CAPTION_PROMPT = "Describe this image."
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_DIR = os.path.join(_REPO_ROOT, "assets", "mmpipe-tiny-scenes")
+PROGRESS_THRESHOLD = 64  # calls with at least this many requests show a progress bar by default
 
 
 def default_model_path() -> str:
@@ -44,15 +53,23 @@ def default_model_path() -> str:
     return path
 
 
+@dataclass
+class _Pending:
+    prepared: Prepared
+    images: list[futures.Future]
+
+
 class Pipeline:
     def __init__(self, model: LoadedModel, tokenizer: Any, engine_config: EngineConfig) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.runner = ModelRunner(model, engine_config)
+        self.engine = Engine(self.runner, engine_config)
         self.defaults = _generation_defaults(model.path, tokenizer)
         self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len)
-        self.loop = SimpleLoop(self.runner)
+        self._pool = futures.ThreadPoolExecutor(engine_config.preprocess_workers, thread_name_prefix="mmpipe-img")
+        self._text_lock = threading.Lock()  # tokenizers are not safe to share across threads
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str] | None = None, device: str | torch.device | None = None,
@@ -84,46 +101,85 @@ class Pipeline:
     # ------------------------------------------------------------------ API
 
     def chat(self, conversations: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-             errors: str = "raise") -> list[RequestOutput]:
+             errors: str = "return", progress: bool | None = None) -> list[RequestOutput]:
         """Answer one conversation or a list of them; results in input order."""
         convs = _as_list_of_conversations(conversations)
         params = _per_request(sampling, len(convs))
-        built: list[Request | RequestOutput] = []
-        for i, conv in enumerate(convs):
-            where = f"conversation {i}"
-            built.append(self._try(i, errors, lambda: self.processor.build(
-                i, *self.processor.render_chat(conv, where), params[i], where)))
-        return self._run(built)
+
+        def spec(i: int) -> Callable[[], Prepared]:
+            def prepare() -> Prepared:
+                where = f"conversation {i}"
+                return self.processor.prepare(i, *self.processor.render_chat(convs[i], where), params[i], where)
+            return prepare
+
+        return self._execute(((i, spec(i)) for i in range(len(convs))), len(convs), errors, progress)
 
     def generate(self, prompts: str | Sequence[str], images: Sequence[Sequence[Any]] | None = None,
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 errors: str = "raise") -> list[RequestOutput]:
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, errors: str = "return",
+                 progress: bool | None = None) -> list[RequestOutput]:
         """Complete pre-formatted prompts. Each image needs one `<|vision_start|><|image_pad|>
         <|vision_end|>` placeholder in its prompt; `images[i]` lists prompt i's images in order."""
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         if images is not None and len(images) != len(prompt_list):
             raise InputError(f"generate: {len(prompt_list)} prompts but {len(images)} image lists")
         params = _per_request(sampling, len(prompt_list))
-        built: list[Request | RequestOutput] = []
-        for i, prompt in enumerate(prompt_list):
-            if not isinstance(prompt, str):
-                raise InputError(f"prompt {i}: must be a string, got {type(prompt).__name__}")
-            imgs = list(images[i]) if images is not None else []
-            built.append(self._try(i, errors, lambda: self.processor.build(i, prompt, imgs, params[i],
-                                                                             f"prompt {i}")))
-        return self._run(built)
 
-    def caption(self, images: Sequence[Any] | Any, prompt: str | None = None,
-                sampling: SamplingParams | None = None, errors: str = "raise") -> list[str | None]:
-        """Caption each image; with errors="return" a failed image gives None."""
+        def spec(i: int) -> Callable[[], Prepared]:
+            def prepare() -> Prepared:
+                if not isinstance(prompt_list[i], str):
+                    raise InputError(f"prompt {i}: must be a string, got {type(prompt_list[i]).__name__}")
+                imgs = list(images[i]) if images is not None else []
+                return self.processor.prepare(i, prompt_list[i], imgs, params[i], f"prompt {i}")
+            return prepare
+
+        return self._execute(((i, spec(i)) for i in range(len(prompt_list))), len(prompt_list), errors, progress)
+
+    def caption(self, images: Sequence[Any] | Any, prompt: str | None = None, sampling: SamplingParams | None = None,
+                errors: str = "return", progress: bool | None = None) -> list[str | None]:
+        """Caption each image; an image that cannot be read gives None (errors="raise" raises)."""
         image_list = list(images) if isinstance(images, (list, tuple)) else [images]
-        convs = [caption_conversation(image, prompt) for image in image_list]
-        outputs = self.chat(convs, sampling, errors=errors)
+        outputs = self.chat([caption_conversation(image, prompt) for image in image_list], sampling, errors, progress)
         return [o.text.strip() if o.ok else None for o in outputs]
+
+    def stream(self, conversation: Sequence[dict[str, Any]], sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the answer's text as it is generated. Deltas never split a character and never
+        include text a stop string later removes; closing the iterator aborts the request."""
+        with self._text_lock:
+            prepared = self.processor.prepare(0, *self.processor.render_chat(conversation, "conversation"),
+                                              sampling or SamplingParams(), "conversation", stream=True)
+        loaded = [self.processor.load_image(src, self.processor.image_where(prepared, k))
+                  for k, src in enumerate(prepared.image_sources)]
+        with self._text_lock:
+            request = self.processor.assemble(prepared, loaded)
+        return self._stream(request)
+
+    def _stream(self, request: Request) -> Iterator[str]:
+        engine = self.engine
+        with engine.lock:
+            engine.add(request)
+        try:
+            while True:
+                if request.finished:
+                    request.detokenizer.finish()
+                    tail = request.detokenizer.pop_delta(final=True)
+                    if tail:
+                        yield tail
+                    return
+                delta = request.detokenizer.pop_delta()
+                if delta:
+                    yield delta
+                with engine.lock:
+                    if not request.finished:
+                        engine.step()
+        finally:
+            if not request.finished:
+                with engine.lock:
+                    engine.abort(request)
 
     def close(self) -> None:
         """Release the model and KV cache (GPU memory)."""
-        for name in ("runner", "model", "loop", "processor"):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for name in ("engine", "runner", "model", "processor"):
             self.__dict__.pop(name, None)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -134,24 +190,85 @@ class Pipeline:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ the driver
 
-    @staticmethod
-    def _try(index: int, errors: str, build: Any) -> Request | RequestOutput:
+    def _execute(self, specs: Iterable[tuple[int, Callable[[], Prepared]]], count: int, errors: str,
+                 progress: bool | None) -> list[RequestOutput]:
+        """Prepare requests a bounded distance ahead of the engine, add them in order as their
+        images become ready, and step the engine until all of them are done."""
         if errors not in ("raise", "return"):
             raise InputError(f"errors={errors!r}: use 'raise' or 'return'")
-        try:
-            return build()
-        except InputError as exc:
-            if errors == "raise":
-                raise
-            log.warning("skipping request %d: %s", index, exc)
-            return failed_output(index, str(exc))
+        outputs: list[RequestOutput | None] = [None] * count
+        window: deque[_Pending] = deque()
+        mine: list[Request] = []
+        done: deque[Request] = deque()
+        lookahead = max(8, 2 * self.engine_config.max_running_requests)
+        it = iter(specs)
+        bar = _progress_bar(count, progress)
 
-    def _run(self, built: list[Request | RequestOutput]) -> list[RequestOutput]:
-        requests = [b for b in built if isinstance(b, Request)]
-        self.loop.run(requests)
-        return [b.to_output() if isinstance(b, Request) else b for b in built]
+        def fail(index: int, exc: InputError) -> None:
+            if errors == "raise":
+                raise exc
+            log.warning("request %d failed: %s", index, exc)
+            outputs[index] = failed_output(index, str(exc))
+            bar.update(1)
+
+        def refill() -> None:
+            while len(window) < lookahead:
+                item = next(it, None)
+                if item is None:
+                    return
+                index, spec = item
+                try:
+                    with self._text_lock:
+                        prepared = spec()
+                except InputError as exc:
+                    fail(index, exc)
+                    continue
+                window.append(_Pending(prepared, [
+                    self._pool.submit(self.processor.load_image, src, self.processor.image_where(prepared, k))
+                    for k, src in enumerate(prepared.image_sources)]))
+
+        try:
+            refill()
+            while True:
+                while window and all(f.done() for f in window[0].images):
+                    pending = window.popleft()
+                    try:
+                        loaded = [f.result() for f in pending.images]
+                        with self._text_lock:
+                            request = self.processor.assemble(pending.prepared, loaded)
+                    except InputError as exc:
+                        fail(pending.prepared.index, exc)
+                        continue
+                    request.on_finish = done.append
+                    mine.append(request)
+                    with self.engine.lock:
+                        self.engine.add(request)
+                    refill()
+                while done:
+                    request = done.popleft()
+                    outputs[request.index] = request.to_output()
+                    bar.update(1)
+                if all(r.finished for r in mine) and not window:
+                    break
+                if any(not r.finished for r in mine):
+                    with self.engine.lock:
+                        if any(not r.finished for r in mine):
+                            self.engine.step()
+                else:
+                    futures.wait(window[0].images, return_when=futures.ALL_COMPLETED)
+        except BaseException:
+            with self.engine.lock:
+                for request in mine:
+                    self.engine.abort(request)
+            for pending in window:
+                for future in pending.images:
+                    future.cancel()
+            raise
+        finally:
+            bar.close()
+        return [o for o in outputs if o is not None]
 
 
 def caption_conversation(image: Any, prompt: str | None = None) -> list[dict[str, Any]]:
@@ -172,6 +289,13 @@ def _generation_defaults(path: str, tokenizer: Any) -> GenerationDefaults:
     cfg = read_json(path, "generation_config.json", required=False) or {}
     extra = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     return GenerationDefaults.from_dict(cfg, extra)
+
+
+def _progress_bar(count: int, progress: bool | None) -> Any:
+    from tqdm import tqdm
+
+    enabled = progress if progress is not None else count >= PROGRESS_THRESHOLD
+    return tqdm(total=count, unit="req", disable=not enabled, dynamic_ncols=True)
 
 
 def _as_list_of_conversations(conversations: Any) -> list[Any]:

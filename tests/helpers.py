@@ -128,7 +128,7 @@ def first_logits(pipe, conversation: Sequence[dict[str, Any]]) -> torch.Tensor:
                                    SamplingParams(max_new_tokens=1), "test")
     request.pages = pipe.runner.pages.allocate(pages_needed(request.prompt_len, pipe.runner.page_size))
     try:
-        pipe.runner.encode_images([request])
+        pipe.runner.encode_requests([request])
         return pipe.runner.prefill([PrefillChunk(request, 0, request.prompt_len)])[0]
     finally:
         pipe.runner.pages.free(request.pages)

@@ -32,8 +32,10 @@ def test_generate_with_a_formatted_prompt_equals_chat(pipe):
     conv = image_chat(3)
     prompt, images = pipe.processor.render_chat(conv, "x")
     assert pipe.generate(prompt, [images], GREEDY)[0].token_ids == pipe.chat(conv, GREEDY)[0].token_ids
+    bad = pipe.generate(prompt, [images * 2], GREEDY)[0]
+    assert bad.finish_reason == "error" and "1 image placeholder(s) (<|image_pad|>) but 2 image(s)" in bad.error
     with pytest.raises(InputError, match="1 image placeholder.*2 image"):
-        pipe.generate(prompt, [images * 2], GREEDY)
+        pipe.generate(prompt, [images * 2], GREEDY, errors="raise")
 
 
 def test_caption(pipe):
@@ -88,12 +90,12 @@ def test_seeded_sampling_is_reproducible_across_batches(pipe):
 def test_bad_image_in_a_batch(pipe):
     batch = [image_chat(1), [{"role": "user", "content": [{"type": "image", "image": b"garbage"}]}], image_chat(2)]
     with pytest.raises(InputError, match="conversation 1, image 0: image bytes"):
-        pipe.chat(batch, GREEDY)
-    outs = pipe.chat(batch, GREEDY, errors="return")
+        pipe.chat(batch, GREEDY, errors="raise")
+    outs = pipe.chat(batch, GREEDY)
     assert [o.ok for o in outs] == [True, False, True]
     assert outs[1].finish_reason == "error" and "not a recognised image" in outs[1].error
     assert outs[0].token_ids == pipe.chat(image_chat(1), GREEDY)[0].token_ids
-    assert pipe.caption([b"garbage", random_image(30, 30)], errors="return")[0] is None
+    assert pipe.caption([b"garbage", random_image(30, 30)])[0] is None
 
 
 def test_defaults_come_from_generation_config(checkpoint_factory):
@@ -110,10 +112,11 @@ def test_max_model_len(checkpoint):
     pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_model_len=64)
     long_chat = image_chat(1, size=(400, 400))
     with pytest.raises(InputError, match="conversation 0: the prompt has \\d+ tokens; the limit .* is 64"):
-        pipe.chat(long_chat, GREEDY)
+        pipe.chat(long_chat, GREEDY, errors="raise")
     short = [{"role": "user", "content": "hi"}]
-    outs = pipe.chat([long_chat, short], SamplingParams(max_new_tokens=500, ignore_eos=True), errors="return")
+    outs = pipe.chat([long_chat, short], SamplingParams(max_new_tokens=500, ignore_eos=True))
     assert outs[0].finish_reason == "error" and outs[1].finish_reason == "length"
+    assert "the prompt has" in outs[0].error
     assert outs[1].num_prompt_tokens + len(outs[1].token_ids) == 64
 
 

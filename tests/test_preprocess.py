@@ -103,4 +103,6 @@ def test_content_hash_tracks_pixels():
     a = preprocess_image(random_image(64, 64, seed=1), CONFIG)
     b = preprocess_image(random_image(64, 64, seed=1), CONFIG)
     c = preprocess_image(random_image(64, 64, seed=2), CONFIG)
-    assert a.content_hash() == b.content_hash() != c.content_hash()
+    assert a.key == b.key != c.key and len(a.key) == 32
+    other = ImageProcessorConfig.from_dict({**REFERENCE.to_dict(), "image_mean": [0.5, 0.5, 0.5]})
+    assert preprocess_image(random_image(64, 64, seed=1), other).key != a.key

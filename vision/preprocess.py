@@ -79,6 +79,7 @@ class PreprocessedImage:
     pixel_values: torch.Tensor  # [t*h*w, C*T*P*P] float32, merge-block order
     grid_thw: tuple[int, int, int]  # in patches
     merge_size: int
+    key: str = ""  # content hash: same key, same pixel values (the encoder cache's key)
 
     @property
     def num_patches(self) -> int:
@@ -90,12 +91,6 @@ class PreprocessedImage:
         """Language-model tokens this image becomes after the patch merger."""
         return self.num_patches // (self.merge_size * self.merge_size)
 
-    def content_hash(self) -> str:
-        """Key of the encoder cache: the same preprocessed pixels give the same embeddings."""
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr(self.grid_thw).encode())
-        digest.update(self.pixel_values.numpy().tobytes())
-        return digest.hexdigest()
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -126,14 +121,25 @@ def preprocess_image(image: Image.Image, cfg: ImageProcessorConfig) -> Preproces
     height, width = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     if (height, width) != (image.height, image.width):
         image = image.resize((width, height), resample=cfg.resample)
-    pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy())  # [H, W, C]
+    array = np.asarray(image, dtype=np.uint8)  # [H, W, C]
+    pixels = torch.from_numpy(array.copy())
     scale = torch.tensor([cfg.rescale_factor] * 3, dtype=torch.float64)
     mean = torch.tensor(cfg.image_mean, dtype=torch.float64)
     std = torch.tensor(cfg.image_std, dtype=torch.float64)
     # Same arithmetic as transformers: rescale in float64, cast, then normalise in float32.
     values = (pixels.to(torch.float64) * scale).to(torch.float32)
     values = (values - mean.to(torch.float32)) / std.to(torch.float32)
-    return PreprocessedImage(patchify(values.permute(2, 0, 1), cfg), _grid(height, width, cfg), cfg.merge_size)
+    key = content_key(array, cfg)
+    return PreprocessedImage(patchify(values.permute(2, 0, 1), cfg), _grid(height, width, cfg), cfg.merge_size, key)
+
+
+def content_key(resized: np.ndarray, cfg: ImageProcessorConfig) -> str:
+    """Hash of the resized uint8 pixels and the normalisation: it fixes the preprocessed values
+    exactly, and is a quarter of the bytes of the float32 patches."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((resized.shape, cfg)).encode())
+    digest.update(np.ascontiguousarray(resized).data)
+    return digest.hexdigest()
 
 
 def patchify(chw: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:

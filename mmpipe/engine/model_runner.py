@@ -107,25 +107,26 @@ class ModelRunner:
     # ------------------------------------------------------------------ vision
 
     @torch.inference_mode()
-    def encode_images(self, requests: Sequence[Request]) -> None:
-        """Encode every image of these requests that has no embeddings yet, packed into calls of at
-        most `max_vision_patches` patches (an image larger than that runs alone)."""
-        todo = [(r, i) for r in requests for i, e in enumerate(r.image_embeds) if e is None]
-        pack: list[tuple[Request, int]] = []
+    def encode_images(self, images: Sequence[PreprocessedImage]) -> list[torch.Tensor]:
+        """Merged embeddings [tokens, hidden] per image, packed into ViT calls of at most
+        `max_vision_patches` patches (an image larger than that runs alone)."""
+        results: list[torch.Tensor] = []
+        pack: list[PreprocessedImage] = []
         patches = 0
-        for request, index in todo:
-            n = request.images[index].num_patches
-            if pack and patches + n > self.cfg.max_vision_patches:
-                self._encode_pack(pack)
+        for image in images:
+            if pack and patches + image.num_patches > self.cfg.max_vision_patches:
+                results += self.run_vision(pack)
                 pack, patches = [], 0
-            pack.append((request, index))
-            patches += n
+            pack.append(image)
+            patches += image.num_patches
         if pack:
-            self._encode_pack(pack)
+            results += self.run_vision(pack)
+        return results
 
-    def _encode_pack(self, pack: list[tuple[Request, int]]) -> None:
-        images = [r.images[i] for r, i in pack]
-        for (request, index), embeds in zip(pack, self.run_vision(images)):
+    def encode_requests(self, requests: Sequence[Request]) -> None:
+        """Encode every image of these requests that has no embeddings yet."""
+        todo = [(r, i) for r in requests for i, e in enumerate(r.image_embeds) if e is None]
+        for (request, index), embeds in zip(todo, self.encode_images([r.images[i] for r, i in todo])):
             request.image_embeds[index] = embeds
 
     def run_vision(self, images: Sequence[PreprocessedImage]) -> list[torch.Tensor]:
@@ -136,7 +137,10 @@ class ModelRunner:
         merged = vit(pixels, meta)
         self.stats.vision_calls += 1
         self.stats.images_encoded += len(images)
-        return list(merged.split(meta.tokens_per_image))
+        if len(images) == 1:
+            return [merged]
+        # Copies, so that caching one image's embeddings does not keep the whole pack alive.
+        return [part.clone() for part in merged.split(meta.tokens_per_image)]
 
     # ------------------------------------------------------------------ language model
 

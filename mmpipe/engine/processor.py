@@ -1,11 +1,16 @@
 """Building requests: chat template, tokenisation, image decoding and preprocessing, placeholder
 expansion and M-RoPE positions. Everything here runs on the host, before any forward.
+
+Three phases, so that image work can run on worker threads while the engine runs:
+`prepare` (template and tokens; caller's thread, since tokenizers are not safe to share across
+threads), `load_image` (decode + preprocess; any thread), and `assemble` (expansion, positions,
+the Request; caller's thread).
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from language.mrope import mrope_positions
@@ -18,6 +23,18 @@ from mmpipe.models import LoadedModel
 from vision.preprocess import PreprocessedImage, preprocess_image
 
 
+@dataclass
+class Prepared:
+    """A request whose text is tokenised and whose images are not yet decoded."""
+
+    index: int
+    where: str
+    token_ids: list[int]
+    image_sources: list[Any]
+    sampling: ResolvedSampling
+    stream: bool
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, model: LoadedModel, defaults: GenerationDefaults, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -26,7 +43,6 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.image_token_id = model.image_token_id
         self.image_token = tokenizer.convert_ids_to_tokens(model.image_token_id)
-        self.placeholder = f"{model.spec.vision_start_token}{model.spec.image_token}<|vision_end|>"
 
     def render_chat(self, conversation: Sequence[dict[str, Any]], where: str) -> tuple[str, list[Any]]:
         parsed = parse_conversation(conversation, where)
@@ -39,48 +55,62 @@ class InputProcessor:
             raise InputError(f"{where}: the chat template rejected the messages ({exc})") from exc
         return text, parsed.images
 
-    def build(self, index: int, prompt: str, images: Sequence[Any], params: SamplingParams, where: str,
-              stream: bool = False) -> Request:
-        """One request from a formatted prompt (with one placeholder per image) and its images."""
+    def prepare(self, index: int, prompt: str, images: Sequence[Any], params: SamplingParams, where: str,
+                stream: bool = False) -> Prepared:
         sampling = params.resolve(self.defaults)
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(slots) != len(images):
-            raise InputError(f"{where}: the prompt has {len(slots)} image placeholder(s) "
-                             f"({self.image_token}) but {len(images)} image(s) were given")
-        processed = [self._image(image, f"{where}, image {i}") for i, image in enumerate(images)]
-        expanded: list[int] = []
-        starts: list[int] = []
-        previous = 0
-        for slot, image in zip(slots, processed):
-            expanded += ids[previous:slot]
-            starts.append(len(expanded))
-            expanded += [self.image_token_id] * image.num_tokens
-            previous = slot + 1
-        expanded += ids[previous:]
-        if not expanded:
+        slots = sum(1 for t in ids if t == self.image_token_id)
+        if slots != len(images):
+            raise InputError(f"{where}: the prompt has {slots} image placeholder(s) ({self.image_token}) but "
+                             f"{len(images)} image(s) were given")
+        if not ids:
             raise InputError(f"{where}: the prompt is empty")
-        need = len(expanded) + sampling.max_new_tokens
-        if len(expanded) >= self.max_model_len:
-            raise InputError(f"{where}: the prompt has {len(expanded)} tokens; the limit (max_model_len) is "
-                             f"{self.max_model_len}, including generated tokens")
-        if need > self.max_model_len:
-            sampling = _cap_new_tokens(sampling, self.max_model_len - len(expanded))
-        positions, delta = mrope_positions(expanded, [im.grid_thw for im in processed], self.image_token_id,
-                                           self.model.merge_size)
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
-        return Request(
-            index=index, prompt_ids=expanded, positions=positions, mrope_delta=delta, images=processed,
-            image_starts=starts, sampling=sampling, seed=seed,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.skip_special_tokens),
-            incremental_text=bool(sampling.stop) or stream,
-        )
+        return Prepared(index, where, ids, list(images), sampling, stream)
 
-    def _image(self, source: Any, where: str) -> PreprocessedImage:
+    def load_image(self, source: Any, where: str) -> PreprocessedImage:
+        """Decode and preprocess one image (thread-safe)."""
         try:
             return preprocess_image(load_image(source), self.model.image_processor)
         except InputError as exc:
             raise type(exc)(f"{where}: {exc}") from exc
+
+    def image_where(self, prepared: Prepared, k: int) -> str:
+        return f"{prepared.where}, image {k}"
+
+    def assemble(self, prepared: Prepared, images: Sequence[PreprocessedImage]) -> Request:
+        expanded: list[int] = []
+        starts: list[int] = []
+        images = list(images)
+        k = 0
+        for token in prepared.token_ids:
+            if token == self.image_token_id:
+                starts.append(len(expanded))
+                expanded += [token] * images[k].num_tokens
+                k += 1
+            else:
+                expanded.append(token)
+        sampling = prepared.sampling
+        if len(expanded) >= self.max_model_len:
+            raise InputError(f"{prepared.where}: the prompt has {len(expanded)} tokens; the limit (max_model_len) "
+                             f"is {self.max_model_len}, including generated tokens")
+        if len(expanded) + sampling.max_new_tokens > self.max_model_len:
+            sampling = _cap_new_tokens(sampling, self.max_model_len - len(expanded))
+        positions, delta = mrope_positions(expanded, [im.grid_thw for im in images], self.image_token_id,
+                                           self.model.merge_size)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
+        return Request(
+            index=prepared.index, prompt_ids=expanded, positions=positions, mrope_delta=delta, images=images,
+            image_starts=starts, sampling=sampling, seed=seed,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.skip_special_tokens),
+            incremental_text=bool(sampling.stop) or prepared.stream,
+        )
+
+    def build(self, index: int, prompt: str, images: Sequence[Any], params: SamplingParams, where: str,
+              stream: bool = False) -> Request:
+        """All three phases in the caller's thread."""
+        prepared = self.prepare(index, prompt, images, params, where, stream)
+        loaded = [self.load_image(src, self.image_where(prepared, k)) for k, src in enumerate(images)]
+        return self.assemble(prepared, loaded)
 
 
 def _cap_new_tokens(sampling: ResolvedSampling, room: int) -> ResolvedSampling:

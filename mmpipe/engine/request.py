@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 import numpy as np
 import torch
 
@@ -13,7 +14,7 @@ from mmpipe.outputs import RequestMetrics, RequestOutput
 from vision.preprocess import PreprocessedImage
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: queues hold and remove requests by identity
 class Request:
     index: int  # position in the caller's input list
     prompt_ids: list[int]
@@ -33,6 +34,8 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     error: str | None = None
+    preemptions: int = 0
+    on_finish: Callable[["Request"], None] | None = None  # set by whoever waits for the result
 
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
@@ -106,6 +109,8 @@ class Request:
             self.finish_reason = reason
             self.error = error
             self.finished_at = time.monotonic()
+            if self.on_finish is not None:
+                self.on_finish(self)
 
     def final_text(self) -> str:
         if not self.incremental_text:

@@ -56,7 +56,7 @@ class SimpleLoop:
         runner = self.runner
         for request in group:
             request.mark_scheduled()
-        runner.encode_images(group)
+        runner.encode_requests(group)
         budget = runner.cfg.max_prefill_tokens
         chunks: list[PrefillChunk] = []
         used = 0

@@ -1,0 +1,162 @@
+"""Continuous batching: which requests run in the next step, and how much of each.
+
+Each step has a decode batch (every running request whose prompt is done, one token each, up
+to `max_running_requests`) and a prefill batch (prompt chunks packed up to `max_prefill_tokens`),
+so a long prompt advances a chunk per step while decoding continues. Images overlapping the
+scheduled chunks are encoded in the same step, bounded by `max_vision_patches`; a chunk stops
+before an image that would overflow that budget.
+
+KV pages: admission reserves pages for the request's whole current sequence (prompt, plus
+tokens already generated if it is being recomputed), so a half-prefilled request never waits
+for pages. Decoding grows a request one page at a time; when no page is free the newest running
+request is preempted: its pages are freed, it goes back to the front of the waiting queue, and
+it is recomputed from its prompt and the tokens it had generated, so nothing is lost or
+duplicated. Finished and aborted requests free their pages at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from language.kv_cache import PageAllocator, pages_needed
+from mmpipe.config import EngineConfig
+from mmpipe.engine.encoder_cache import EncoderCache
+from mmpipe.engine.model_runner import PrefillChunk
+from mmpipe.engine.request import Request
+
+
+@dataclass
+class StepPlan:
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    images: list[tuple[Request, int]] = field(default_factory=list)  # embeddings to provide first
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, pages: PageAllocator, page_size: int, cache: EncoderCache) -> None:
+        self.cfg, self.pages, self.page_size, self.cache = cfg, pages, page_size, cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self._watermark = max(1, pages.capacity // 100)  # headroom so new admissions do not evict at once
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """Release a finished request's pages and forget it."""
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request)
+
+    def abort(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.finish(request)
+        request.finish("abort")
+
+    # ------------------------------------------------------------------ planning
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._schedule_decodes(plan)
+        prefill_budget = self.cfg.max_prefill_tokens
+        vision_budget = [self.cfg.max_vision_patches]
+        for request in list(self.running):
+            if prefill_budget <= 0:
+                break
+            if not _decode_ready(request):
+                prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
+        while self.waiting and prefill_budget > 0 and len(self.running) < self.cfg.max_running_requests:
+            request = self.waiting[0]
+            if not self._admit(request):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.mark_scheduled()
+            prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        for request in [r for r in self.running if _decode_ready(r)]:
+            if request not in self.running:
+                continue  # preempted to make room for an older request
+            while not self._grow(request, request.total_len):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            else:
+                plan.decode.append(request)
+
+    def _add_chunk(self, plan: StepPlan, request: Request, budget: int, vision_budget: list[int]) -> int:
+        """Plan the next prompt chunk of `request`; returns the tokens it uses."""
+        start = request.num_computed
+        end = min(request.total_len, start + budget)
+        for index, (first, image) in enumerate(zip(request.image_starts, request.images)):
+            if first + image.num_tokens <= start or first >= end or request.image_embeds[index] is not None:
+                continue
+            if (request, index) in plan.images:
+                continue
+            cost = 0 if image.key in self.cache else image.num_patches
+            if cost > vision_budget[0] and vision_budget[0] < self.cfg.max_vision_patches:
+                end = first  # this image waits for the next step's vision batch
+                break
+            vision_budget[0] -= cost
+            plan.images.append((request, index))
+        if end <= start:
+            return 0
+        plan.prefill.append(PrefillChunk(request, start, end))
+        return end - start
+
+    # ------------------------------------------------------------------ pages
+
+    def _admit(self, request: Request) -> bool:
+        need = pages_needed(request.total_len, self.page_size)
+        headroom = self._watermark if self.running else 0
+        if need + headroom > self.pages.num_free:
+            return False
+        request.pages = self.pages.allocate(need)
+        return True
+
+    def _grow(self, request: Request, tokens: int) -> bool:
+        """Make the request's pages cover `tokens` tokens."""
+        missing = pages_needed(tokens, self.page_size) - len(request.pages)
+        if missing <= 0:
+            return True
+        if missing > self.pages.num_free:
+            return False
+        request.pages += self.pages.allocate(missing)
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed = 0
+        request.image_embeds = [None] * len(request.images)
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+        if request in plan.decode:
+            plan.decode.remove(request)
+
+    def _release(self, request: Request) -> None:
+        if request.pages:
+            self.pages.free(request.pages)
+            request.pages = []
+
+
+def _decode_ready(request: Request) -> bool:
+    """Its prompt is in the cache and its newest token was sampled but not yet fed."""
+    return bool(request.output_ids) and request.num_computed == request.total_len - 1

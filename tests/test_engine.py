@@ -1,0 +1,192 @@
+"""The continuous-batching engine: batching never changes results, preemption loses nothing,
+chunked prefill keeps decoding going, the encoder cache encodes an image once, streaming and
+aborts free what they hold."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mmpipe import Pipeline, SamplingParams
+from tests.helpers import random_image
+
+IMAGES = [random_image(60 + 37 * (i % 7), 50 + 29 * (i % 5), seed=100 + i) for i in range(12)]
+WORDS = "tell me about the picture in a few words please and be brief about it".split()
+
+
+def mixed_requests(n: int):
+    """Conversations with 0, 1 or 2 images and prompts of varied length, and varied max_new_tokens."""
+    convs, params = [], []
+    for i in range(n):
+        text = " ".join(WORDS[: 1 + (i * 5) % len(WORDS)])
+        content = [{"type": "image", "image": IMAGES[(i + k) % len(IMAGES)]} for k in range(i % 3)]
+        content.append({"type": "text", "text": text})
+        convs.append([{"role": "user", "content": content}])
+        params.append(SamplingParams(max_new_tokens=3 + (i * 7) % 17, ignore_eos=True, temperature=0.0))
+    return convs, params
+
+
+@pytest.fixture(scope="module")
+def alone(pipe):
+    """Each of the 64 requests run by itself."""
+    convs, params = mixed_requests(64)
+    return [pipe.chat(c, p)[0].token_ids for c, p in zip(convs, params)]
+
+
+def test_64_mixed_requests_equal_each_alone(pipe, alone):
+    convs, params = mixed_requests(64)
+    outputs = pipe.chat(convs, params)
+    assert [o.index for o in outputs] == list(range(64))
+    assert [o.token_ids for o in outputs] == alone
+    assert all(len(o.token_ids) == p.max_new_tokens for o, p in zip(outputs, params))
+
+
+def test_forced_preemption_gives_identical_results(checkpoint, alone):
+    """A KV pool far too small for the batch: requests are preempted and recomputed."""
+    small = Pipeline.from_pretrained(checkpoint, device="cpu", num_kv_pages=64, kv_page_size=4,
+                                     max_prefill_tokens=96)
+    convs, params = mixed_requests(64)
+    outputs = small.chat(convs, params)
+    assert small.engine.scheduler.preemptions > 0
+    assert [o.token_ids for o in outputs] == alone
+    assert small.runner.pages.num_free == small.runner.pages.capacity  # every page came back
+
+
+def test_max_running_requests_is_respected(checkpoint, alone):
+    capped = Pipeline.from_pretrained(checkpoint, device="cpu", max_running_requests=5)
+    peak = []
+    step = capped.engine.step
+
+    def watched():
+        peak.append(len(capped.engine.scheduler.running))
+        return step()
+
+    capped.engine.step = watched
+    convs, params = mixed_requests(64)
+    assert [o.token_ids for o in capped.chat(convs, params)] == alone
+    assert max(peak) == 5
+
+
+def test_long_prompt_is_chunked_while_decoding_continues(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_prefill_tokens=32)
+    short = pipe.processor.build(0, "hi", [], SamplingParams(max_new_tokens=40, ignore_eos=True), "short")
+    engine = pipe.engine
+    engine.add(short)
+    while not short.output_ids:
+        engine.step()
+    long_prompt = " ".join(WORDS * 12)
+    long = pipe.processor.build(1, long_prompt, [], SamplingParams(max_new_tokens=2, ignore_eos=True), "long")
+    assert long.prompt_len > 4 * 32
+    engine.add(long)
+    steps = 0
+    while long.num_computed < long.prompt_len:
+        before_short, before_long = len(short.output_ids), long.num_computed
+        engine.step()
+        steps += 1
+        assert len(short.output_ids) == before_short + 1  # decoding advanced every step
+        assert long.num_computed - before_long <= 32  # the prompt advanced one chunk
+    assert steps >= 4
+    while engine.has_unfinished:
+        engine.step()
+    assert len(long.output_ids) == 2
+
+
+def test_encoder_cache_encodes_a_repeated_image_once(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    image = random_image(150, 120, seed=7)
+    convs = [[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": t}]}]
+             for t in ("Describe this image.", "What colour?", "tell me about the picture")]
+    fresh = [Pipeline.from_pretrained(checkpoint, device="cpu").chat(c, SamplingParams(max_new_tokens=6))[0]
+             for c in convs]
+    outputs = pipe.chat(convs, SamplingParams(max_new_tokens=6))
+    assert pipe.runner.stats.images_encoded == 1
+    assert [o.token_ids for o in outputs] == [f.token_ids for f in fresh]
+    # A multi-turn chat that repeats the image is not encoded again either.
+    turn2 = convs[0] + [{"role": "assistant", "content": outputs[0].text},
+                        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "again"}]}]
+    pipe.chat(turn2, SamplingParams(max_new_tokens=3))
+    assert pipe.runner.stats.images_encoded == 1 and pipe.engine.cache.hits >= 4
+
+
+def test_encoder_cache_is_bounded_in_bytes(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", encoder_cache_bytes=40_000)
+    pipe.caption(IMAGES, sampling=SamplingParams(max_new_tokens=1))
+    cache = pipe.engine.cache
+    assert 0 < cache.used <= 40_000 and cache.evictions > 0
+
+
+def test_vision_batches_respect_the_patch_budget(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_vision_patches=300)
+    sizes = []
+    run = pipe.runner.run_vision
+    pipe.runner.run_vision = lambda images: (sizes.append(sum(im.num_patches for im in images)), run(images))[1]
+    convs, params = mixed_requests(24)
+    outputs = pipe.chat(convs, params)
+    assert all(o.ok for o in outputs)
+    assert len(sizes) > 1 and all(s <= 300 or n == 1 for s, n in zip(sizes, sizes))
+
+
+def test_streaming_deltas_concatenate_to_the_full_text(pipe):
+    conv = [{"role": "user", "content": [{"type": "image", "image": IMAGES[0]}, {"type": "text", "text": "héllo"}]}]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    full = pipe.chat(conv, params)[0]
+    deltas = list(pipe.stream(conv, params))
+    assert len(deltas) > 3 and "".join(deltas) == full.text
+
+
+def test_streaming_with_a_stop_string_never_emits_the_removed_text(pipe):
+    conv = [{"role": "user", "content": "Tell me a story about a fox."}]
+    full = pipe.chat(conv, SamplingParams(max_new_tokens=30, ignore_eos=True))[0].text
+    stop = full[10:13]
+    deltas = list(pipe.stream(conv, SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop])))
+    assert "".join(deltas) == full[:full.index(stop)]
+
+
+def test_closing_a_stream_aborts_and_frees_pages(pipe):
+    free = pipe.runner.pages.num_free
+    stream = pipe.stream([{"role": "user", "content": "Tell me a story about a fox."}],
+                         SamplingParams(max_new_tokens=200, ignore_eos=True))
+    next(stream)
+    assert pipe.runner.pages.num_free < free
+    stream.close()
+    assert pipe.runner.pages.num_free == free and not pipe.engine.has_unfinished
+
+
+def test_abort_frees_pages(pipe):
+    free = pipe.runner.pages.num_free
+    request = pipe.processor.build(0, "hello there", [], SamplingParams(max_new_tokens=50, ignore_eos=True), "x")
+    pipe.engine.add(request)
+    pipe.engine.step()
+    assert pipe.runner.pages.num_free < free
+    pipe.engine.abort(request)
+    assert request.finish_reason == "abort" and pipe.runner.pages.num_free == free
+
+
+def test_threads_share_one_engine(pipe, alone):
+    convs, params = mixed_requests(64)
+    results: dict[int, list] = {}
+
+    def worker(part: int) -> None:
+        outs = pipe.chat(convs[part::4], params[part::4])
+        results[part] = [o.token_ids for o in outs]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for part in range(4):
+        assert results[part] == alone[part::4]
+
+
+def test_metrics_and_progress_bar(pipe, capsys):
+    convs, params = mixed_requests(8)
+    outputs = pipe.chat(convs, params, progress=True)
+    assert "8/8" in capsys.readouterr().err
+    for out in outputs:
+        m = out.metrics
+        assert 0 <= m.queued_s <= m.time_to_first_token_s <= m.total_s
+        assert m.decode_tokens_per_s > 0 or len(out.token_ids) == 1
+    pipe.chat(convs, params)  # short calls show no bar by default
+    assert "8/8" not in capsys.readouterr().err
