@@ -2,6 +2,7 @@
 
     mmpipe caption IMAGES...     caption images (files, directories, globs) with a model
     mmpipe info [--model PATH]   versions, device, and a summary of a model
+    mmpipe bench WHAT            side-by-side GPU benchmarks (app/bench.py: kernels, throughput)
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     info.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     info.add_argument("--device", default=None)
     info.add_argument("--json", action="store_true", help="print JSON")
+    sub.add_parser("bench", help="GPU benchmarks (see `mmpipe bench -h`)", add_help=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from app import bench
+
+        return bench.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "caption":
         return caption.run(args)

@@ -44,7 +44,7 @@ def build(seqs, page_size, heads, kv_heads, dim, seed, decode=False):
         full_k.append(kk)
         full_v.append(vv)
         idx = torch.arange(prefix + new)
-        slot = torch.tensor(p)[idx // page_size] * page_size + idx % page_size
+        slot = torch.tensor(p, dtype=torch.long)[idx // page_size] * page_size + idx % page_size
         k_cache.view(-1, kv_heads, dim)[slot[:prefix]] = kk[:prefix]
         v_cache.view(-1, kv_heads, dim)[slot[:prefix]] = vv[:prefix]
         slots.append(slot[prefix:])

@@ -1,4 +1,8 @@
-"""Language-model attention: metadata, the reference backend, and the custom op."""
+"""Language-model attention: metadata, backends, and the custom op that runs them.
+
+`torch` is the reference (any device, not capturable). `cuda` uses Triton kernels for decode
+and for extend over a cached prefix, and PyTorch's FlashAttention for plain prefill.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,29 @@ import torch
 from language.attention.metadata import AttentionMetadata
 from language.attention.torch_backend import TorchLMAttention
 
-
-def make_lm_attention(backend: str, device: torch.device, dtype: torch.dtype, scale: float):
-    """Pick the LM attention implementation for a device ("auto", "torch" or "cuda")."""
-    if backend == "cuda":
-        raise NotImplementedError("the CUDA LM attention backend is not built yet; use 'auto' or 'torch'")
-    return TorchLMAttention(scale)
+EXTEND_DEFAULT = "triton"  # the faster extend path in `app/bench.py kernels` (see cuda_backend)
 
 
-__all__ = ["AttentionMetadata", "TorchLMAttention", "make_lm_attention"]
+def cuda_attention_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_lm_attention(backend: str, device: torch.device, dtype: torch.dtype, scale: float,
+                      extend: str = "auto"):
+    """Pick the LM attention implementation: "auto" (cuda when possible), "torch" or "cuda"."""
+    if backend == "torch" or (backend == "auto" and not cuda_attention_available(device)):
+        return TorchLMAttention(scale)
+    if not cuda_attention_available(device):
+        raise ValueError(f"attention_backend='cuda' needs a CUDA device and Triton (device is {device})")
+    from language.attention.cuda_backend import CudaLMAttention
+
+    return CudaLMAttention(scale, EXTEND_DEFAULT if extend == "auto" else extend)
+
+
+__all__ = ["AttentionMetadata", "TorchLMAttention", "make_lm_attention", "cuda_attention_available"]

@@ -18,6 +18,7 @@ from language.attention import AttentionMetadata, make_lm_attention
 from language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
 from language.sampler import SampleResult, SamplingBatch, sample
 from mmpipe.config import EngineConfig
+from mmpipe.errors import InputError
 from mmpipe.engine.request import Request, logprob_dict
 from mmpipe.models import LoadedModel
 from mmpipe.runtime.context import ForwardContext, forward_context
@@ -64,7 +65,11 @@ class ModelRunner:
                           self.device)
         self.pages = PageAllocator(num_pages)
         model.vision.attention = make_vision_attention(cfg.attention_backend, self.device, self.dtype)
-        self.lm_attention = make_lm_attention(cfg.attention_backend, self.device, self.dtype, lm.head_dim**-0.5)
+        try:
+            self.lm_attention = make_lm_attention(cfg.attention_backend, self.device, self.dtype,
+                                                  lm.head_dim**-0.5, cfg.extend_attention)
+        except ValueError as exc:
+            raise InputError(f"EngineConfig.attention_backend: {exc}") from None
         capacity = self.pages.capacity * self.page_size
         limit = cfg.max_model_len or lm.cfg.max_position_embeddings
         self.max_model_len = min(limit, capacity)

@@ -1,0 +1,322 @@
+"""Side-by-side benchmarks, run on a GPU. Every figure is a median of timed repeats after warm-up,
+and every comparison is measured in the same process.
+
+    python -m app.bench kernels       # attention kernels: decode bandwidth, extend variants, ViT varlen
+    python -m app.bench throughput    # 256 captioning requests: engine vs static loop vs transformers
+    mmpipe bench kernels              # the same through the CLI
+
+Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+QWEN25_VL_3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2)
+QWEN25_VL_3B_TEXT = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                         num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                          "mrope_section": [16, 24, 24]})
+
+
+def median_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def table(title: str, header: list[str], rows: list[list[Any]]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- kernels
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s): the memory ceiling."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e6
+
+
+def paged_cache(batch: int, ctx: int, page_size: int, kv_heads: int, dim: int, dtype: torch.dtype):
+    pages_per_seq = math.ceil(ctx / page_size)
+    num_pages = batch * pages_per_seq + 1
+    k = torch.randn(num_pages, page_size, kv_heads, dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    table = (torch.randperm(num_pages - 1, device="cuda")[: batch * pages_per_seq] + 1).view(batch, -1).int()
+    return k, v, table
+
+
+def bench_decode(copy_gbs: float, shapes: tuple[int, int, int] = (16, 2, 128)) -> list[list[Any]]:
+    from language.attention.triton_decode import paged_decode, plan_splits
+
+    heads, kv_heads, dim = shapes
+    rows = []
+    for batch in (1, 32, 128):
+        for ctx in (512, 4096, 32768):
+            k, v, table = paged_cache(batch, ctx, 16, kv_heads, dim, torch.bfloat16)
+            q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            ms = median_ms(lambda: paged_decode(q, k, v, table, lens, out, dim**-0.5, ctx))
+            kv_bytes = 2 * batch * ctx * kv_heads * dim * 2
+            gbs = kv_bytes / ms / 1e6
+            splits, _ = plan_splits(batch, kv_heads, ctx, 64, torch.cuda.get_device_properties(0).multi_processor_count)
+            rows.append([batch, ctx, splits, round(ms * 1000, 1), round(gbs), f"{100 * gbs / copy_gbs:.0f}%"])
+            del k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_extend() -> list[list[Any]]:
+    from language.attention.cuda_backend import CudaLMAttention
+    from language.attention.metadata import AttentionMetadata
+    from language.attention.torch_backend import TorchLMAttention
+
+    heads, kv_heads, dim, page = 16, 2, 128, 16
+    cases = [("8 x 1024 new, no cache (varlen runs direct)", [(0, 1024)] * 8), ("4 x 512 new after 2048", [(2048, 512)] * 4),
+             ("16 x 128 new after 1024", [(1024, 128)] * 16), ("1 x 2048 new after 8192", [(8192, 2048)]),
+             ("1 x 8192 new after 24576", [(24576, 8192)])]
+    rows = []
+    for name, seqs in cases:
+        lens = [a + b for a, b in seqs]
+        batch = len(seqs)
+        k_cache, v_cache, table = paged_cache(batch, max(lens), page, kv_heads, dim, torch.bfloat16)
+        q_lens = [b for _, b in seqs]
+        total = sum(q_lens)
+        slots = torch.cat([table[i].long()[torch.arange(a, a + b, device="cuda") // page] * page
+                           + torch.arange(a, a + b, device="cuda") % page for i, (a, b) in enumerate(seqs)])
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        meta = AttentionMetadata(False, total, slots, torch.tensor(lens, dtype=torch.int32, device="cuda"), qsl,
+                                 table, lens, q_lens, max(q_lens), max(lens))
+        q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(total, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = torch.empty_like(q)
+        timings = {}
+        for label, backend in (("triton (pages)", CudaLMAttention(dim**-0.5, "triton")),
+                               ("gather + varlen", CudaLMAttention(dim**-0.5, "gather")),
+                               ("SDPA + mask (reference)", TorchLMAttention(dim**-0.5))):
+            timings[label] = median_ms(lambda: backend.forward(q, k, v, out, k_cache, v_cache, meta), rep=50)
+        if all(a == 0 for a, _ in seqs):
+            from language.attention.triton_extend import paged_extend
+
+            timings["triton (pages)"] = median_ms(lambda: paged_extend(
+                q, k_cache, v_cache, table, meta.seq_lens, qsl, out, dim**-0.5, max(q_lens)), rep=50)
+        flops = sum(4 * b * (a + (b + 1) / 2) * heads * dim for a, b in seqs)
+        rows.append([name] + [round(t, 3) for t in timings.values()]
+                    + [round(flops / min(timings['triton (pages)'], timings['gather + varlen']) / 1e9, 1)])
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_vit_attention() -> list[list[Any]]:
+    import torch.nn.functional as F
+
+    from vision.attention import TorchVisionAttention, VarlenVisionAttention
+    from vision.metadata import segments_of
+
+    heads, dim, patches = 16, 80, 1024  # a 448 px image in the 3B ViT
+    varlen, batched = VarlenVisionAttention(), TorchVisionAttention()
+    rows = []
+    for images in (1, 4, 16):
+        for kind, lengths in (("full (per image)", [patches] * images), ("window (8x8 patches)", [64] * 16 * images)):
+            total = sum(lengths)
+            q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            seg = segments_of(lengths, torch.device("cuda"))
+
+            def loop():  # one SDPA call per segment, as transformers' non-flash path does
+                start = 0
+                for n in lengths:
+                    s = slice(start, start + n)
+                    F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1))
+                    start += n
+
+            t_var = median_ms(lambda: varlen(q, k, v, seg))
+            t_loop = median_ms(loop, rep=50)
+            t_batched = median_ms(lambda: batched(q, k, v, seg), rep=50)
+            rows.append([images, kind, round(t_var * 1000, 1), round(t_loop * 1000, 1), round(t_batched * 1000, 1),
+                         f"{t_loop / t_var:.1f}x"])
+    return rows
+
+
+def _faster(row: list[Any]) -> str:
+    return "triton" if row[1] <= row[2] else "gather"
+
+
+def _extend_winner(rows: list[list[Any]]) -> str:
+    """The faster variant over the cases with a cached prefix (the first case has none)."""
+    wins = [_faster(r) for r in rows[1:]]
+    return max(set(wins), key=wins.count)
+
+
+def run_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth()
+    result = {"device": device, "torch": torch.__version__, "copy_GBps": round(copy_gbs)}
+    decode = bench_decode(copy_gbs)
+    extend = bench_extend()
+    vit = bench_vit_attention()
+    result.update(decode=decode, extend=extend, vit=vit)
+    print(f"device {device}, torch {torch.__version__}; device-to-device copy {copy_gbs:.0f} GB/s (read + write)\n")
+    print(table("Paged decode (Triton, split-KV), bf16, 16 q heads / 2 kv heads x 128, page 16",
+                ["batch", "context", "splits", "us", "KV GB/s", "of copy"], decode))
+    print(table("Extend attention, bf16, ms (all three include the KV write)",
+                ["case", "triton (pages)", "gather + varlen", "SDPA + mask (reference)", "best TFLOP/s"], extend))
+    result["extend_winner"] = _extend_winner(extend)
+    print(f"extend over a cached prefix: {result['extend_winner']} is faster in "
+          f"{sum(1 for r in extend[1:] if _faster(r) == result['extend_winner'])} of {len(extend) - 1} cases\n")
+    print(table("ViT attention, bf16, 16 heads x 80, 1024 patches per image, us",
+                ["images", "segments", "varlen", "per-segment SDPA loop", "batched SDPA (reference)",
+                 "loop / varlen"], vit))
+    return result
+
+
+# ---------------------------------------------------------------------------- throughput
+
+def build_3b_checkpoint(path: str) -> str:
+    """A Qwen2.5-VL-3B-shaped checkpoint with random bfloat16 weights."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mmpipe.synthetic import build_tokenizer, qwen2_5_vl_config, write_checkpoint
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tokenizer = build_tokenizer(vocab_size=512)
+    config = qwen2_5_vl_config(tokenizer, vision=QWEN25_VL_3B_VISION, text=QWEN25_VL_3B_TEXT, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    write_checkpoint(path, model, tokenizer, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def hf_generate_batched(model: Any, path: str, images: list[Any], prompt: str, new_tokens: int,
+                        batch_size: int) -> float:
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       {"type": "text", "text": prompt}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for first in range(0, len(images), batch_size):
+        batch = images[first:first + batch_size]
+        pixels = processor(images=batch, return_tensors="pt")
+        counts = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
+        ids = [tokenizer(text.replace("<|image_pad|>", "<|image_pad|>" * c), add_special_tokens=False)["input_ids"]
+               for c in counts]
+        width = max(len(x) for x in ids)
+        input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])  # left padding
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "mm_token_type_ids": (input_ids == image_token).int(),
+                  **pixels}
+        model.generate(**{k: v.cuda() for k, v in inputs.items()}, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, top_k=None, top_p=None,
+                       temperature=None)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mmpipe import Pipeline, SamplingParams
+    from mmpipe.engine.simple_loop import SimpleLoop
+    from mmpipe.pipeline import caption_conversation
+
+    path = build_3b_checkpoint(args.checkpoint or os.path.join(tempfile.gettempdir(), "mmpipe-3b-random"))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)) for _ in range(args.requests)]
+    prompt = "Describe this image."
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=0.0)
+    tokens = args.requests * args.new_tokens
+    results: dict[str, float] = {}
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    with torch.inference_mode():
+        hf_generate_batched(model, path, images[:4], prompt, 4, 4)  # warm-up
+        results[f"transformers generate, batches of {args.hf_batch}"] = hf_generate_batched(
+            model, path, images, prompt, args.new_tokens, args.hf_batch)
+    del model
+    torch.cuda.empty_cache()
+
+    pipe = Pipeline.from_pretrained(path, device="cuda", dtype="bfloat16", num_kv_pages=args.kv_pages,
+                                    **json.loads(args.engine or "{}"))
+    convs = [caption_conversation(im, prompt) for im in images]
+    pipe.chat(convs[:8], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up (Triton JIT, cuBLAS)
+    loop = SimpleLoop(pipe.runner)
+
+    def old_loop() -> None:
+        requests = [pipe.processor.build(i, *pipe.processor.render_chat(c, "b"), params, "b")
+                    for i, c in enumerate(convs)]
+        loop.run(requests)
+
+    for name, fn in (("mmpipe engine (continuous batching)", lambda: pipe.chat(convs, params, progress=False)),
+                     ("mmpipe old loop (static batches)", old_loop)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        results[name] = time.perf_counter() - start
+    base = results[f"transformers generate, batches of {args.hf_batch}"]
+    rows = [[name, round(sec, 2), round(args.requests / sec, 1), round(tokens / sec), f"{base / sec:.1f}x"]
+            for name, sec in results.items()]
+    print(f"{args.requests} requests, one 448x448 image each, {args.new_tokens} new tokens (ignore_eos), "
+          f"Qwen2.5-VL-3B-shaped random weights, bfloat16, {torch.cuda.get_device_name()}\n")
+    print(table("Captioning throughput", ["system", "seconds", "requests/s", "generated tok/s", "vs transformers"],
+                rows))
+    return {"rows": rows, "device": torch.cuda.get_device_name(), "requests": args.requests,
+            "new_tokens": args.new_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmpipe bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    sub.add_parser("kernels", help="attention kernels")
+    tp = sub.add_parser("throughput", help="captioning throughput: engine vs old loop vs transformers")
+    tp.add_argument("--requests", type=int, default=256)
+    tp.add_argument("--new-tokens", type=int, default=64)
+    tp.add_argument("--hf-batch", type=int, default=64)
+    tp.add_argument("--kv-pages", type=int, default=8192)
+    tp.add_argument("--checkpoint", default=None, help="reuse (or create) the 3B-shaped checkpoint here")
+    tp.add_argument("--engine", default=None, help="JSON of EngineConfig overrides")
+    for p in sub.choices.values():
+        p.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU", file=sys.stderr)
+        return 2
+    result = {"kernels": run_kernels, "throughput": run_throughput}[args.what](args)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""LM attention on CUDA: Triton paged decode (split-KV, capturable) and extend attention.
+
+Extend has three paths:
+- no sequence has a cached prefix (plain prefill) and the dtype is half: FlashAttention inside
+  PyTorch (`varlen_attn`) straight on the new K/V, causal;
+- otherwise `extend="triton"`: the Triton kernel reading the prefix through the page table;
+- or `extend="gather"`: the prefix gathered into contiguous K/V, then `varlen_attn`.
+`app/bench.py kernels` measures the last two; the default is the faster one there.
+Float32 always uses the Triton kernels (FlashAttention has no float32).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from language.attention.metadata import AttentionMetadata
+from language.attention.torch_backend import write_kv
+from language.attention.triton_decode import paged_decode
+from language.attention.triton_extend import paged_extend
+
+
+def _varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if "window_size" in params else None
+
+
+class CudaLMAttention:
+    name = "cuda"
+    graph_safe = True
+
+    def __init__(self, scale: float, extend: str = "triton") -> None:
+        if extend not in ("triton", "gather"):
+            raise ValueError(f"extend={extend!r}: use 'triton' or 'gather'")
+        self.scale = scale
+        self.extend = extend
+        self._varlen = _varlen()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        rows = meta.slot_mapping.shape[0]
+        write_kv(k_cache, v_cache, k[:rows], v[:rows], meta.slot_mapping)
+        if meta.is_decode:
+            paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, self.scale, meta.max_seq_len)
+            return
+        half = q.dtype in (torch.float16, torch.bfloat16) and self._varlen is not None
+        if half and meta.query_lens_host == meta.seq_lens_host:
+            self._varlen_causal(q, k, v, out, meta.query_start_loc, meta.query_start_loc,
+                                meta.max_query_len, meta.max_query_len, meta.num_tokens)
+        elif half and self.extend == "gather":
+            keys, values, cu_k = gather_context(k_cache, v_cache, meta)
+            self._varlen_causal(q, keys, values, out, meta.query_start_loc, cu_k, meta.max_query_len,
+                                meta.max_seq_len, meta.num_tokens)
+        else:
+            paged_extend(q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.query_start_loc, out,
+                         self.scale, meta.max_query_len)
+
+    def _varlen_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, n: int) -> None:
+        if k.shape[1] != q.shape[1]:  # varlen_attn in torch 2.11 takes equal head counts
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        # window (-1, 0): causal, aligned so the last query sees the last key (the cached prefix
+        # comes first).
+        out[:n] = self._varlen(q[:n], k, v, cu_q, cu_k, max_q, max_k, scale=self.scale, window_size=(-1, 0))
+
+
+def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every sequence's whole context (prefix + new) as contiguous [sum(seq_lens), Hkv, D] K/V."""
+    device = meta.seq_lens.device
+    page_size = k_cache.shape[1]
+    lens = meta.seq_lens.long()
+    total = sum(meta.seq_lens_host)
+    cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=device)
+    cu[1:] = lens.cumsum(0)
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=total)
+    pos = torch.arange(total, device=device) - cu[:-1].long()[seq]
+    slots = meta.page_table.long()[seq, pos // page_size] * page_size + pos % page_size
+    heads, dim = k_cache.shape[-2:]
+    keys = k_cache.view(-1, heads, dim).index_select(0, slots)
+    values = v_cache.view(-1, heads, dim).index_select(0, slots)
+    return keys, values, cu
