@@ -95,8 +95,8 @@ class EngineConfig:
     # Attention implementation for the language model and the ViT: "auto" picks the fastest
     # one available on the device; "torch" is the reference.
     attention_backend: str = "auto"
-    # Extend attention over a cached prefix on CUDA: "triton" (reads pages), "gather" (contiguous
-    # copy + FlashAttention) or "auto" (the faster in `app/bench.py kernels`).
+    # Prefill (extend) attention on CUDA: "triton" (reads the cache's pages), "varlen"
+    # (FlashAttention on contiguous K/V) or "auto" (by context length; see cuda_backend).
     extend_attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -113,9 +113,9 @@ class EngineConfig:
             raise InputError(f"EngineConfig.kv_memory_fraction={self.kv_memory_fraction!r}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise InputError(f"EngineConfig.max_model_len={self.max_model_len!r}: must be positive")
-        if self.extend_attention not in ("auto", "triton", "gather"):
+        if self.extend_attention not in ("auto", "triton", "varlen"):
             raise InputError(f"EngineConfig.extend_attention={self.extend_attention!r}: "
-                             "use 'auto', 'triton' or 'gather'")
+                             "use 'auto', 'triton' or 'varlen'")
         if self.attention_backend not in ("auto", "torch", "cuda"):
             raise InputError(f"EngineConfig.attention_backend={self.attention_backend!r}: "
                              "use 'auto', 'torch' or 'cuda'")

@@ -66,7 +66,7 @@ def run_both(backend, q, k, v, k_cache, v_cache, meta):
     return out, ref
 
 
-def cuda_backend(extend="triton"):
+def cuda_backend(extend="auto"):
     pytest.importorskip("triton")
     from language.attention.cuda_backend import CudaLMAttention
 
@@ -109,9 +109,9 @@ def test_decode_padding_rows_are_zero_and_harmless():
     assert set(touched) <= set(real_pages) | {0}  # padding wrote only to the dummy page
 
 
-# The gather path is FlashAttention, which has no float32: float32 always takes the Triton path.
+# The varlen path is FlashAttention, which has no float32: float32 always takes the Triton path.
 @pytest.mark.parametrize("extend,dtype", [("triton", torch.float32), ("triton", torch.bfloat16),
-                                          ("gather", torch.bfloat16)])
+                                          ("varlen", torch.bfloat16)])
 @pytest.mark.parametrize("dim,heads,kv_heads,page_size", SHAPES)
 def test_extend_matches_reference(extend, dtype, dim, heads, kv_heads, page_size):
     seqs = [(0, 37), (17, 3), (333, 1), (1, 130), (0, 0), (4000, 65)]
@@ -125,7 +125,7 @@ def test_extend_matches_reference(extend, dtype, dim, heads, kv_heads, page_size
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plain_prefill_and_long_context_extend(dtype):
-    """No cached prefix (the FlashAttention path for bf16), and an 8k-token chunk over a 24k prefix."""
+    """No cached prefix, and an 8k-token chunk over a 24k prefix (varlen under "auto" in bf16)."""
     for seqs in ([(0, 1), (0, 513), (0, 77)], [(24000, 8192)]):
         q, k, v, kc, vc, meta = paged_setup(seqs, 16, 16, 2, 128, dtype, seed=len(seqs))
         backend = cuda_backend()

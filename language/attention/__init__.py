@@ -11,7 +11,6 @@ import torch
 from language.attention.metadata import AttentionMetadata
 from language.attention.torch_backend import TorchLMAttention
 
-EXTEND_DEFAULT = "triton"  # the faster extend path in `app/bench.py kernels` (see cuda_backend)
 
 
 def cuda_attention_available(device: torch.device) -> bool:
@@ -33,7 +32,7 @@ def make_lm_attention(backend: str, device: torch.device, dtype: torch.dtype, sc
         raise ValueError(f"attention_backend='cuda' needs a CUDA device and Triton (device is {device})")
     from language.attention.cuda_backend import CudaLMAttention
 
-    return CudaLMAttention(scale, EXTEND_DEFAULT if extend == "auto" else extend)
+    return CudaLMAttention(scale, extend)
 
 
 __all__ = ["AttentionMetadata", "TorchLMAttention", "make_lm_attention", "cuda_attention_available"]

@@ -1,12 +1,14 @@
 """LM attention on CUDA: Triton paged decode (split-KV, capturable) and extend attention.
 
-Extend has three paths:
-- no sequence has a cached prefix (plain prefill) and the dtype is half: FlashAttention inside
-  PyTorch (`varlen_attn`) straight on the new K/V, causal;
-- otherwise `extend="triton"`: the Triton kernel reading the prefix through the page table;
-- or `extend="gather"`: the prefix gathered into contiguous K/V, then `varlen_attn`.
-`app/bench.py kernels` measures the last two; the default is the faster one there.
-Float32 always uses the Triton kernels (FlashAttention has no float32).
+Extend has two implementations:
+- "triton": the Triton kernel, reading the cached prefix through the page table;
+- "varlen": FlashAttention inside PyTorch (`varlen_attn`), straight on the new K/V when no
+  sequence has a cached prefix, else on the prefix gathered into contiguous K/V.
+"auto" picks by size, from `app/bench.py kernels` on an H200 (bf16, 16/2 heads x 128): Triton
+was faster up to a few thousand tokens of context (0.18 vs 0.30 ms for 8 x 1024 fresh tokens,
+0.10 vs 0.34 ms for 16 x 128 after 1024), varlen from about 8k on (0.67 vs 0.74 ms for 2048
+after 8192, 6.0 vs 7.9 ms for 8192 after 24576). Float32 always uses Triton (FlashAttention
+has no float32).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from language.attention.metadata import AttentionMetadata
 from language.attention.torch_backend import write_kv
 from language.attention.triton_decode import paged_decode
 from language.attention.triton_extend import paged_extend
+
+
+VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel
 
 
 def _varlen():
@@ -34,9 +39,9 @@ class CudaLMAttention:
     name = "cuda"
     graph_safe = True
 
-    def __init__(self, scale: float, extend: str = "triton") -> None:
-        if extend not in ("triton", "gather"):
-            raise ValueError(f"extend={extend!r}: use 'triton' or 'gather'")
+    def __init__(self, scale: float, extend: str = "auto") -> None:
+        if extend not in ("auto", "triton", "varlen"):
+            raise ValueError(f"extend={extend!r}: use 'auto', 'triton' or 'varlen'")
         self.scale = scale
         self.extend = extend
         self._varlen = _varlen()
@@ -48,17 +53,22 @@ class CudaLMAttention:
         if meta.is_decode:
             paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, self.scale, meta.max_seq_len)
             return
-        half = q.dtype in (torch.float16, torch.bfloat16) and self._varlen is not None
-        if half and meta.query_lens_host == meta.seq_lens_host:
-            self._varlen_causal(q, k, v, out, meta.query_start_loc, meta.query_start_loc,
-                                meta.max_query_len, meta.max_query_len, meta.num_tokens)
-        elif half and self.extend == "gather":
-            keys, values, cu_k = gather_context(k_cache, v_cache, meta)
-            self._varlen_causal(q, keys, values, out, meta.query_start_loc, cu_k, meta.max_query_len,
-                                meta.max_seq_len, meta.num_tokens)
+        if self._use_varlen(q.dtype, meta):
+            if meta.query_lens_host == meta.seq_lens_host:  # nothing cached: attend to the new K/V
+                self._varlen_causal(q, k, v, out, meta.query_start_loc, meta.query_start_loc,
+                                    meta.max_query_len, meta.max_query_len, meta.num_tokens)
+            else:
+                keys, values, cu_k = gather_context(k_cache, v_cache, meta)
+                self._varlen_causal(q, keys, values, out, meta.query_start_loc, cu_k, meta.max_query_len,
+                                    meta.max_seq_len, meta.num_tokens)
         else:
             paged_extend(q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.query_start_loc, out,
                          self.scale, meta.max_query_len)
+
+    def _use_varlen(self, dtype: torch.dtype, meta: AttentionMetadata) -> bool:
+        if dtype not in (torch.float16, torch.bfloat16) or self._varlen is None or self.extend == "triton":
+            return False
+        return self.extend == "varlen" or meta.max_seq_len >= VARLEN_FROM_CONTEXT
 
     def _varlen_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, n: int) -> None:
