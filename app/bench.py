@@ -3,6 +3,7 @@ and every comparison is measured in the same process.
 
     python -m app.bench kernels       # attention kernels: decode bandwidth, extend variants, ViT varlen
     python -m app.bench throughput    # 256 captioning requests: engine vs static loop vs transformers
+    python -m app.bench vit           # ViT per-image latency (transformers / eager / graph), graph memory
     mmpipe bench kernels              # the same through the CLI
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded).
@@ -282,6 +283,151 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "new_tokens": args.new_tokens}
 
 
+# ---------------------------------------------------------------------------- ViT graphs
+
+def vision_pair(depth: int | None = None):
+    """transformers' Qwen2.5-VL-3B vision tower with random weights, and mmpipe's with the same weights."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from vision.attention import make_vision_attention
+    from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+
+    shape = dict(QWEN25_VL_3B_VISION, **({"depth": depth} if depth else {}))
+    hf_config = Qwen2_5_VLConfig(vision_config=shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf_config.vision_config).to(torch.bfloat16).eval()
+    cfg = VisionConfig.from_hf({"vision_config": shape})
+    with torch.device("cuda"):
+        ours = Qwen25VisionTransformer(cfg).to(torch.bfloat16).eval()
+    ours.rotary.init_buffers()
+    weights = ours.weight_map()
+    loaded, unexpected = weights.load(hf.state_dict().items())
+    assert not unexpected and weights.expected_names() <= loaded
+    ours.attention = make_vision_attention("auto", torch.device("cuda"), torch.bfloat16)
+    return hf, ours
+
+
+def _wall_ms(fn: Callable[[], Any], warmup: int = 3, reps: int = 15) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_ms(fn: Callable[[], Any]) -> float:
+    """Sum of the GPU kernel times of one call (the floor with no launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for event in prof.events():
+        if getattr(event.device_type, "name", "") == "CUDA":
+            total_us += getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+    return total_us / 1000
+
+
+def run_vit(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    from PIL import Image
+
+    from vision.graph_runner import ViTGraphRunner, default_buckets
+    from vision.metadata import build_pack_meta
+    from vision.preprocess import ImageProcessorConfig, preprocess_image
+
+    hf, ours = vision_pair()
+    runner = ViTGraphRunner(ours, torch.device("cuda"), default_buckets(16384))
+    image_cfg = ImageProcessorConfig(max_pixels=1344 * 1344)
+    rows = []
+    with torch.inference_mode():
+        for side in (224, 448, 896, 1344):
+            image = Image.fromarray(np.random.default_rng(side).integers(0, 256, (side, side, 3), dtype=np.uint8))
+            processed = preprocess_image(image, image_cfg)
+            pixels = processed.pixel_values.cuda()
+            grid = torch.tensor([processed.grid_thw], device="cuda")
+            grids = [processed.grid_thw]
+
+            def hf_run():
+                return hf(pixels, grid_thw=grid).pooler_output
+
+            def eager_run():
+                return ours(pixels, build_pack_meta(grids, 2, ours.cfg.window_size, ours.cfg.patch_size))
+
+            def graph_run():
+                out = runner.encode(pixels, build_pack_meta(grids, 2, ours.cfg.window_size, ours.cfg.patch_size))
+                return out.clone()
+
+            reference = hf_run()
+            agree = max(((x.double() - reference.double()).norm() / reference.double().norm()).item()
+                        for x in (eager_run(), graph_run()))
+            t_hf, t_eager, t_graph = _wall_ms(hf_run), _wall_ms(eager_run), _wall_ms(graph_run)
+            floor = _kernel_ms(graph_run) or _kernel_ms(eager_run)  # graph kernels may be invisible
+            rows.append([f"{side} px", processed.num_patches, round(t_hf, 2), round(t_eager, 2), round(t_graph, 2),
+                         round(floor, 2), f"{t_hf / t_graph:.1f}x", f"{t_graph / floor:.2f}x", f"{agree:.1e}"])
+    stats = runner.stats.as_dict()
+    runner.close()
+    print(f"{torch.cuda.get_device_name()}, Qwen2.5-VL-3B vision tower (random weights), bfloat16, one image "
+          "per call, ms (median of 15)\n")
+    print(table("ViT latency per image", ["image", "patches", "transformers eager", "mmpipe eager", "mmpipe graph",
+                                          "graph kernel sum", "transformers / graph", "graph / kernel sum",
+                                          "max rel diff vs transformers"], rows))
+    memory = vit_memory(ours)
+    return {"latency": rows, "graph_stats": stats, "memory": memory}
+
+
+def vit_memory(vit: Any) -> dict[str, float]:
+    """Physical graph memory after capturing 16 buckets in ascending order, per memory mode."""
+    import gc
+
+    from vision.graph_runner import ViTGraphRunner
+    from vision.metadata import build_pack_meta
+
+    def used() -> int:
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    buckets = [256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 12288, 16384]
+    results: dict[str, float] = {}
+    with torch.inference_mode():
+        for label, mode, order in (("arena, largest alone", "arena", buckets[-1:]),
+                                   ("arena, 16 ascending", "arena", buckets),
+                                   ("one shared pool, 16 ascending", "shared", buckets),
+                                   ("pool per graph, largest alone", "per_graph", buckets[-1:]),
+                                   ("pool per graph, 16 ascending", "per_graph", buckets)):
+            base = used()
+            runner = ViTGraphRunner(vit, torch.device("cuda"), buckets, max_graphs=32, memory=mode)
+            static = used() - base
+            start = time.perf_counter()
+            for bucket in order:
+                grid = [(1, 2, bucket // 2)]
+                meta = build_pack_meta(grid, 2, vit.cfg.window_size, vit.cfg.patch_size)
+                runner.encode(torch.randn(bucket, vit.patch_dim, device="cuda"), meta)
+            seconds = time.perf_counter() - start
+            results[label] = (used() - base - static) / 2**20
+            results[label + " (capture s)"] = round(seconds, 2)
+            runner.close()
+            del runner
+    alone = results["arena, largest alone"]
+    rows = [[k, f"{v:.0f}", f"{v / alone:.2f}x"] for k, v in results.items() if not k.endswith("(capture s)")]
+    print(table("ViT graph memory (MiB of GPU memory held by the graphs; 3B vision tower, 16 buckets 256..16384 "
+                "patches)", ["memory", "MiB", "vs arena largest alone"], rows))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmpipe bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -293,13 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--kv-pages", type=int, default=8192)
     tp.add_argument("--checkpoint", default=None, help="reuse (or create) the 3B-shaped checkpoint here")
     tp.add_argument("--engine", default=None, help="JSON of EngineConfig overrides")
+    sub.add_parser("vit", help="ViT latency: transformers vs mmpipe eager vs graph; graph memory by mode")
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
-    result = {"kernels": run_kernels, "throughput": run_throughput}[args.what](args)
+    result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit}[args.what](args)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

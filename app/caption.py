@@ -65,6 +65,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
     parser.add_argument("--output", default=None, help="write JSON lines here (appends; resumes)")
+    parser.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="CUDA graphs for the vision encoder (default: on with CUDA)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     done = _done_paths(args.output) if args.output else set()
     todo = [p for p in paths if p not in done]
-    pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, vit_graphs=args.vit_graphs)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     sink = open(args.output, "a") if args.output else None
     failed = captioned = 0

@@ -92,6 +92,15 @@ class EngineConfig:
     encoder_cache_bytes: int = 1 << 30
     # Threads decoding and preprocessing images ahead of the engine.
     preprocess_workers: int = 4
+    # CUDA graphs for the vision encoder, captured lazily per bucket of packed patch count.
+    # None: on when the device is CUDA and the ViT attention can be captured (half precision).
+    vit_graphs: bool | None = None
+    # Patch-count buckets (None: 64-patch steps to 1024, 256 to 4096, 1024 above, to max_vision_patches).
+    vit_graph_buckets: tuple[int, ...] | None = None
+    vit_graph_max_graphs: int = 32  # live graphs; the least recently used is evicted beyond this
+    vit_graph_max_images: int = 64  # images in one graph call (segment slots are sized for it)
+    # Graph memory: "arena" (VMM, ~largest graph), "shared" (one pool), "per_graph".
+    vit_graph_memory: str = "arena"
     # Attention implementation for the language model and the ViT: "auto" picks the fastest
     # one available on the device; "torch" is the reference.
     attention_backend: str = "auto"
@@ -101,12 +110,21 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("kv_page_size", "max_running_requests", "max_prefill_tokens", "max_vision_patches",
-                     "cpu_kv_tokens", "preprocess_workers"):
+                     "cpu_kv_tokens", "preprocess_workers", "vit_graph_max_graphs", "vit_graph_max_images"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2):
             raise InputError(f"EngineConfig.num_kv_pages={self.num_kv_pages!r}: must be an integer >= 2")
+        if self.vit_graph_memory not in ("arena", "shared", "per_graph"):
+            raise InputError(f"EngineConfig.vit_graph_memory={self.vit_graph_memory!r}: "
+                             "use 'arena', 'shared' or 'per_graph'")
+        if self.vit_graph_buckets is not None:
+            buckets = tuple(int(b) for b in self.vit_graph_buckets)
+            if not buckets or min(buckets) <= 0:
+                raise InputError(f"EngineConfig.vit_graph_buckets={self.vit_graph_buckets!r}: "
+                                 "give positive patch counts")
+            object.__setattr__(self, "vit_graph_buckets", buckets)
         if not isinstance(self.encoder_cache_bytes, int) or self.encoder_cache_bytes < 0:
             raise InputError(f"EngineConfig.encoder_cache_bytes={self.encoder_cache_bytes!r}: must be >= 0")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

@@ -179,6 +179,8 @@ class Pipeline:
     def close(self) -> None:
         """Release the model and KV cache (GPU memory)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if "runner" in self.__dict__:
+            self.runner.close()
         for name in ("engine", "runner", "model", "processor"):
             self.__dict__.pop(name, None)
         if torch.cuda.is_available():

@@ -23,6 +23,7 @@ from mmpipe.engine.request import Request, logprob_dict
 from mmpipe.models import LoadedModel
 from mmpipe.runtime.context import ForwardContext, forward_context
 from vision.attention import make_vision_attention
+from vision.graph_runner import ViTGraphRunner, default_buckets
 from vision.metadata import build_pack_meta
 from vision.preprocess import PreprocessedImage
 
@@ -65,6 +66,7 @@ class ModelRunner:
                           self.device)
         self.pages = PageAllocator(num_pages)
         model.vision.attention = make_vision_attention(cfg.attention_backend, self.device, self.dtype)
+        self.vit_graphs = self._make_vit_graphs()
         try:
             self.lm_attention = make_lm_attention(cfg.attention_backend, self.device, self.dtype,
                                                   lm.head_dim**-0.5, cfg.extend_attention)
@@ -77,6 +79,29 @@ class ModelRunner:
         log.info("KV cache: %d pages of %d tokens (%d tokens, %.1f MiB); max_model_len %d", num_pages,
                  self.page_size, capacity, self.kv.storage.numel() * self.kv.storage.element_size() / 2**20,
                  self.max_model_len)
+
+    def _make_vit_graphs(self) -> "ViTGraphRunner | None":
+        cfg, vit = self.cfg, self.model.vision
+        wanted = cfg.vit_graphs if cfg.vit_graphs is not None else self.device.type == "cuda"
+        if not wanted:
+            return None
+        if self.device.type != "cuda":
+            log.info("ViT graphs need CUDA; the vision encoder runs eagerly on %s", self.device)
+            return None
+        if not getattr(vit.attention, "graph_safe", False):
+            log.info("ViT graphs off: the %s attention path (%s) cannot be captured; running eagerly",
+                     vit.attention.name, str(self.dtype).removeprefix("torch."))
+            return None
+        buckets = cfg.vit_graph_buckets or default_buckets(cfg.max_vision_patches, vit.cfg.merge_unit)
+        return ViTGraphRunner(vit, self.device, buckets, cfg.vit_graph_max_graphs, cfg.vit_graph_memory,
+                              cfg.vit_graph_max_images)
+
+    def close(self) -> None:
+        """Release graphs (before their memory), then the KV cache."""
+        if self.vit_graphs is not None:
+            self.vit_graphs.close()
+            self.vit_graphs = None
+        self.kv = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ sizing
 
@@ -139,12 +164,16 @@ class ModelRunner:
         meta = build_pack_meta([im.grid_thw for im in images], vit.cfg.spatial_merge_size, vit.cfg.window_size,
                                vit.cfg.patch_size)
         pixels = torch.cat([im.pixel_values for im in images]).to(self.device, non_blocking=True)
-        merged = vit(pixels, meta)
+        merged = self.vit_graphs.encode(pixels, meta) if self.vit_graphs is not None else None
+        in_graph_memory = merged is not None
+        if merged is None:
+            merged = vit(pixels, meta)
         self.stats.vision_calls += 1
         self.stats.images_encoded += len(images)
-        if len(images) == 1:
+        if len(images) == 1 and not in_graph_memory:
             return [merged]
-        # Copies, so that caching one image's embeddings does not keep the whole pack alive.
+        # Copies: graph outputs must leave graph memory before the next replay, and caching one
+        # image's embeddings must not keep a whole pack alive.
         return [part.clone() for part in merged.split(meta.tokens_per_image)]
 
     # ------------------------------------------------------------------ language model

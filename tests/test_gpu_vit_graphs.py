@@ -1,0 +1,201 @@
+"""Lazy ViT CUDA graphs and the VMM arena, on the GPU (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import gc
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vision.attention import VarlenVisionAttention
+from vision.graph_runner import ViTGraphRunner, default_buckets
+from vision.metadata import build_pack_meta
+from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+SMALL = dict(depth=4, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=256,
+             fullatt_block_indexes=(1, 3), window_size=112)
+
+
+def make_vit(seed: int = 0, **shape) -> Qwen25VisionTransformer:
+    cfg = VisionConfig(**{**SMALL, **shape})
+    torch.manual_seed(seed)
+    vit = Qwen25VisionTransformer(cfg)
+    with torch.no_grad():
+        for name, p in vit.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name or "ln_q" in name else torch.randn_like(p) * 0.05)
+    vit = vit.to(device=CUDA, dtype=torch.bfloat16).eval()
+    vit.rotary.init_buffers()
+    vit.attention = VarlenVisionAttention()
+    return vit
+
+
+def inputs(vit, grids, seed=0):
+    meta = build_pack_meta(grids, 2, vit.cfg.window_size, vit.cfg.patch_size)
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    pixels = torch.randn(meta.num_patches, vit.patch_dim, generator=gen, device=CUDA)
+    return pixels, meta
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def used_bytes() -> int:
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+@pytest.fixture(scope="module")
+def vit():
+    return make_vit()
+
+
+def test_graph_equals_eager_for_single_images(vit):
+    runner = ViTGraphRunner(vit, CUDA, default_buckets(4096))
+    with torch.inference_mode():
+        for i, grid in enumerate([(1, 4, 4), (1, 8, 12), (1, 16, 16), (1, 22, 14), (1, 2, 60), (1, 32, 32),
+                                  (1, 46, 30), (1, 64, 64), (1, 10, 6)]):
+            pixels, meta = inputs(vit, [grid], seed=i)
+            graph = runner.encode(pixels, meta).clone()
+            eager = vit(pixels, meta)
+            assert graph.shape == eager.shape
+            assert rel(graph, eager) <= 1e-2, grid
+    assert runner.stats.captures >= 6 and runner.stats.eager_fallbacks == 0
+    runner.close()
+
+
+def test_same_total_different_boundaries_replayed_alternately(vit):
+    """4+6+8 vs 5+5+8 merged rows: the same bucket and graph, different segment boundaries."""
+    runner = ViTGraphRunner(vit, CUDA, [72, 128])
+    a = [(1, 4, 4), (1, 4, 6), (1, 4, 8)]
+    b = [(1, 2, 10), (1, 2, 10), (1, 4, 8)]
+    with torch.inference_mode():
+        packs = [inputs(vit, a, seed=1), inputs(vit, b, seed=2), inputs(vit, list(reversed(a)), seed=3)]
+        eager = [vit(p, m) for p, m in packs]
+        for round_ in range(3):
+            for (pixels, meta), expected in zip(packs, eager):
+                got = runner.encode(pixels, meta).clone()
+                assert rel(got, expected) <= 1e-2
+    assert runner.stats.captures == 1 and runner.stats.replays == 9
+    # The graph really saw different boundaries: a graph frozen to the first layout would differ.
+    frozen = runner.encode(*packs[0]).clone()
+    assert rel(frozen, eager[1]) > 0.1
+    runner.close()
+
+
+def test_packs_with_padding_and_eager_fallbacks(vit):
+    runner = ViTGraphRunner(vit, CUDA, [256, 1024], max_images=4)
+    with torch.inference_mode():
+        pixels, meta = inputs(vit, [(1, 8, 8), (1, 6, 10), (1, 12, 4)], seed=5)  # 172 patches -> bucket 256
+        assert rel(runner.encode(pixels, meta).clone(), vit(pixels, meta)) <= 1e-2
+        assert runner.encode(*inputs(vit, [(1, 40, 40)])) is None  # 1600 > largest bucket
+        assert runner.encode(*inputs(vit, [(1, 2, 2)] * 5)) is None  # more images than slots
+    assert runner.stats.eager_fallbacks == 2
+    runner.close()
+
+
+def test_arena_keeps_graph_memory_at_the_largest_capture():
+    """16 buckets captured in ascending order (the worst order for a caching pool)."""
+    vit = make_vit(depth=8, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                   fullatt_block_indexes=(3, 7))
+    buckets = [256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240, 12288]
+    results = {}
+    with torch.inference_mode():
+        for mode, order in (("arena", buckets), ("arena", buckets[-1:]), ("shared", buckets),
+                            ("per_graph", buckets), ("per_graph", buckets[-1:])):
+            base = used_bytes()
+            runner = ViTGraphRunner(vit, CUDA, buckets, max_graphs=32, memory=mode)
+            static = used_bytes() - base
+            for bucket in order:
+                pixels, meta = inputs(vit, [(1, 2, bucket // 2)])
+                assert runner.encode(pixels, meta) is not None
+            held = used_bytes() - base - static
+            results[(mode, len(order))] = held
+            if mode == "arena":
+                assert runner.memory.physical_bytes() <= held
+            runner.close()
+            del runner
+            assert used_bytes() - base < 64 << 20  # everything came back
+    arena16, alone = results[("arena", 16)], results[("arena", 1)]
+    print("\ngraph memory, MiB: " + ", ".join(f"{m} x{n}: {v / 2**20:.0f}" for (m, n), v in results.items()))
+    assert arena16 <= 1.1 * alone
+    assert results[("shared", 16)] > arena16 and results[("per_graph", 16)] > 3 * arena16
+
+
+def test_capture_evict_recapture_100_buckets_without_leaks(vit):
+    base = used_bytes()
+    runner = ViTGraphRunner(vit, CUDA, [64 * k for k in range(1, 101)], max_graphs=6)
+    rng = random.Random(0)
+    order = list(range(1, 101))
+    rng.shuffle(order)
+    order += rng.sample(range(1, 101), 40)  # recaptures of evicted buckets
+    peak = 0
+    with torch.inference_mode():
+        for step, k in enumerate(order):
+            pixels, meta = inputs(vit, [(1, 2, 32 * k)], seed=step)
+            out = runner.encode(pixels, meta)
+            if step % 17 == 0:
+                assert rel(out.clone(), vit(pixels, meta)) <= 1e-2
+            peak = max(peak, runner.memory.physical_bytes())
+    live: list[int] = []
+    expected = 0
+    for k in order:  # least-recently-used with room for 6
+        if k in live:
+            live.remove(k)
+        else:
+            expected += 1
+            if len(live) == 6:
+                live.pop(0)
+        live.append(k)
+    assert runner.stats.captures == expected > 100 and runner.stats.evictions == expected - 6
+    assert runner.stats.graphs_live == 6
+    arena = runner.memory.arena
+    assert len(arena.ranges) == 6  # evicted captures gave their address ranges back
+    runner.close()
+    assert arena.physical == 0 and not arena.ranges
+    assert used_bytes() - base < 64 << 20
+
+
+def test_interpreter_exit_with_live_graphs_is_clean():
+    script = textwrap.dedent("""
+        import torch, sys
+        sys.path.insert(0, ".")
+        from tests.test_gpu_vit_graphs import make_vit, inputs
+        from vision.graph_runner import ViTGraphRunner
+        vit = make_vit()
+        runner = ViTGraphRunner(vit, torch.device("cuda"), [64, 128, 256])
+        with torch.inference_mode():
+            for grid in [(1, 8, 8), (1, 8, 16), (1, 16, 16)]:
+                runner.encode(*inputs(vit, [grid]))
+        print("captured", runner.stats.captures)
+        # no close(): graphs, pools and the arena are left to interpreter exit
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "captured 3" in done.stdout
+
+
+def test_captions_are_identical_with_graphs_on_and_off():
+    from app.eval_captions import TEST_SEED_BASE, mmpipe_captions
+    from app.scenes import make_scene
+    from mmpipe import Pipeline
+
+    images = [make_scene(s).image for s in range(TEST_SEED_BASE, TEST_SEED_BASE + 50)]
+    on = Pipeline.from_pretrained(device="cuda", dtype="bfloat16", num_kv_pages=4096, vit_graphs=True)
+    off = Pipeline.from_pretrained(device="cuda", dtype="bfloat16", num_kv_pages=4096, vit_graphs=False)
+    assert off.runner.vit_graphs is None
+    with_graphs = mmpipe_captions(on, images)
+    stats = on.runner.vit_graphs.stats
+    assert stats.captures > 0 and stats.replays > 0
+    assert with_graphs == mmpipe_captions(off, images)
+    on.close()
+    off.close()

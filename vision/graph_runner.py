@@ -1,0 +1,264 @@
+"""Lazy CUDA graphs for the vision encoder, keyed by bucketed patch count.
+
+Captured region: every ViT block and the patch merger, plus the un-permutation of merged rows.
+Outside it, per call: patch embedding, rotary tables, window order, and segment boundaries,
+written into static buffers that were allocated once at the largest bucket and are only sliced.
+
+A pack of images with N patches runs in the graph of the smallest bucket >= N (captured the
+first time it is needed). Rows N..bucket are padding: they form their own segments (chopped to
+the window size in windowed blocks), so they never mix with real rows, and their output is
+dropped. Segment boundaries live in fixed-length device buffers read by the kernel at replay,
+so any mix of image sizes with the same bucket replays the same graph exactly; a bucket's
+buffers have room for every layout it can hold (at most `max_images` images). Packs above the
+largest bucket, or when capture is impossible, run eagerly. Each replay's merged output is copied
+into fresh tensors at once, before anything else can run in graph memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from mmpipe.runtime.capture import capture
+from mmpipe.runtime.graph_memory import CaptureMemory, GraphMemory, make_graph_memory
+from vision.metadata import Segments, VisionPackMeta
+
+log = logging.getLogger("mmpipe")
+
+
+def default_buckets(max_patches: int, unit: int = 4) -> list[int]:
+    """Fine steps where images are small, coarser where they are large: 64-patch steps to 1024,
+    256 to 4096, 1024 beyond (multiples of the merge unit), up to `max_patches`."""
+    sizes: list[int] = []
+    size, step = 64, 64
+    while size < max_patches:
+        sizes.append(size)
+        step = 64 if size < 1024 else 256 if size < 4096 else 1024
+        size += step
+    sizes.append(-(-max_patches // unit) * unit)
+    return sorted(set(sizes))
+
+
+@dataclass
+class ViTGraphStats:
+    graphs_live: int = 0
+    captures: int = 0
+    capture_seconds: float = 0.0
+    replays: int = 0
+    eager_fallbacks: int = 0
+    evictions: int = 0
+    physical_bytes: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Graph:
+    bucket: int
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+    memory: CaptureMemory
+    replays: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class ViTGraphRunner:
+    def __init__(self, vit: Any, device: torch.device, buckets: Sequence[int], max_graphs: int = 32,
+                 memory: str = "arena", max_images: int = 64) -> None:
+        if not getattr(vit.attention, "graph_safe", False):
+            raise ValueError(f"ViT attention {vit.attention.name!r} cannot be captured in a CUDA graph")
+        cfg = vit.cfg
+        self.vit, self.device = vit, device
+        self.unit = cfg.merge_unit
+        self.buckets = sorted({-(-int(b) // self.unit) * self.unit for b in buckets})
+        self.max_graphs, self.max_images = max_graphs, max_images
+        self.window_merged = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+        self.window_patches = self.window_merged**2 * self.unit
+        largest = self.buckets[-1]
+        dtype = vit.patch_embed.weight.dtype
+        # Static inputs, allocated once at the largest bucket, outside any graph pool.
+        self.hidden = torch.zeros(largest, cfg.hidden_size, dtype=dtype, device=device)
+        self.cos = torch.zeros(largest, cfg.head_dim, dtype=torch.float32, device=device)
+        self.sin = torch.zeros(largest, cfg.head_dim, dtype=torch.float32, device=device)
+        self.cu_full = torch.zeros(self.full_slots() + 1, dtype=torch.int32, device=device)
+        self.cu_window = torch.zeros(self.window_slots(largest) + 1, dtype=torch.int32, device=device)
+        self.inverse = torch.arange(largest // self.unit, dtype=torch.int64, device=device)
+        self.memory: GraphMemory = make_graph_memory(memory, device)
+        self.graphs: OrderedDict[int, _Graph] = OrderedDict()
+        self.stats = ViTGraphStats()
+        _live_runners.add(self)
+
+    # ------------------------------------------------------------------ sizes
+
+    def full_slots(self) -> int:
+        return full_segment_slots(self.max_images)
+
+    def window_slots(self, bucket: int) -> int:
+        return window_segment_slots(bucket, self.unit, self.window_merged, self.max_images)
+
+    def bucket_for(self, patches: int, images: int) -> int | None:
+        if images > self.max_images:
+            return None
+        for bucket in self.buckets:
+            if bucket >= patches:
+                return bucket
+        return None
+
+    # ------------------------------------------------------------------ running
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor | None:
+        """Merged embeddings [N / unit, out_dim] in image order, or None when the pack must run
+        eagerly (too many patches or images, or capture failed). The result is a view of graph
+        memory: copy it before the next call."""
+        bucket = self.bucket_for(meta.num_patches, len(meta.grids))
+        if bucket is None:
+            self.stats.eager_fallbacks += 1
+            log.info("ViT pack of %d patches / %d images runs eagerly (largest graph bucket %d, max %d images)",
+                     meta.num_patches, len(meta.grids), self.buckets[-1], self.max_images)
+            return None
+        if not self._fill(pixel_values, meta, bucket):
+            self.stats.eager_fallbacks += 1
+            return None
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self._capture(bucket)
+            if entry is None:
+                self.stats.eager_fallbacks += 1
+                return None
+        self.graphs.move_to_end(bucket)
+        entry.graph.replay()
+        entry.replays += 1
+        self.stats.replays += 1
+        return entry.output[: meta.num_merged]
+
+    def _fill(self, pixel_values: torch.Tensor, meta: VisionPackMeta, bucket: int) -> bool:
+        """Write the pack into the static buffers; False if its layout does not fit the bucket."""
+        n, vit = meta.num_patches, self.vit
+        pad = bucket - n
+        window_pad = [self.window_patches] * (pad // self.window_patches)
+        if pad % self.window_patches:
+            window_pad.append(pad % self.window_patches)
+        slots = self.window_slots(bucket)
+        if len(meta.window_lengths) + len(window_pad) > slots or len(meta.full_lengths) + 1 > self.full_slots():
+            return False
+        order = torch.from_numpy(meta.patch_order).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(np.ascontiguousarray(meta.positions)).to(self.device, non_blocking=True)
+        self.hidden[:n].copy_(vit.embed(pixel_values, order))
+        cos, sin = vit.rotary_tables(positions, order)
+        self.cos[:n].copy_(cos)
+        self.sin[:n].copy_(sin)
+        self.cu_full[: self.full_slots() + 1].copy_(_boundaries(meta.full_lengths + [pad], self.full_slots()),
+                                                    non_blocking=True)
+        self.cu_window[: slots + 1].copy_(_boundaries(meta.window_lengths + window_pad, slots), non_blocking=True)
+        merged = meta.num_merged
+        self.inverse[:merged].copy_(torch.from_numpy(meta.merged_inverse), non_blocking=True)
+        self.inverse[merged: bucket // self.unit] = torch.arange(merged, bucket // self.unit, device=self.device)
+        return True
+
+    def _segments(self, bucket: int) -> tuple[Segments, Segments]:
+        full = Segments(self.cu_full[: self.full_slots() + 1], bucket, [])
+        windows = Segments(self.cu_window[: self.window_slots(bucket) + 1], self.window_patches, [])
+        return full, windows
+
+    def _capture(self, bucket: int) -> _Graph | None:
+        while len(self.graphs) >= self.max_graphs:
+            self._evict()
+        full, windows = self._segments(bucket)
+        hidden, cos, sin = self.hidden[:bucket], self.cos[:bucket], self.sin[:bucket]
+        inverse = self.inverse[: bucket // self.unit]
+
+        def run() -> torch.Tensor:
+            return self.vit.forward_blocks(hidden, cos, sin, full, windows, inverse)
+
+        start = time.perf_counter()
+        try:
+            graph, output, memory = capture(run, self.memory)
+        except Exception as exc:  # out of memory, an op that cannot be captured, ...
+            log.warning("ViT graph capture for %d patches failed (%s: %s); running eagerly", bucket,
+                        type(exc).__name__, exc)
+            torch.cuda.synchronize()
+            return None
+        seconds = time.perf_counter() - start
+        entry = _Graph(bucket, graph, output, memory)
+        self.graphs[bucket] = entry
+        self.stats.captures += 1
+        self.stats.capture_seconds += seconds
+        self.stats.graphs_live = len(self.graphs)
+        self.stats.physical_bytes = self.memory.physical_bytes()
+        held = self.stats.physical_bytes
+        log.info("ViT graph captured: %d patches in %.2f s, %s", bucket, seconds,
+                 f"arena {held / 2**20:.0f} MiB" if held is not None else f"{self.memory.name} pool")
+        return entry
+
+    def _evict(self) -> None:
+        bucket, entry = self.graphs.popitem(last=False)
+        self._destroy(entry)
+        self.stats.evictions += 1
+        self.stats.graphs_live = len(self.graphs)
+        log.info("ViT graph for %d patches evicted (least recently used)", bucket)
+
+    def _destroy(self, entry: _Graph) -> None:
+        entry.output = None  # type: ignore[assignment]
+        entry.graph.reset()  # graphs go before their pools
+        self.memory.release(entry.memory)
+
+    def close(self) -> None:
+        """Destroy every graph, then the memory behind them."""
+        while self.graphs:
+            self._destroy(self.graphs.popitem(last=False)[1])
+        self.stats.graphs_live = 0
+        arena = getattr(self.memory, "arena", None)
+        if arena is not None:
+            arena.close()
+
+
+_live_runners: "weakref.WeakSet[ViTGraphRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit, destroy graphs before their pools (garbage collection would not keep
+    that order)."""
+    for runner in list(_live_runners):
+        try:
+            runner.close()
+        except Exception:  # the CUDA context may already be gone; nothing left to protect
+            pass
+
+
+def full_segment_slots(max_images: int) -> int:
+    """Full-attention segments a pack may have: one per image (frame), plus the padding."""
+    return max_images + 1
+
+
+def window_segment_slots(bucket: int, unit: int, window_merged: int, max_images: int) -> int:
+    """Windowed segments a pack of up to `bucket` patches may have. An image of gh x gw merged
+    units has ceil(gh/w) * ceil(gw/w) <= m/w^2 + (m + 1)/w + 1 windows (m = gh*gw), so real
+    windows <= M/w^2 + (M + images)/w + images with M = bucket/unit merged units (and never more
+    than M); padding adds at most bucket/(w^2 unit) + 1 window-sized chunks."""
+    merged, w = bucket // unit, window_merged
+    real = min(merged, merged // (w * w) + (merged + max_images) // w + max_images + 1)
+    return real + bucket // (w * w * unit) + 2
+
+
+def _boundaries(lengths: Sequence[int], slots: int) -> torch.Tensor:
+    """cu_seqlens with exactly `slots` segments: the given ones, then empty ones at the end."""
+    if len(lengths) > slots:
+        raise ValueError(f"{len(lengths)} segments do not fit the {slots} slots of this bucket")
+    cu = np.empty(slots + 1, dtype=np.int32)
+    cu[0] = 0
+    np.cumsum(lengths, out=cu[1:len(lengths) + 1])
+    cu[len(lengths) + 1:] = cu[len(lengths)]
+    return torch.from_numpy(cu)
+
+
