@@ -185,7 +185,7 @@ class ViTGraphRunner:
             graph, output, memory = capture(run, self.memory)
         except Exception as exc:  # out of memory, an op that cannot be captured, ...
             log.warning("ViT graph capture for %d patches failed (%s: %s); running eagerly", bucket,
-                        type(exc).__name__, exc)
+                        type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
             torch.cuda.synchronize()
             return None
         seconds = time.perf_counter() - start

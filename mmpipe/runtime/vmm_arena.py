@@ -144,7 +144,7 @@ class VmmArena:
     def alloc(self, size: int) -> int:
         with self._lock:
             vrange = self._active
-            if vrange is None:
+            if vrange is None or self.closed:
                 raise RuntimeError("arena allocation outside a capture range")
             start = _round_up(vrange.offset, _ALIGN)
             end = start + size
@@ -217,14 +217,19 @@ class VmmArena:
             _ok(cu.cuThreadExchangeStreamCaptureMode(previous))
 
     def close(self) -> None:
-        """Unmap every range and release the pages (all graphs and pools must be gone)."""
+        """Release the pages and every range no allocator still tracks (all graphs must be gone).
+        A range with segments PyTorch has not returned yet stays reserved until it does: freeing its
+        addresses earlier would let a new range reuse them while PyTorch still knows blocks there.
+        Pages stay alive while any range maps them, so releasing the handles now is safe."""
         if self.closed:
             return
         cu = _driver()
         torch.cuda.synchronize(self.device)
         with self._lock, self._driver_calls():
             for vrange in list(self.ranges):
-                self._unmap(vrange)
+                vrange.released = True
+                if vrange.live_segments == 0:
+                    self._unmap(vrange)
             for chunk in self._chunks:
                 _ok(cu.cuMemRelease(chunk.handle))
             self._chunks.clear()
@@ -261,8 +266,8 @@ def _alloc_callback(size: int, device: int, stream: int) -> int:
 
 def _free_callback(ptr: int, size: int, device: int, stream: int) -> None:
     try:
-        for arena in _arenas:
-            if not arena.closed and arena.free(ptr):
+        for arena in _arenas:  # closed arenas too: their last ranges wait for these frees
+            if arena.free(ptr):
                 return
     except Exception as exc:
         log.error("VMM arena: free failed: %s", exc)
