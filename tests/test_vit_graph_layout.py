@@ -54,3 +54,35 @@ def test_every_pack_layout_fits_its_bucket(window_merged):
             assert len(meta.window_lengths) + chunks <= window_segment_slots(bucket, unit, window_merged, max_images)
             assert len(meta.full_lengths) + 1 <= full_segment_slots(max_images)
             assert max(meta.window_lengths) <= window_patches
+
+
+def test_padding_rows_never_change_real_rows():
+    """The runner's padded layout, run eagerly in float32 with junk in the padding rows, gives
+    the real rows exactly what the unpadded forward gives."""
+    import torch
+
+    from vision.metadata import segments_of
+    from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+
+    cfg = VisionConfig(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=32,
+                       fullatt_block_indexes=(1,), window_size=56)
+    torch.manual_seed(0)
+    vit = Qwen25VisionTransformer(cfg).eval()
+    grids = [(1, 4, 6), (1, 6, 10), (1, 2, 2)]
+    meta = build_pack_meta(grids, 2, cfg.window_size, cfg.patch_size)
+    n, bucket, window_patches = meta.num_patches, 256, (cfg.window_size // 14) ** 2
+    pixels = torch.randn(n, vit.patch_dim)
+    cpu = torch.device("cpu")
+    order = torch.from_numpy(meta.patch_order)
+    with torch.no_grad():
+        reference = vit(pixels, meta)
+        hidden = torch.cat([vit.embed(pixels, order), torch.randn(bucket - n, cfg.hidden_size) * 100])
+        cos, sin = vit.rotary_tables(torch.from_numpy(meta.positions), order)
+        cos = torch.cat([cos, torch.rand(bucket - n, cos.shape[1])])
+        sin = torch.cat([sin, torch.rand(bucket - n, sin.shape[1])])
+        pad = bucket - n
+        chunks = [window_patches] * (pad // window_patches) + ([pad % window_patches] if pad % window_patches else [])
+        inverse = torch.cat([torch.from_numpy(meta.merged_inverse), torch.arange(n // 4, bucket // 4)])
+        padded = vit.forward_blocks(hidden, cos, sin, segments_of(meta.full_lengths + [pad], cpu),
+                                    segments_of(meta.window_lengths + chunks, cpu), inverse)
+    assert torch.allclose(padded[: n // 4], reference, atol=1e-5, rtol=1e-5)

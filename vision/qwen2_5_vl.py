@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import CheckpointError
-from mmpipe.runtime.layers import GatedMLP, RMSNorm, rotate_half
+from mmpipe.runtime.fused import add_rms_norm, rotary_qk
+from mmpipe.runtime.layers import GatedMLP, RMSNorm
 from mmpipe.runtime.weight_copy import WeightMap
 from vision.attention import TorchVisionAttention, VisionAttention
 from vision.metadata import Segments, VisionPackMeta, segments_of
@@ -86,12 +87,7 @@ class VisionSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
                 attention: VisionAttention) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        # Rotate in float32 as the reference does, then return to the model dtype.
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        qf, kf = q.float(), k.float()
-        q = (qf * c + rotate_half(qf) * s).to(v.dtype)
-        k = (kf * c + rotate_half(kf) * s).to(v.dtype)
+        q, k, v = rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # rotated in float32, as the reference
         out = attention(q, k, v, seg)
         return self.proj(out.reshape(n, -1))
 
@@ -104,10 +100,13 @@ class VisionBlock(nn.Module):
         self.attn = VisionSelfAttention(cfg.hidden_size, cfg.num_heads)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-                attention: VisionAttention) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, seg, attention)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seg: Segments, attention: VisionAttention, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + attn(norm1(x)), then + mlp(norm2(.)); takes norm1(x) precomputed and returns the
+        new residual with `next_norm` of it, so every residual add fuses with the next norm."""
+        residual, normed = add_rms_norm(residual, self.attn(normed, cos, sin, seg, attention), self.norm2.weight,
+                                        self.norm2.eps)
+        return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
 
 
 class PatchMerger(nn.Module):
@@ -119,8 +118,11 @@ class PatchMerger(nn.Module):
         self.fc2 = nn.Linear(self.hidden, out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.ln_q(x).view(-1, self.hidden)
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.project(self.ln_q(x))
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """The MLP on rows already normalised by ln_q, merge_size^2 rows at a time."""
+        return self.fc2(F.gelu(self.fc1(normed.view(-1, self.hidden))))
 
 
 class VisionRotary(nn.Module):
@@ -178,10 +180,13 @@ class Qwen25VisionTransformer(nn.Module):
     def forward_blocks(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full: Segments,
                        windows: Segments, merged_inverse: torch.Tensor) -> torch.Tensor:
         """Blocks + merger on window-ordered patches; returns merged rows in image order."""
+        first = self.blocks[0].norm1
+        residual, normed = add_rms_norm(hidden, None, first.weight, first.eps)
         for index, block in enumerate(self.blocks):
             seg = full if index in self.full_blocks else windows
-            hidden = block(hidden, cos, sin, seg, self.attention)
-        return self.merger(hidden).index_select(0, merged_inverse)
+            following = self.blocks[index + 1].norm1 if index + 1 < len(self.blocks) else self.merger.ln_q
+            residual, normed = block(residual, normed, cos, sin, seg, self.attention, following)
+        return self.merger.project(normed).index_select(0, merged_inverse)
 
     # ---- eager convenience
 

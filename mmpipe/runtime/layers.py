@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import CheckpointError
+from mmpipe.runtime.fused import add_rms_norm, rotate_half, silu_mul
+
+__all__ = ["GatedMLP", "RMSNorm", "activation", "rotate_half"]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -35,15 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return add_rms_norm(x, None, self.weight, self.eps)[1]
 
 
 class GatedMLP(nn.Module):
@@ -55,7 +50,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.hidden = hidden
         self.act = activation(act)
+        self.silu = act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu:
+            return self.down_proj(silu_mul(gate_up))  # one kernel on CUDA
+        gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,45 @@
+"""Fused Triton kernels against their PyTorch references (same rounding order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmpipe.runtime import fused
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 1280), (257, 1280), (33, 2048), (5, 80)])
+def test_add_rms_norm(dtype, rows, cols):
+    x, d = (torch.randn(rows, cols, device=CUDA).to(dtype) for _ in range(2))
+    w = torch.randn(cols, device=CUDA).to(dtype)
+    residual, normed = fused.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(residual, x + d)
+    torch.testing.assert_close(normed, fused.rms_norm_reference(x + d, w, 1e-6))
+    _, alone = fused.add_rms_norm(x, None, w, 1e-6)
+    torch.testing.assert_close(alone, fused.rms_norm_reference(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,heads,dim", [(1, 16, 80), (300, 16, 80), (17, 4, 64), (9, 7, 128)])
+def test_rotary_qk(dtype, n, heads, dim):
+    qkv = torch.randn(n, 3 * heads * dim, device=CUDA).to(dtype)
+    half = torch.randn(n, dim // 2, device=CUDA)
+    cos, sin = torch.cat([half.cos()] * 2, -1), torch.cat([half.sin()] * 2, -1)
+    q, k, v = fused.rotary_qk(qkv, cos, sin, heads)
+    q2, k2, v2 = fused.rotary_qk_reference(qkv, cos, sin, heads)
+    torch.testing.assert_close(q, q2)
+    torch.testing.assert_close(k, k2)
+    assert torch.equal(v, v2) and q.is_contiguous() and k.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 3420), (257, 3420), (4, 100)])
+def test_silu_mul(dtype, rows, cols):
+    g = torch.randn(rows, 2 * cols, device=CUDA).to(dtype) * 3
+    gate, up = g.chunk(2, -1)
+    torch.testing.assert_close(fused.silu_mul(g), F.silu(gate) * up)
