@@ -275,12 +275,29 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     base = results[f"transformers generate, batches of {args.hf_batch}"]
     rows = [[name, round(sec, 2), round(args.requests / sec, 1), round(tokens / sec), f"{base / sec:.1f}x"]
             for name, sec in results.items()]
+    # Mixed output lengths: where continuous batching matters (static batches wait for their longest).
+    mixed = [SamplingParams(max_new_tokens=16 + (i * 37) % 113, ignore_eos=True, temperature=0.0)
+             for i in range(args.requests)]
+    mixed_tokens = sum(p.max_new_tokens for p in mixed)
+    mixed_rows = []
+    for name, fn in (("mmpipe engine (continuous batching)", lambda: pipe.chat(convs, mixed, progress=False)),
+                     ("mmpipe old loop (static batches)", lambda: loop.run(
+                         [pipe.processor.build(i, *pipe.processor.render_chat(c, "b"), mixed[i], "b")
+                          for i, c in enumerate(convs)]))):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        sec = time.perf_counter() - start
+        mixed_rows.append([name, round(sec, 2), round(args.requests / sec, 1), round(mixed_tokens / sec)])
     print(f"{args.requests} requests, one 448x448 image each, {args.new_tokens} new tokens (ignore_eos), "
           f"Qwen2.5-VL-3B-shaped random weights, bfloat16, {torch.cuda.get_device_name()}\n")
     print(table("Captioning throughput", ["system", "seconds", "requests/s", "generated tok/s", "vs transformers"],
                 rows))
-    return {"rows": rows, "device": torch.cuda.get_device_name(), "requests": args.requests,
-            "new_tokens": args.new_tokens}
+    print(table(f"Mixed lengths: max_new_tokens 16..128 (mean {mixed_tokens / args.requests:.0f}), same requests "
+                "otherwise", ["system", "seconds", "requests/s", "generated tok/s"], mixed_rows))
+    return {"rows": rows, "mixed_rows": mixed_rows, "device": torch.cuda.get_device_name(),
+            "requests": args.requests, "new_tokens": args.new_tokens}
 
 
 # ---------------------------------------------------------------------------- ViT graphs

@@ -43,3 +43,20 @@ def test_silu_mul(dtype, rows, cols):
     g = torch.randn(rows, 2 * cols, device=CUDA).to(dtype) * 3
     gate, up = g.chunk(2, -1)
     torch.testing.assert_close(fused.silu_mul(g), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("grids", [[(1, 16, 16)], [(1, 8, 12), (1, 4, 6), (1, 46, 30)]])
+def test_vit_rotary_tables(grids):
+    import numpy as np
+
+    from vision import rotary
+    from vision.metadata import build_pack_meta
+
+    meta = build_pack_meta(grids, 2, 112, 14)
+    positions = torch.from_numpy(np.ascontiguousarray(meta.positions))
+    order = torch.from_numpy(meta.patch_order)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 40, 2, dtype=torch.float) / 40))
+    cos_ref, sin_ref = rotary.rotary_tables(positions, order, inv_freq)  # CPU: the PyTorch path
+    cos, sin = rotary.rotary_tables(positions.to(CUDA), order.to(CUDA), inv_freq.to(CUDA))
+    torch.testing.assert_close(cos.cpu(), cos_ref, atol=2e-6, rtol=0)
+    torch.testing.assert_close(sin.cpu(), sin_ref, atol=2e-6, rtol=0)

@@ -92,6 +92,7 @@ class ViTGraphRunner:
         self.cu_full = torch.zeros(self.full_slots() + 1, dtype=torch.int32, device=device)
         self.cu_window = torch.zeros(self.window_slots(largest) + 1, dtype=torch.int32, device=device)
         self.inverse = torch.arange(largest // self.unit, dtype=torch.int64, device=device)
+        self.identity = self.inverse.clone()  # padding rows map to themselves
         self.memory: GraphMemory = make_graph_memory(memory, device)
         self.graphs: OrderedDict[int, _Graph] = OrderedDict()
         self.stats = ViTGraphStats()
@@ -153,16 +154,14 @@ class ViTGraphRunner:
             return False
         order = torch.from_numpy(meta.patch_order).to(self.device, non_blocking=True)
         positions = torch.from_numpy(np.ascontiguousarray(meta.positions)).to(self.device, non_blocking=True)
-        self.hidden[:n].copy_(vit.embed(pixel_values, order))
-        cos, sin = vit.rotary_tables(positions, order)
-        self.cos[:n].copy_(cos)
-        self.sin[:n].copy_(sin)
+        vit.embed(pixel_values, order, out=self.hidden[:n])  # straight into the static inputs
+        vit.rotary_tables(positions, order, out=(self.cos[:n], self.sin[:n]))
         self.cu_full[: self.full_slots() + 1].copy_(_boundaries(meta.full_lengths + [pad], self.full_slots()),
                                                     non_blocking=True)
         self.cu_window[: slots + 1].copy_(_boundaries(meta.window_lengths + window_pad, slots), non_blocking=True)
         merged = meta.num_merged
         self.inverse[:merged].copy_(torch.from_numpy(meta.merged_inverse), non_blocking=True)
-        self.inverse[merged: bucket // self.unit] = torch.arange(merged, bucket // self.unit, device=self.device)
+        self.inverse[merged: bucket // self.unit].copy_(self.identity[merged: bucket // self.unit])
         return True
 
     def _segments(self, bucket: int) -> tuple[Segments, Segments]:

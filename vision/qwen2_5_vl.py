@@ -22,6 +22,7 @@ from mmpipe.runtime.layers import GatedMLP, RMSNorm
 from mmpipe.runtime.weight_copy import WeightMap
 from vision.attention import TorchVisionAttention, VisionAttention
 from vision.metadata import Segments, VisionPackMeta, segments_of
+from vision.rotary import rotary_tables
 
 
 @dataclass(frozen=True)
@@ -140,12 +141,10 @@ class VisionRotary(nn.Module):
     def init_buffers(self) -> None:
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N, 2] -> cos, sin [N, head_dim] float32."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [N, 2, dim/4]
-        freqs = freqs.flatten(1)  # rows then columns
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+    def forward(self, positions: torch.Tensor, order: torch.Tensor,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, head_dim] float32 of the patches `order` picks from positions [P, 2]."""
+        return rotary_tables(positions, order, self.inv_freq, out)
 
 
 class Qwen25VisionTransformer(nn.Module):
@@ -166,14 +165,15 @@ class Qwen25VisionTransformer(nn.Module):
 
     # ---- outside the graph
 
-    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor) -> torch.Tensor:
-        """Patch embedding of the window-ordered patches: [N, C*T*P*P] -> [N, hidden]."""
+    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """Patch embedding of the window-ordered patches: [N, C*T*P*P] -> [N, hidden] (into `out`)."""
         x = pixel_values.index_select(0, patch_order).to(self.patch_embed.weight.dtype)
-        return self.patch_embed(x)
+        return torch.matmul(x, self.patch_embed.weight.t(), out=out)
 
-    def rotary_tables(self, positions: torch.Tensor, patch_order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(positions.index_select(0, patch_order))
-        return cos, sin
+    def rotary_tables(self, positions: torch.Tensor, patch_order: torch.Tensor,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(positions, patch_order, out)
 
     # ---- the graph region
 
