@@ -405,17 +405,9 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
 
 def vit_memory(vit: Any) -> dict[str, float]:
     """Physical graph memory after capturing 16 buckets in ascending order, per memory mode."""
-    import gc
-
+    from mmpipe.runtime.graph_memory import device_memory_in_use as used
     from vision.graph_runner import ViTGraphRunner
     from vision.metadata import build_pack_meta
-
-    def used() -> int:
-        torch.cuda.synchronize()
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        return total - free
 
     buckets = [256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 12288, 16384]
     results: dict[str, float] = {}

@@ -15,14 +15,28 @@ pytestmark = pytest.mark.gpu
 GREEDY_32 = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
 
 
+def cuda_pipe(path: str, dtype: str) -> Pipeline:
+    return Pipeline.from_pretrained(path, device="cuda", dtype=dtype, num_kv_pages=4096)
+
+
 @pytest.fixture(scope="module")
 def cuda_fp32(checkpoint):
-    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="float32", num_kv_pages=4096)
+    return cuda_pipe(checkpoint, "float32")
 
 
 @pytest.fixture(scope="module")
 def reference_fp32(checkpoint):
     return hf_model(checkpoint, device="cuda", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def cuda_bf16(checkpoint):
+    return cuda_pipe(checkpoint, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(checkpoint):
+    return hf_model(checkpoint, device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -41,16 +55,6 @@ def test_float32_cuda_batch_equals_cpu(cuda_fp32, pipe):
     on_gpu = [o.token_ids for o in cuda_fp32.chat(conversations, GREEDY_32)]
     on_cpu = [o.token_ids for o in pipe.chat(conversations, GREEDY_32)]
     assert on_gpu == on_cpu
-
-
-@pytest.fixture(scope="module")
-def cuda_bf16(checkpoint):
-    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16", num_kv_pages=4096)
-
-
-@pytest.fixture(scope="module")
-def reference_bf16(checkpoint):
-    return hf_model(checkpoint, device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import random
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from mmpipe.runtime.graph_memory import device_memory_in_use
 from vision.attention import VarlenVisionAttention
 from vision.graph_runner import ViTGraphRunner, default_buckets
 from vision.metadata import build_pack_meta
@@ -47,11 +47,7 @@ def rel(a, b) -> float:
 
 
 def used_bytes() -> int:
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
+    return device_memory_in_use()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.attention.metadata import AttentionMetadata
+from language.attention.triton_common import load_paged_kv, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256
@@ -57,21 +57,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < end
-        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
-        slot = t % PAGE_SIZE
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = load_paged_kv(k_ptr, v_ptr, table_ptr + b * stride_tb, t, tmask, kvh, d, dmask, stride_kp,
+                             stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)
+        m_i, l_i, acc = online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2, PRECISION)
 
     has_work = start < seq_len
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -155,8 +143,3 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
         num_warps=4,
     )
-
-
-def decode_metadata_bound(meta: AttentionMetadata) -> int:
-    """The longest-sequence bound the decode grid is sized for."""
-    return meta.max_seq_len

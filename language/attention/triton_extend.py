@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from language.attention.triton_common import load_paged_kv, online_softmax_step
+
 _LOG2E = 1.4426950408889634
 
 
@@ -53,23 +55,10 @@ def _extend_kernel(
     for n0 in range(0, last, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < last
-        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
-        slot = t % PAGE_SIZE
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        k, v = load_paged_kv(k_ptr, v_ptr, table_ptr + b * stride_tb, t, tmask, kvh, d, dmask, stride_kp,
+                             stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)
         visible = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_yt + h * stride_yh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=imask[:, None] & dmask[None, :])

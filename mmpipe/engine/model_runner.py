@@ -8,7 +8,7 @@ requests and which token ranges run, and must have given each request enough KV 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -52,7 +52,6 @@ class RunnerStats:
     prefill_tokens: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:

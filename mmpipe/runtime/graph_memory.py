@@ -94,6 +94,18 @@ class ArenaMemory:
         return self.arena.physical
 
 
+def device_memory_in_use(device: torch.device | None = None) -> int:
+    """Bytes of GPU memory in use (the driver's view: graph pools and VMM pages included), after
+    returning the caching allocator's unused blocks. For measurements, not for hot paths."""
+    import gc
+
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def make_graph_memory(kind: str, device: torch.device) -> GraphMemory:
     if kind == "arena":
         if vmm_arena.available():
