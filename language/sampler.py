@@ -84,11 +84,12 @@ def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor
 
 
 def _row_mask(like: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A [B, V] bool mask of the token ids listed per row (-1 entries ignored)."""
-    mask = torch.zeros(like.shape, dtype=torch.bool, device=like.device)
-    valid = ids >= 0
-    mask.scatter_(1, ids.clamp(min=0), valid)
-    return mask
+    """A [B, V] bool mask of the token ids listed per row; -1 padding lands in a spare column that
+    is cut off (clamping it onto token 0 would let it overwrite a real entry for token 0)."""
+    rows, vocab = like.shape
+    mask = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=like.device)
+    mask.scatter_(1, torch.where(ids >= 0, ids, vocab), True)
+    return mask[:, :vocab]
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import binascii
 import io
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
@@ -27,6 +28,9 @@ ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Image
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)
 _TRANSPARENT_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
+# A PIL image passed in by the caller may be lazily opened and shared by several requests; its
+# file handle and decoder state are not safe to use from several threads at once.
+_pil_lock = threading.Lock()
 
 
 def describe_source(source: Any) -> str:
@@ -50,35 +54,41 @@ def load_image(source: ImageSource) -> Image.Image:
     """Decode any supported image input into an upright RGB `PIL.Image`."""
     name = describe_source(source)
     if isinstance(source, Image.Image):
-        image = source
-    elif isinstance(source, np.ndarray):
-        image = _from_array(source, name)
+        with _pil_lock:
+            rgb = _decode(source, name)
+            if rgb is source:
+                rgb = source.copy()  # never hand out the caller's object to be read concurrently
     else:
-        image = _open(_read_bytes(source, name), name)
-    try:
-        if getattr(image, "n_frames", 1) > 1:
-            image.seek(0)
-        image.load()
-        image = ImageOps.exif_transpose(image)
-        rgb = to_rgb(image)
-    except ImageLoadError:
-        raise
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ImageLoadError(f"image {name}: cannot decode ({_reason(exc)})") from exc
+        image = _from_array(source, name) if isinstance(source, np.ndarray) else _open(_read_bytes(source, name),
+                                                                                         name)
+        rgb = _decode(image, name)
     if rgb.width == 0 or rgb.height == 0:
         raise ImageLoadError(f"image {name}: has no pixels ({rgb.width}x{rgb.height})")
     return rgb
 
 
+def _decode(image: Image.Image, name: str) -> Image.Image:
+    try:
+        if getattr(image, "n_frames", 1) > 1:
+            image.seek(0)
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        return to_rgb(image)
+    except ImageLoadError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageLoadError(f"image {name}: cannot decode ({_reason(exc)})") from exc
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """Convert any PIL mode to RGB: alpha over white, 16/32-bit rescaled to 8 bits."""
     mode = image.mode
-    if mode == "RGB":
-        return image
     if mode in _TRANSPARENT_MODES or (mode in ("P", "L", "RGB", "1") and "transparency" in image.info):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode == "RGB":
+        return image
     if mode.startswith("I;16") or mode in ("I", "F"):
         return Image.fromarray(_high_depth_to_uint8(image), mode="L").convert("RGB")
     return image.convert("RGB")

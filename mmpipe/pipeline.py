@@ -160,12 +160,14 @@ class Pipeline:
         try:
             while True:
                 if request.finished:
-                    request.detokenizer.finish()
-                    tail = request.detokenizer.pop_delta(final=True)
+                    with engine.lock:
+                        request.detokenizer.finish()
+                        tail = request.detokenizer.pop_delta(final=True)
                     if tail:
                         yield tail
                     return
-                delta = request.detokenizer.pop_delta()
+                with engine.lock:  # another thread's step may be extending this text right now
+                    delta = request.detokenizer.pop_delta()
                 if delta:
                     yield delta
                 with engine.lock:
@@ -248,17 +250,17 @@ class Pipeline:
                     with self.engine.lock:
                         self.engine.add(request)
                     refill()
-                while done:
-                    request = done.popleft()
-                    outputs[request.index] = request.to_output()
+                while done:  # for the progress bar; outputs are collected from `mine` below
+                    done.popleft()
                     bar.update(1)
-                if all(r.finished for r in mine) and not window:
-                    break
-                if any(not r.finished for r in mine):
-                    with self.engine.lock:
-                        if any(not r.finished for r in mine):
-                            self.engine.step()
-                else:
+                # Checked under the lock: another thread's step may be finishing our requests.
+                with self.engine.lock:
+                    pending = any(not r.finished for r in mine)
+                    if pending:
+                        self.engine.step()
+                if not pending:
+                    if not window:
+                        break
                     futures.wait(window[0].images, return_when=futures.ALL_COMPLETED)
         except BaseException:
             with self.engine.lock:
@@ -270,7 +272,13 @@ class Pipeline:
             raise
         finally:
             bar.close()
-        return [o for o in outputs if o is not None]
+        with self.engine.lock:
+            for request in mine:
+                outputs[request.index] = request.to_output()
+        missing = [i for i, o in enumerate(outputs) if o is None]
+        if missing:  # a bug, never a silently shorter list
+            raise RuntimeError(f"no output for request(s) {missing[:10]}")
+        return outputs  # type: ignore[return-value]
 
 
 def caption_conversation(image: Any, prompt: str | None = None) -> list[dict[str, Any]]:

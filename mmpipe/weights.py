@@ -3,8 +3,8 @@
 Single or sharded files (with `model.safetensors.index.json`), read straight onto the target
 device and cast to the target dtype one tensor at a time. Both naming layouts that exist are
 accepted: `model.visual.*` / `model.language_model.*` (transformers 5 in memory) and
-`visual.*` / `model.*` (the published Qwen2.5-VL files). Missing, unexpected or mis-shaped
-tensors are reported together, by name.
+`visual.*` / `model.*` (the published Qwen2.5-VL files). Missing and unexpected tensors are
+reported together, by name; a mis-shaped or duplicated tensor stops loading at once, by name.
 """
 
 from __future__ import annotations
@@ -94,7 +94,11 @@ def load_checkpoint(directory: str, components: dict[str, nn.Module], device: to
     maps = {name: module.weight_map() for name, module in components.items()}
     loaded: dict[str, set[str]] = {name: set() for name in components}
     unexpected: list[str] = []
+    seen: set[str] = set()
     for name, tensor in iter_checkpoint(directory, device, dtype):
+        if name in seen:
+            raise CheckpointError(f"{directory}: tensor {name!r} appears in more than one shard")
+        seen.add(name)
         split = split_name(name)
         if split is None or split[0] not in maps:
             unexpected.append(name)

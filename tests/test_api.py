@@ -54,6 +54,15 @@ def test_stop_string_cuts_the_text(pipe):
     assert full.token_ids[:len(out.token_ids)] == out.token_ids
 
 
+def test_stop_strings_wait_for_min_new_tokens(pipe):
+    full = pipe.chat(image_chat(4), GREEDY)[0]
+    stop = full.text[3:6]
+    cut = pipe.chat(image_chat(4), SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    held = pipe.chat(image_chat(4), SamplingParams(max_new_tokens=12, min_new_tokens=12, ignore_eos=True,
+                                                   stop=[stop]))[0]
+    assert len(cut.token_ids) < 12 and held.token_ids == full.token_ids
+
+
 def test_stop_token_ids_and_min_new_tokens(pipe):
     full = pipe.chat(image_chat(5), GREEDY)[0]
     target = full.token_ids[4]

@@ -119,13 +119,15 @@ def test_encoder_cache_is_bounded_in_bytes(checkpoint):
 
 def test_vision_batches_respect_the_patch_budget(checkpoint):
     pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_vision_patches=300)
-    sizes = []
+    packs = []  # (patches, images) of every ViT call
     run = pipe.runner.run_vision
-    pipe.runner.run_vision = lambda images: (sizes.append(sum(im.num_patches for im in images)), run(images))[1]
+    pipe.runner.run_vision = lambda images: (packs.append((sum(im.num_patches for im in images), len(images))),
+                                             run(images))[1]
     convs, params = mixed_requests(24)
     outputs = pipe.chat(convs, params)
     assert all(o.ok for o in outputs)
-    assert len(sizes) > 1 and all(s <= 300 or n == 1 for s, n in zip(sizes, sizes))
+    assert len(packs) > 1 and any(count > 1 for _, count in packs)
+    assert all(patches <= 300 or count == 1 for patches, count in packs)  # only a lone big image may exceed
 
 
 def test_streaming_deltas_concatenate_to_the_full_text(pipe):
@@ -191,3 +193,38 @@ def test_metrics_and_progress_bar(pipe, capsys):
         assert m.decode_tokens_per_s > 0 or len(out.token_ids) == 1
     pipe.chat(convs, params)  # short calls show no bar by default
     assert "8/8" not in capsys.readouterr().err
+
+
+def test_a_failed_step_leaves_the_engine_usable(checkpoint, alone):
+    """A step that raises (say, out of memory) puts its requests back in line; the next steps
+    finish every request with the same tokens."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    convs, params = mixed_requests(8)
+    requests = [pipe.processor.build(i, *pipe.processor.render_chat(c, "x"), p, "x")
+                for i, (c, p) in enumerate(zip(convs, params))]
+    for request in requests:
+        pipe.engine.add(request)
+    pipe.engine.step()
+    sample = pipe.runner.sample
+    pipe.runner.sample = lambda *a: (_ for _ in ()).throw(RuntimeError("injected failure"))
+    with pytest.raises(RuntimeError, match="injected"):
+        pipe.engine.step()
+    pipe.runner.sample = sample
+    while pipe.engine.has_unfinished:
+        pipe.engine.step()
+    assert [r.output_ids for r in requests] == alone[:8]
+    assert pipe.runner.pages.num_free == pipe.runner.pages.capacity
+
+
+def test_the_same_lazily_opened_image_in_many_requests(pipe, tmp_path):
+    """One PIL image object, opened lazily from a file, shared by requests decoded on several threads."""
+    from PIL import Image
+
+    path = tmp_path / "shared.png"
+    random_image(150, 110, seed=3).save(path)
+    image = Image.open(path)  # not loaded yet
+    outputs = pipe.chat([[{"role": "user", "content": [{"type": "image", "image": image},
+                                                       {"type": "text", "text": "Describe this image."}]}]] * 12,
+                        SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert all(o.ok for o in outputs)
+    assert len({tuple(o.token_ids) for o in outputs}) == 1

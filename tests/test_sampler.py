@@ -85,6 +85,15 @@ def test_per_row_settings_mix():
     assert out.tokens[:3].tolist() == [0, 0, 0]
 
 
+def test_token_zero_can_be_banned_and_penalised_in_a_padded_batch():
+    """Rows with fewer entries are padded with -1; padding must not erase a real entry for token 0."""
+    x = torch.tensor([[5.0, 4.0, 1.0, 0.0]]).expand(2, 4).contiguous()
+    out = sample(x, batch(2, temperature=0.0, banned=[[0], [2, 3]]))
+    assert out.tokens.tolist() == [1, 0]
+    out = sample(x, batch(2, temperature=0.0, penalty=[3.0, 3.0], seen=[[0], [2, 3]]))
+    assert out.tokens.tolist() == [1, 0]
+
+
 def test_banned_tokens_and_repetition_penalty():
     x = torch.tensor([[5.0, 4.0, -1.0, -2.0]]).expand(2, 4).contiguous()
     out = sample(x, batch(2, temperature=0.0, banned=[[0], []]))

@@ -129,6 +129,8 @@ class ViTGraphRunner:
             return None
         if not self._fill(pixel_values, meta, bucket):
             self.stats.eager_fallbacks += 1
+            log.info("ViT pack of %d images / %d windows does not fit the segment slots of bucket %d; "
+                     "running eagerly", len(meta.grids), len(meta.window_lengths), bucket)
             return None
         entry = self.graphs.get(bucket)
         if entry is None:
@@ -137,7 +139,8 @@ class ViTGraphRunner:
                 self.stats.eager_fallbacks += 1
                 return None
         self.graphs.move_to_end(bucket)
-        entry.graph.replay()
+        with torch.cuda.device(self.device):
+            entry.graph.replay()
         entry.replays += 1
         self.stats.replays += 1
         return entry.output[: meta.num_merged]
@@ -170,8 +173,6 @@ class ViTGraphRunner:
         return full, windows
 
     def _capture(self, bucket: int) -> _Graph | None:
-        while len(self.graphs) >= self.max_graphs:
-            self._evict()
         full, windows = self._segments(bucket)
         hidden, cos, sin = self.hidden[:bucket], self.cos[:bucket], self.sin[:bucket]
         inverse = self.inverse[: bucket // self.unit]
@@ -181,7 +182,9 @@ class ViTGraphRunner:
 
         start = time.perf_counter()
         try:
-            graph, output, memory = capture(run, self.memory)
+            while len(self.graphs) >= self.max_graphs:
+                self._evict()
+            graph, output, memory = capture(run, self.memory, self.device)
         except Exception as exc:  # out of memory, an op that cannot be captured, ...
             log.warning("ViT graph capture for %d patches failed (%s: %s); running eagerly", bucket,
                         type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))

@@ -16,10 +16,12 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._decode = tokenizer.decode
         self._skip = skip_special_tokens
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens  # stop strings are not looked for before this many tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
         self.text = ""
@@ -60,10 +62,10 @@ class IncrementalDetokenizer:
 
     def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - self._hold)
-        self.text += delta
-        if not self.stop:
-            return
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            self.stopped = True
+        text = self.text + delta
+        if self.stop and len(self.tokens) >= self.min_tokens:
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                text = text[:min(hits)]
+                self.stopped = True
+        self.text = text  # one assignment: a reader never sees text a stop string removes

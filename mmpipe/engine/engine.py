@@ -53,17 +53,23 @@ class Engine:
                 raise RuntimeError("the scheduler could not place any request (KV cache too small for the "
                                    "oldest waiting request)")
             return []
-        self._provide_images(plan)
         touched: list[Request] = []
-        if plan.prefill:
-            logits = self.runner.prefill(plan.prefill)
-            done = [c.request for c in plan.prefill if c.completes]
-            if done:
-                self.runner.sample(done, logits)
-            touched += done
-        if plan.decode:
-            self.runner.sample(plan.decode, self.runner.decode(plan.decode))
-            touched += plan.decode
+        try:
+            self._provide_images(plan)
+            if plan.prefill:
+                logits = self.runner.prefill(plan.prefill)
+                done = [c.request for c in plan.prefill if c.completes]
+                if done:
+                    self.runner.sample(done, logits)
+                touched += done
+            if plan.decode:
+                self.runner.sample(plan.decode, self.runner.decode(plan.decode))
+                touched += plan.decode
+        except BaseException:
+            # Put every request of the failed step back in line (recomputed from its tokens), so
+            # the engine stays usable for whoever steps it next; then report the failure.
+            self.scheduler.requeue([c.request for c in plan.prefill] + plan.decode)
+            raise
         finished = [r for r in touched if r.finished]
         for request in finished:
             self.scheduler.finish(request)

@@ -101,7 +101,8 @@ class InputProcessor:
         return Request(
             index=prepared.index, prompt_ids=expanded, positions=positions, mrope_delta=delta, images=images,
             image_starts=starts, sampling=sampling, seed=seed,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.skip_special_tokens,
+                                               sampling.min_new_tokens),
             incremental_text=bool(sampling.stop) or prepared.stream,
         )
 

@@ -65,6 +65,13 @@ class Scheduler:
         self.finish(request)
         request.finish("abort")
 
+    def requeue(self, requests: list[Request]) -> None:
+        """Return running requests to the front of the queue, to be recomputed (after a failed step)."""
+        plan = StepPlan()
+        for request in reversed(requests):
+            if request in self.running and not request.finished:
+                self._preempt(request, plan)
+
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> StepPlan:

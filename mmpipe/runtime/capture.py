@@ -14,17 +14,15 @@ from mmpipe.runtime.graph_memory import CaptureMemory, GraphMemory
 
 
 @contextlib.contextmanager
-def gc_frozen() -> Iterator[None]:
-    """No Python garbage collection during a capture: a collection there can free tensors whose
-    memory the graph is being recorded with, or run finalizers that touch the device."""
+def gc_paused() -> Iterator[None]:
+    """No Python garbage collection during a capture: a collection there could run finalizers that
+    touch the device. Nothing is collected on purpose either: these captures happen lazily while
+    serving, where a full collection is a latency spike."""
     enabled = gc.isenabled()
-    gc.collect()
-    gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
         if enabled:
             gc.enable()
 
@@ -54,24 +52,32 @@ def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     return _streams[index]
 
 
-def capture(fn: Callable[[], Any], memory: GraphMemory, warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, Any,
-                                                                                     CaptureMemory]:
-    """Warm `fn` up eagerly, then capture it; returns (graph, its outputs, its memory)."""
-    stream = capture_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    mem = memory.open()
-    try:
-        with gc_frozen(), cublas_workspaces_cleared(), memory.capturing(mem), torch.cuda.graph(
-                graph, pool=mem.pool_id, stream=stream, capture_error_mode="thread_local"):
-            outputs = fn()
-    except BaseException:
-        graph.reset()
-        memory.release(mem)
-        raise
-    return graph, outputs, mem
+def capture(fn: Callable[[], Any], memory: GraphMemory, device: torch.device,
+            warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, Any, CaptureMemory]:
+    """Warm `fn` up eagerly, then capture it on `device`; returns (graph, its outputs, its memory).
+
+    `capture_begin`/`capture_end` are called directly rather than through `torch.cuda.graph`,
+    whose entry empties the allocator's cache on every capture (a stall, and churn, each time a
+    new shape appears while serving)."""
+    with torch.cuda.device(device):
+        stream = capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        mem = memory.open()
+        try:
+            with gc_paused(), cublas_workspaces_cleared(), memory.capturing(mem), torch.cuda.stream(stream):
+                graph.capture_begin(mem.pool_id, capture_error_mode="thread_local")
+                try:
+                    outputs = fn()
+                finally:
+                    graph.capture_end()
+        except BaseException:
+            graph.reset()
+            memory.release(mem)
+            raise
+        return graph, outputs, mem

@@ -137,7 +137,8 @@ class VmmArena:
         with self._lock:
             vrange.released = True
             if vrange.live_segments == 0:
-                self._unmap(vrange)
+                with self._driver_calls():
+                    self._unmap(vrange)
 
     # ------------------------------------------------------------------ callbacks
 
