@@ -1,9 +1,9 @@
 """Side-by-side benchmarks, run on a GPU. Every figure is a median of timed repeats after warm-up,
 and every comparison is measured in the same process.
 
-    python -m app.bench kernels       # attention kernels: decode bandwidth, extend variants, ViT varlen
-    python -m app.bench throughput    # 256 captioning requests: engine vs static loop vs transformers
-    python -m app.bench vit           # ViT per-image latency (transformers / eager / graph), graph memory
+    python -m mmpipe.app.bench kernels       # attention kernels: decode bandwidth, extend variants, ViT varlen
+    python -m mmpipe.app.bench throughput    # 256 captioning requests: engine vs static loop vs transformers
+    python -m mmpipe.app.bench vit           # ViT per-image latency (transformers / eager / graph), graph memory
     mmpipe bench kernels              # the same through the CLI
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded).
@@ -64,7 +64,7 @@ def paged_cache(batch: int, ctx: int, page_size: int, kv_heads: int, dim: int, d
 
 
 def bench_decode(copy_gbs: float, shapes: tuple[int, int, int] = (16, 2, 128)) -> list[list[Any]]:
-    from language.attention.triton_decode import paged_decode, plan_splits
+    from mmpipe.language.attention.triton_decode import paged_decode, plan_splits
 
     heads, kv_heads, dim = shapes
     rows = []
@@ -85,9 +85,9 @@ def bench_decode(copy_gbs: float, shapes: tuple[int, int, int] = (16, 2, 128)) -
 
 
 def bench_extend() -> list[list[Any]]:
-    from language.attention.cuda_backend import CudaLMAttention
-    from language.attention.metadata import AttentionMetadata
-    from language.attention.torch_backend import TorchLMAttention
+    from mmpipe.language.attention.cuda_backend import CudaLMAttention
+    from mmpipe.language.attention.metadata import AttentionMetadata
+    from mmpipe.language.attention.torch_backend import TorchLMAttention
 
     heads, kv_heads, dim, page = 16, 2, 128, 16
     cases = [("8 x 1024 new, no cache", [(0, 1024)] * 8), ("1 x 8192 new, no cache", [(0, 8192)]), ("4 x 512 new after 2048", [(2048, 512)] * 4),
@@ -125,8 +125,8 @@ def bench_extend() -> list[list[Any]]:
 def bench_vit_attention() -> list[list[Any]]:
     import torch.nn.functional as F
 
-    from vision.attention import TorchVisionAttention, VarlenVisionAttention
-    from vision.metadata import segments_of
+    from mmpipe.vision.attention import TorchVisionAttention, VarlenVisionAttention
+    from mmpipe.vision.metadata import segments_of
 
     heads, dim, patches = 16, 80, 1024  # a 448 px image in the 3B ViT
     varlen, batched = VarlenVisionAttention(), TorchVisionAttention()
@@ -307,8 +307,8 @@ def vision_pair(depth: int | None = None):
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from vision.attention import make_vision_attention
-    from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+    from mmpipe.vision.attention import make_vision_attention
+    from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 
     shape = dict(QWEN25_VL_3B_VISION, **({"depth": depth} if depth else {}))
     hf_config = Qwen2_5_VLConfig(vision_config=shape)
@@ -359,9 +359,9 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     from PIL import Image
 
-    from vision.graph_runner import ViTGraphRunner, default_buckets
-    from vision.metadata import build_pack_meta
-    from vision.preprocess import ImageProcessorConfig, preprocess_image
+    from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
+    from mmpipe.vision.metadata import build_pack_meta
+    from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
 
     hf, ours = vision_pair()
     runner = ViTGraphRunner(ours, torch.device("cuda"), default_buckets(16384))
@@ -406,8 +406,8 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
 def vit_memory(vit: Any) -> dict[str, float]:
     """Physical graph memory after capturing 16 buckets in ascending order, per memory mode."""
     from mmpipe.runtime.graph_memory import device_memory_in_use as used
-    from vision.graph_runner import ViTGraphRunner
-    from vision.metadata import build_pack_meta
+    from mmpipe.vision.graph_runner import ViTGraphRunner
+    from mmpipe.vision.metadata import build_pack_meta
 
     buckets = [256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 12288, 16384]
     results: dict[str, float] = {}

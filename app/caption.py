@@ -1,7 +1,7 @@
 """Batch image captioning: files, directories or globs in; one caption per image out.
 
-    python -m app.caption assets/images                       # print "path<TAB>caption"
-    python -m app.caption photos/ --output captions.jsonl     # JSON lines; re-running resumes
+    python -m mmpipe.app.caption assets/images                       # print "path<TAB>caption"
+    python -m mmpipe.app.caption photos/ --output captions.jsonl     # JSON lines; re-running resumes
 
 Images are processed in batches; an image that cannot be read is reported on stderr and
 skipped, and every other image is still captioned. With --output, finished captions are

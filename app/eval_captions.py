@@ -1,7 +1,7 @@
 """Score a model's greedy captions on fresh synthetic scenes (seeds never used in training).
 
-    python -m app.eval_captions --scenes 200                  # mmpipe on the bundled model
-    python -m app.eval_captions --scenes 200 --transformers   # also check token identity with transformers
+    python -m mmpipe.app.eval_captions --scenes 200                  # mmpipe on the bundled model
+    python -m mmpipe.app.eval_captions --scenes 200 --transformers   # also check token identity with transformers
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from app.scenes import make_scene, score
+from mmpipe.app.scenes import make_scene, score
 
 TEST_SEED_BASE = 2_000_000_000  # training uses seeds < 10**8, its own evaluation 10**9 ..
 

@@ -1,7 +1,7 @@
 """Train the bundled model: a small Qwen2.5-VL (transformers' own classes) that captions the
 synthetic scenes of `app/scenes.py`. Meant for a GPU; a few minutes on an H100.
 
-    python -m app.train_tiny --out assets/mmpipe-tiny-scenes --steps 6000
+    python -m mmpipe.app.train_tiny --out assets/mmpipe-tiny-scenes --steps 6000
 
 Every training batch is freshly generated (scene seeds 0 .. steps*batch-1, never reused), so
 there is no fixed training set to overfit. Evaluation uses seeds from 10**9 on, which training
@@ -22,9 +22,9 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from app.scenes import COLOURS, COLUMNS, ROWS, SHAPES, SIZES, make_scene, position_phrase, score
+from mmpipe.app.scenes import COLOURS, COLUMNS, ROWS, SHAPES, SIZES, make_scene, position_phrase, score
 from mmpipe.synthetic import build_tokenizer, qwen2_5_vl_config, write_checkpoint
-from vision.preprocess import ImageProcessorConfig, preprocess_image
+from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
 
 PROMPT = "Describe this image."
 EVAL_SEED_BASE = 10**9
@@ -253,7 +253,7 @@ def save(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     saved = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.out, dtype=torch.float32).to(device)
     metrics, samples = evaluate(saved, tokenizer, range(EVAL_SEED_BASE, EVAL_SEED_BASE + args.eval_scenes), device)
     record = {
-        "command": "python -m app.train_tiny " + " ".join(args.argv),
+        "command": "python -m mmpipe.app.train_tiny " + " ".join(args.argv),
         "seed": args.seed, "steps": result["steps_done"], "batch_size": args.batch_size,
         "train_seconds": round(result["train_seconds"], 1), "parameters": result["params"],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import language.attention.op  # noqa: F401  (registers torch.ops.mmpipe.lm_attention)
+import mmpipe.language.attention.op  # noqa: F401  (registers torch.ops.mmpipe.lm_attention)
 from mmpipe.errors import CheckpointError, UnsupportedModelError
 from mmpipe.runtime.layers import GatedMLP, RMSNorm, rotate_half
 from mmpipe.runtime.weight_copy import WeightMap

@@ -4,13 +4,49 @@
     pipe = Pipeline.from_pretrained()                  # bundled model; or a local checkpoint dir
     print(pipe.caption(["assets/images/scene_0.png"]))
 
-Names are imported lazily so that `vision` and `language` can import `mmpipe.config` and
-`mmpipe.runtime` without pulling in the pipeline (and so each other).
+Names are imported lazily so that `mmpipe.vision` and `mmpipe.language` can import
+`mmpipe.config` and `mmpipe.runtime` without pulling in the pipeline (and so each other).
+
+In the repository the `vision`, `language` and `app` folders sit beside this package; setuptools
+installs them inside it (`package-dir`). Run from a source checkout that is not installed (or from
+an editable install whose finder comes after the checkout on the path), a small finder maps the
+three names onto those folders, so imports read the same either way.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import os
+import sys
 from typing import Any
+
+_SUBPACKAGES = ("vision", "language", "app")
+
+
+class _SourceTreeFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, folders: dict[str, str]) -> None:
+        self.folders = folders
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        folder = self.folders.get(fullname)
+        if folder is None:
+            return None
+        return importlib.util.spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+
+
+def _map_source_tree() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    folders = {f"mmpipe.{name}": os.path.join(root, name) for name in _SUBPACKAGES
+               if not os.path.isdir(os.path.join(here, name))
+               and os.path.isfile(os.path.join(root, name, "__init__.py"))}
+    if folders and not any(isinstance(f, _SourceTreeFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourceTreeFinder(folders))
+
+
+_map_source_tree()
 
 __version__ = "0.1.0"
 

@@ -84,7 +84,7 @@ def _model_summary(path: str | None, device: str | None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from app import caption
+    from mmpipe.app import caption
 
     parser = argparse.ArgumentParser(prog="mmpipe", description="Fast vision-language model inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("bench", help="GPU benchmarks (see `mmpipe bench -h`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from app import bench
+        from mmpipe.app import bench
 
         return bench.main(argv[1:])
     args = parser.parse_args(argv)

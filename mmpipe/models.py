@@ -12,11 +12,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from language.qwen2 import Qwen2LanguageModel, TextConfig
+from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.errors import CheckpointError, UnsupportedModelError
 from mmpipe.weights import load_checkpoint, materialize, read_json
-from vision.preprocess import ImageProcessorConfig
-from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+from mmpipe.vision.preprocess import ImageProcessorConfig
+from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def first_logits(pipe, conversation: Sequence[dict[str, Any]]) -> torch.Tensor:
     """mmpipe's logits for the token after the prompt (through the engine's own prefill)."""
     from mmpipe import SamplingParams
     from mmpipe.engine.model_runner import PrefillChunk
-    from language.kv_cache import pages_needed
+    from mmpipe.language.kv_cache import pages_needed
 
     request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "test"),
                                    SamplingParams(max_new_tokens=1), "test")

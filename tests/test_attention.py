@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from language.attention.metadata import AttentionMetadata
-from language.attention.torch_backend import TorchLMAttention
-from language.kv_cache import KVCache, PageAllocator, pages_needed
-from vision.attention import TorchVisionAttention
-from vision.metadata import segments_of
+from mmpipe.language.attention.metadata import AttentionMetadata
+from mmpipe.language.attention.torch_backend import TorchLMAttention
+from mmpipe.language.kv_cache import KVCache, PageAllocator, pages_needed
+from mmpipe.vision.attention import TorchVisionAttention
+from mmpipe.vision.metadata import segments_of
 
 
 def dense_causal(q, k, v, prefix: int):

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from app.eval_captions import TEST_SEED_BASE, mmpipe_captions, transformers_captions
-from app.scenes import make_scene, score
+from mmpipe.app.eval_captions import TEST_SEED_BASE, mmpipe_captions, transformers_captions
+from mmpipe.app.scenes import make_scene, score
 from mmpipe import Pipeline
 from mmpipe.pipeline import default_model_path
 

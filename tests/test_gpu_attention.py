@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from language.attention.metadata import AttentionMetadata
-from language.attention.torch_backend import TorchLMAttention
-from vision.attention import TorchVisionAttention
-from vision.metadata import segments_of
+from mmpipe.language.attention.metadata import AttentionMetadata
+from mmpipe.language.attention.torch_backend import TorchLMAttention
+from mmpipe.vision.attention import TorchVisionAttention
+from mmpipe.vision.metadata import segments_of
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -68,7 +68,7 @@ def run_both(backend, q, k, v, k_cache, v_cache, meta):
 
 def cuda_backend(extend="auto"):
     pytest.importorskip("triton")
-    from language.attention.cuda_backend import CudaLMAttention
+    from mmpipe.language.attention.cuda_backend import CudaLMAttention
 
     return CudaLMAttention(1.0, extend)  # scale set per test below
 
@@ -136,7 +136,7 @@ def test_plain_prefill_and_long_context_extend(dtype):
 
 @pytest.mark.parametrize("dim", [64, 80, 128])
 def test_vit_varlen_matches_reference(dim):
-    from vision.attention import VarlenVisionAttention
+    from mmpipe.vision.attention import VarlenVisionAttention
 
     lengths = [64, 64, 0, 256, 17, 64, 0, 1, 900]
     total = sum(lengths) + 11  # 11 trailing rows: a padding segment
@@ -150,7 +150,7 @@ def test_vit_varlen_matches_reference(dim):
 
 def test_vit_attention_replays_with_new_boundaries():
     """Captured once; replayed with other segment boundaries of the same total; equals eager."""
-    from vision.attention import VarlenVisionAttention
+    from mmpipe.vision.attention import VarlenVisionAttention
 
     attn = VarlenVisionAttention()
     total, bound = 18 * 16, 8 * 16

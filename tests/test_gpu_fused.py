@@ -49,8 +49,8 @@ def test_silu_mul(dtype, rows, cols):
 def test_vit_rotary_tables(grids):
     import numpy as np
 
-    from vision import rotary
-    from vision.metadata import build_pack_meta
+    from mmpipe.vision import rotary
+    from mmpipe.vision.metadata import build_pack_meta
 
     meta = build_pack_meta(grids, 2, 112, 14)
     positions = torch.from_numpy(np.ascontiguousarray(meta.positions))

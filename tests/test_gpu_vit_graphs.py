@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mmpipe.runtime.graph_memory import device_memory_in_use
-from vision.attention import VarlenVisionAttention
-from vision.graph_runner import ViTGraphRunner, default_buckets
-from vision.metadata import build_pack_meta
-from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+from mmpipe.vision.attention import VarlenVisionAttention
+from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
+from mmpipe.vision.metadata import build_pack_meta
+from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -167,7 +167,7 @@ def test_interpreter_exit_with_live_graphs_is_clean():
         import torch, sys
         sys.path.insert(0, ".")
         from tests.test_gpu_vit_graphs import make_vit, inputs
-        from vision.graph_runner import ViTGraphRunner
+        from mmpipe.vision.graph_runner import ViTGraphRunner
         vit = make_vit()
         runner = ViTGraphRunner(vit, torch.device("cuda"), [64, 128, 256])
         with torch.inference_mode():
@@ -182,8 +182,8 @@ def test_interpreter_exit_with_live_graphs_is_clean():
 
 
 def test_captions_are_identical_with_graphs_on_and_off():
-    from app.eval_captions import TEST_SEED_BASE, mmpipe_captions
-    from app.scenes import make_scene
+    from mmpipe.app.eval_captions import TEST_SEED_BASE, mmpipe_captions
+    from mmpipe.app.scenes import make_scene
     from mmpipe import Pipeline
 
     images = [make_scene(s).image for s in range(TEST_SEED_BASE, TEST_SEED_BASE + 50)]

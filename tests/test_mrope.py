@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from language.mrope import decode_positions, mrope_positions
-from vision.metadata import build_pack_meta
+from mmpipe.language.mrope import decode_positions, mrope_positions
+from mmpipe.vision.metadata import build_pack_meta
 
 IMAGE = 99
 

@@ -89,7 +89,7 @@ def test_window_attention_with_many_windows(checkpoint_factory):
     pipe = Pipeline.from_pretrained(path, device="cpu")
     conversation = two_images()
     request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "t"), SamplingParams(), "t")
-    from vision.metadata import build_pack_meta
+    from mmpipe.vision.metadata import build_pack_meta
 
     cfg = pipe.model.vision.cfg
     meta = build_pack_meta([im.grid_thw for im in request.images], 2, cfg.window_size, cfg.patch_size)
@@ -101,7 +101,7 @@ def test_vision_tower_matches_transformers(pipe, reference, checkpoint):
     """The ViT alone, on a pack of three images of different sizes."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vision.metadata import build_pack_meta
+    from mmpipe.vision.metadata import build_pack_meta
 
     images = [random_image(w, h, seed=i) for i, (w, h) in enumerate([(200, 300), (56, 56), (420, 120)])]
     processed = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)(images=images, return_tensors="pt")

@@ -11,7 +11,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from mmpipe.errors import InputError
 from mmpipe.inputs import load_image
 from tests.helpers import png_bytes, random_image
-from vision.preprocess import ImageProcessorConfig, preprocess_image, smart_resize
+from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image, smart_resize
 
 REFERENCE = Qwen2VLImageProcessorPil()  # published Qwen2.5-VL limits: 3136 .. 1003520 pixels
 CONFIG = ImageProcessorConfig.from_dict(REFERENCE.to_dict())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from language.sampler import SamplingBatch, sample, uniform_noise
+from mmpipe.language.sampler import SamplingBatch, sample, uniform_noise
 
 CPU = torch.device("cpu")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.scenes import COLOURS, MAX_SIDE, MIN_SIDE, SHAPES, caption_of, make_scene, parse_caption, score
+from mmpipe.app.scenes import COLOURS, MAX_SIDE, MIN_SIDE, SHAPES, caption_of, make_scene, parse_caption, score
 
 
 def test_same_seed_same_scene_and_different_seeds_differ():
@@ -51,7 +51,7 @@ def test_score():
 
 
 def test_trainer_runs_a_few_steps_and_saves_a_loadable_checkpoint(tmp_path):
-    from app.train_tiny import main
+    from mmpipe.app.train_tiny import main
     from mmpipe import Pipeline
 
     record = main(["--out", str(tmp_path / "m"), "--steps", "2", "--batch-size", "2", "--workers", "0",

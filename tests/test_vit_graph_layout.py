@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from vision.graph_runner import _boundaries, default_buckets, full_segment_slots, window_segment_slots
-from vision.metadata import build_pack_meta
+from mmpipe.vision.graph_runner import _boundaries, default_buckets, full_segment_slots, window_segment_slots
+from mmpipe.vision.metadata import build_pack_meta
 
 
 def test_default_buckets_are_fine_then_coarse():
@@ -61,8 +61,8 @@ def test_padding_rows_never_change_real_rows():
     the real rows exactly what the unpadded forward gives."""
     import torch
 
-    from vision.metadata import segments_of
-    from vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+    from mmpipe.vision.metadata import segments_of
+    from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 
     cfg = VisionConfig(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=32,
                        fullatt_block_indexes=(1,), window_size=56)

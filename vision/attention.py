@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from vision.metadata import Segments
+from mmpipe.vision.metadata import Segments
 
 
 class VisionAttention(Protocol):

@@ -29,7 +29,7 @@ import torch
 
 from mmpipe.runtime.capture import capture
 from mmpipe.runtime.graph_memory import CaptureMemory, GraphMemory, make_graph_memory
-from vision.metadata import Segments, VisionPackMeta
+from mmpipe.vision.metadata import Segments, VisionPackMeta
 
 log = logging.getLogger("mmpipe")
 

@@ -20,9 +20,9 @@ from mmpipe.errors import CheckpointError
 from mmpipe.runtime.fused import add_rms_norm, rotary_qk
 from mmpipe.runtime.layers import GatedMLP, RMSNorm
 from mmpipe.runtime.weight_copy import WeightMap
-from vision.attention import TorchVisionAttention, VisionAttention
-from vision.metadata import Segments, VisionPackMeta, segments_of
-from vision.rotary import rotary_tables
+from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
+from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
+from mmpipe.vision.rotary import rotary_tables
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from language.attention.metadata import AttentionMetadata
-from language.attention.torch_backend import TorchLMAttention
+from mmpipe.language.attention.metadata import AttentionMetadata
+from mmpipe.language.attention.torch_backend import TorchLMAttention
 
 
 
@@ -30,7 +30,7 @@ def make_lm_attention(backend: str, device: torch.device, dtype: torch.dtype, sc
         return TorchLMAttention(scale)
     if not cuda_attention_available(device):
         raise ValueError(f"attention_backend='cuda' needs a CUDA device and Triton (device is {device})")
-    from language.attention.cuda_backend import CudaLMAttention
+    from mmpipe.language.attention.cuda_backend import CudaLMAttention
 
     return CudaLMAttention(scale, extend)
 

@@ -17,10 +17,10 @@ import inspect
 
 import torch
 
-from language.attention.metadata import AttentionMetadata
-from language.attention.torch_backend import write_kv
-from language.attention.triton_decode import paged_decode
-from language.attention.triton_extend import paged_extend
+from mmpipe.language.attention.metadata import AttentionMetadata
+from mmpipe.language.attention.torch_backend import write_kv
+from mmpipe.language.attention.triton_decode import paged_decode
+from mmpipe.language.attention.triton_extend import paged_extend
 
 
 VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.attention.triton_common import load_paged_kv, online_softmax_step
+from mmpipe.language.attention.triton_common import load_paged_kv, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 

@@ -14,18 +14,18 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from language.attention import AttentionMetadata, make_lm_attention
-from language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
-from language.sampler import SampleResult, SamplingBatch, sample
+from mmpipe.language.attention import AttentionMetadata, make_lm_attention
+from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
+from mmpipe.language.sampler import SampleResult, SamplingBatch, sample
 from mmpipe.config import EngineConfig
 from mmpipe.errors import InputError
 from mmpipe.engine.request import Request, logprob_dict
 from mmpipe.models import LoadedModel
 from mmpipe.runtime.context import ForwardContext, forward_context
-from vision.attention import make_vision_attention
-from vision.graph_runner import ViTGraphRunner, default_buckets
-from vision.metadata import build_pack_meta
-from vision.preprocess import PreprocessedImage
+from mmpipe.vision.attention import make_vision_attention
+from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
+from mmpipe.vision.metadata import build_pack_meta
+from mmpipe.vision.preprocess import PreprocessedImage
 
 log = logging.getLogger("mmpipe")
 

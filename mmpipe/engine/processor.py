@@ -13,14 +13,14 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from language.mrope import mrope_positions
+from mmpipe.language.mrope import mrope_positions
 from mmpipe.config import GenerationDefaults, ResolvedSampling, SamplingParams
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
 from mmpipe.engine.request import Request
 from mmpipe.errors import InputError
 from mmpipe.inputs import load_image, parse_conversation
 from mmpipe.models import LoadedModel
-from vision.preprocess import PreprocessedImage, preprocess_image
+from mmpipe.vision.preprocess import PreprocessedImage, preprocess_image
 
 
 @dataclass

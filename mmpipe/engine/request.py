@@ -11,7 +11,7 @@ import torch
 from mmpipe.config import ResolvedSampling
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
 from mmpipe.outputs import RequestMetrics, RequestOutput
-from vision.preprocess import PreprocessedImage
+from mmpipe.vision.preprocess import PreprocessedImage
 
 
 @dataclass(eq=False)  # identity semantics: queues hold and remove requests by identity

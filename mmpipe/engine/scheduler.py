@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from language.kv_cache import PageAllocator, pages_needed
+from mmpipe.language.kv_cache import PageAllocator, pages_needed
 from mmpipe.config import EngineConfig
 from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.model_runner import PrefillChunk

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from language.kv_cache import pages_needed
+from mmpipe.language.kv_cache import pages_needed
 from mmpipe.engine.model_runner import ModelRunner, PrefillChunk
 from mmpipe.engine.request import Request
 

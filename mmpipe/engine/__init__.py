@@ -1,0 +1,1 @@
+"""The request lifecycle: scheduler, KV page allocation, model runner, step loop, detokenizer."""
