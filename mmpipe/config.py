@@ -69,6 +69,67 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device,
     return torch.float16 if checkpoint_dtype in ("float16", "torch.float16") else torch.bfloat16
 
 
+def parse_graph_mode(mode: "GraphMode | str | None", device: torch.device) -> GraphMode:
+    """`None` gives `full_and_piecewise` on CUDA and `none` elsewhere; on the CPU every mode runs as
+    `none` (there is nothing to capture)."""
+    if mode is None:
+        return GraphMode.FULL_AND_PIECEWISE if device.type == "cuda" else GraphMode.NONE
+    try:
+        parsed = GraphMode(mode.lower() if isinstance(mode, str) else mode)
+    except ValueError:
+        raise InputError(f"graph_mode={mode!r}: use one of {', '.join(m.value for m in GraphMode)}") from None
+    return parsed if device.type == "cuda" else GraphMode.NONE
+
+
+def decode_graphs_on(mode: GraphMode) -> bool:
+    """Whether `mode` captures whole decode steps."""
+    return mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
+
+
+def prefill_graphs_on(mode: GraphMode) -> bool:
+    """Whether `mode` captures prefill pieces (the piecewise runner; until it lands prefill is eager)."""
+    return mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
+
+
+_GRAPH_MEMORY = ("arena", "shared", "per_graph")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs of one runner (ViT, decode or prefill).
+
+    `enabled` None means: on when the device is CUDA and the runner's ops can be captured.
+    `buckets` are the sizes captured (patch counts, batch sizes, token counts); None takes the
+    runner's default schedule. `max_graphs` bounds live graphs (least recently used evicted).
+    `memory`: "arena" (VMM: any capture order costs about the largest graph), "shared" (one pool,
+    best when captured largest first), "per_graph" (a pool each; memory grows with every shape).
+    """
+
+    enabled: bool | None = None
+    buckets: tuple[int, ...] | None = None
+    max_graphs: int = 64
+    memory: str = "shared"
+
+    def __post_init__(self) -> None:
+        if self.enabled is not None and not isinstance(self.enabled, bool):
+            raise InputError(f"GraphConfig.enabled={self.enabled!r}: use True, False or None")
+        if not isinstance(self.max_graphs, int) or isinstance(self.max_graphs, bool) or self.max_graphs <= 0:
+            raise InputError(f"GraphConfig.max_graphs={self.max_graphs!r}: must be a positive integer")
+        if self.memory not in _GRAPH_MEMORY:
+            raise InputError(f"GraphConfig.memory={self.memory!r}: use 'arena', 'shared' or 'per_graph'")
+        if self.buckets is not None:
+            try:
+                buckets = tuple(sorted({int(b) for b in self.buckets}))
+            except (TypeError, ValueError):
+                raise InputError(f"GraphConfig.buckets={self.buckets!r}: give positive integers") from None
+            if not buckets or buckets[0] <= 0:
+                raise InputError(f"GraphConfig.buckets={self.buckets!r}: give positive integers")
+            object.__setattr__(self, "buckets", buckets)
+
+    def wanted(self, device: torch.device) -> bool:
+        return device.type == "cuda" and self.enabled is not False
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How a loaded model runs. Defaults suit one GPU or a CPU; every limit is checked at start."""
@@ -92,15 +153,20 @@ class EngineConfig:
     encoder_cache_bytes: int = 1 << 30
     # Threads decoding and preprocessing images ahead of the engine.
     preprocess_workers: int = 4
-    # CUDA graphs for the vision encoder, captured lazily per bucket of packed patch count.
-    # None: on when the device is CUDA and the ViT attention can be captured (half precision).
-    vit_graphs: bool | None = None
-    # Patch-count buckets (None: 64-patch steps to 1024, 256 to 4096, 1024 above, to max_vision_patches).
-    vit_graph_buckets: tuple[int, ...] | None = None
-    vit_graph_max_graphs: int = 32  # live graphs; the least recently used is evicted beyond this
-    vit_graph_max_images: int = 64  # images in one graph call (segment slots are sized for it)
-    # Graph memory: "arena" (VMM, ~largest graph), "shared" (one pool), "per_graph".
-    vit_graph_memory: str = "arena"
+    # Which parts of the language model run as CUDA graphs (GraphMode or its name); None:
+    # full_and_piecewise on CUDA, none on the CPU.
+    graph_mode: GraphMode | str | None = None
+    # Decode graphs: one per batch-size bucket (default 1, 2, 4, 8, 16, 24, 32, then steps of 16
+    # to 256, capped by max_running_requests), captured at start, largest first, in one pool.
+    decode_graph: GraphConfig = GraphConfig()
+    # ViT graphs, captured lazily per bucket of packed patch count (default buckets: 64-patch
+    # steps to 1024, 256 to 4096, 1024 above, to max_vision_patches). On by default on CUDA when
+    # the ViT attention can be captured (half precision).
+    vit_graph: GraphConfig = GraphConfig(max_graphs=32, memory="arena")
+    vit_graph_max_images: int = 64  # images in one ViT graph call (segment slots are sized for it)
+    # Most token ids a request may ban at once inside a decode graph (stop and eos ids before
+    # min_new_tokens); a request with more runs its decode steps eagerly.
+    max_banned_tokens: int = 16
     # Attention implementation for the language model and the ViT: "auto" picks the fastest
     # one available on the device; "torch" is the reference.
     attention_backend: str = "auto"
@@ -110,21 +176,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("kv_page_size", "max_running_requests", "max_prefill_tokens", "max_vision_patches",
-                     "cpu_kv_tokens", "preprocess_workers", "vit_graph_max_graphs", "vit_graph_max_images"):
+                     "cpu_kv_tokens", "preprocess_workers", "vit_graph_max_images", "max_banned_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2):
             raise InputError(f"EngineConfig.num_kv_pages={self.num_kv_pages!r}: must be an integer >= 2")
-        if self.vit_graph_memory not in ("arena", "shared", "per_graph"):
-            raise InputError(f"EngineConfig.vit_graph_memory={self.vit_graph_memory!r}: "
-                             "use 'arena', 'shared' or 'per_graph'")
-        if self.vit_graph_buckets is not None:
-            buckets = tuple(int(b) for b in self.vit_graph_buckets)
-            if not buckets or min(buckets) <= 0:
-                raise InputError(f"EngineConfig.vit_graph_buckets={self.vit_graph_buckets!r}: "
-                                 "give positive patch counts")
-            object.__setattr__(self, "vit_graph_buckets", buckets)
+        for name in ("decode_graph", "vit_graph"):
+            if not isinstance(getattr(self, name), GraphConfig):
+                raise InputError(f"EngineConfig.{name}: give a GraphConfig, got {getattr(self, name)!r}")
+        if self.graph_mode is not None:
+            parse_graph_mode(self.graph_mode, torch.device("cuda"))  # validates the name
         if not isinstance(self.encoder_cache_bytes, int) or self.encoder_cache_bytes < 0:
             raise InputError(f"EngineConfig.encoder_cache_bytes={self.encoder_cache_bytes!r}: must be >= 0")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
-from mmpipe.errors import CheckpointError, UnsupportedModelError
+from mmpipe.errors import CheckpointError, InputError, UnsupportedModelError
+from mmpipe.language.attention import make_lm_attention
+from mmpipe.vision.attention import make_vision_attention
 from mmpipe.weights import load_checkpoint, materialize, read_json
 from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
@@ -23,9 +25,9 @@ from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 class ModelSpec:
     architecture: str
     vision_config: Callable[[dict[str, Any]], Any]
-    vision_model: Callable[[Any], nn.Module]
+    vision_model: Callable[..., nn.Module]  # (config, attention backend)
     text_config: Callable[[dict[str, Any]], Any]
-    language_model: Callable[[Any], nn.Module]
+    language_model: Callable[..., nn.Module]  # (config, attention backend)
     image_token: str = "<|image_pad|>"
     vision_start_token: str = "<|vision_start|>"
 
@@ -70,16 +72,24 @@ class LoadedModel:
         return self.vision.cfg.spatial_merge_size
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
+               extend_attention: str = "auto") -> LoadedModel:
+    """Build the checkpoint's models on `device` with the attention backends chosen for it."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
     hf_config = read_json(path, "config.json")
     spec = spec_for(hf_config, path)
     vision_cfg = spec.vision_config(hf_config)
     text_cfg = spec.text_config(hf_config)
+    vision_attention = make_vision_attention(attention_backend, device, dtype)
+    try:
+        language_attention = make_lm_attention(attention_backend, device, dtype, text_cfg.head_dim**-0.5,
+                                               extend_attention)
+    except ValueError as exc:
+        raise InputError(f"EngineConfig.attention_backend: {exc}") from None
     with torch.device("meta"):
-        vision = spec.vision_model(vision_cfg)
-        language = spec.language_model(text_cfg)
+        vision = spec.vision_model(vision_cfg, vision_attention)
+        language = spec.language_model(text_cfg, language_attention)
     vision = materialize(vision, device, dtype)
     language = materialize(language, device, dtype)
     load_checkpoint(path, {"vision": vision, "language": language}, device, dtype)

@@ -28,7 +28,8 @@ def dense_causal(q, k, v, prefix: int):
 
 
 def build(seqs, page_size, heads, kv_heads, dim, seed, decode=False):
-    """seqs: list of (prefix_len, new_len). Fills each prefix into the cache, returns inputs."""
+    """seqs: list of (prefix_len, new_len). Fills each sequence's K/V (prefix and new: the model
+    writes new K/V before attention) into the cache, returns inputs."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = 1 + sum(pages_needed(a + b, page_size) for a, b in seqs)
     cache = KVCache(1, num_pages, page_size, kv_heads, dim, torch.float32, torch.device("cpu"))
@@ -45,8 +46,8 @@ def build(seqs, page_size, heads, kv_heads, dim, seed, decode=False):
         full_v.append(vv)
         idx = torch.arange(prefix + new)
         slot = torch.tensor(p, dtype=torch.long)[idx // page_size] * page_size + idx % page_size
-        k_cache.view(-1, kv_heads, dim)[slot[:prefix]] = kk[:prefix]
-        v_cache.view(-1, kv_heads, dim)[slot[:prefix]] = vv[:prefix]
+        k_cache.view(-1, kv_heads, dim)[slot] = kk
+        v_cache.view(-1, kv_heads, dim)[slot] = vv
         slots.append(slot[prefix:])
         qs.append(torch.randn(new, heads, dim, generator=gen))
         ks.append(kk[prefix:])
@@ -72,7 +73,7 @@ def test_extend_matches_dense(page_size, heads, kv_heads):
     seqs = [(0, 5), (17, 3), (33, 1), (1, 20)]
     (kc, vc), meta, q, k, v, full_k, full_v = build(seqs, page_size, heads, kv_heads, 16, seed=page_size + heads)
     out = torch.full_like(q, float("nan"))
-    TorchLMAttention(16 ** -0.5).forward(q, k, v, out, kc, vc, meta)
+    assert TorchLMAttention(16 ** -0.5).forward(q, k, v, meta, out, (kc, vc)) is out
     start = 0
     for (prefix, new), kk, vv in zip(seqs, full_k, full_v):
         ref = dense_causal(q[start:start + new], kk, vv, prefix)
@@ -89,18 +90,21 @@ def test_decode_and_padding_rows():
     k = torch.cat([k, torch.randn(pad, 2, 8)])
     v = torch.cat([v, torch.randn(pad, 2, 8)])
     out = torch.full_like(q, float("nan"))
-    TorchLMAttention(8 ** -0.5).forward(q, k, v, out, kc, vc, meta)
+    TorchLMAttention(8 ** -0.5).forward(q, k, v, meta, out, (kc, vc))
     for i, ((prefix, _), kk, vv) in enumerate(zip(seqs, full_k, full_v)):
         assert torch.allclose(out[i:i + 1].double(), dense_causal(q[i:i + 1], kk, vv, prefix), atol=1e-5)
     assert torch.equal(out[-pad:], torch.zeros(pad, 4, 8))
 
 
-def test_new_kv_written_to_their_slots():
+def test_attention_reads_keys_from_the_cache_not_its_arguments():
+    """K/V are written by the rotary+KV op before attention; the backend must read the cache (a
+    backend that attended to the k/v arguments would ignore the cached prefix)."""
     seqs = [(3, 4)]
-    (kc, vc), meta, q, k, v, full_k, _ = build(seqs, 2, 2, 2, 4, seed=5)
-    TorchLMAttention(0.5).forward(q, k, v, torch.empty_like(q), kc, vc, meta)
-    assert torch.equal(kc.view(-1, 2, 4)[meta.slot_mapping], k)
-    assert torch.equal(vc.view(-1, 2, 4)[meta.slot_mapping], v)
+    (kc, vc), meta, q, k, v, full_k, full_v = build(seqs, 2, 2, 2, 4, seed=5)
+    out = TorchLMAttention(0.5).forward(q, torch.zeros_like(k), torch.zeros_like(v), meta, None, (kc, vc))
+    assert torch.allclose(out.double(), dense_causal(q, full_k[0], full_v[0], 3), atol=1e-5)
+    with pytest.raises(ValueError, match="cache"):
+        TorchLMAttention(0.5).forward(q, k, v, meta)
 
 
 def test_vision_segments_match_block_diagonal_mask():
@@ -108,7 +112,7 @@ def test_vision_segments_match_block_diagonal_mask():
     total = sum(lengths)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(total + 3, 2, 8, generator=gen) for _ in range(3))  # 3 rows of no segment
-    out = TorchVisionAttention()(q, k, v, segments_of(lengths, torch.device("cpu")))
+    out = TorchVisionAttention().forward(q, k, v, segments_of(lengths, torch.device("cpu")))
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     mask = seg[:, None] == seg[None, :]
     scores = torch.einsum("qhd,khd->hqk", q[:total].double(), k[:total].double()) / math.sqrt(8)

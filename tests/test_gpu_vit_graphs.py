@@ -187,8 +187,11 @@ def test_captions_are_identical_with_graphs_on_and_off():
     from mmpipe import Pipeline
 
     images = [make_scene(s).image for s in range(TEST_SEED_BASE, TEST_SEED_BASE + 50)]
-    on = Pipeline.from_pretrained(device="cuda", dtype="bfloat16", num_kv_pages=4096, vit_graphs=True)
-    off = Pipeline.from_pretrained(device="cuda", dtype="bfloat16", num_kv_pages=4096, vit_graphs=False)
+    from mmpipe import GraphConfig
+
+    on = Pipeline.from_pretrained(device="cuda", dtype="bfloat16", num_kv_pages=4096, graph_mode="none")
+    off = Pipeline.from_pretrained(device="cuda", dtype="bfloat16", num_kv_pages=4096, graph_mode="none",
+                                   vit_graph=GraphConfig(enabled=False))
     assert off.runner.vit_graphs is None
     with_graphs = mmpipe_captions(on, images)
     stats = on.runner.vit_graphs.stats

@@ -8,28 +8,23 @@ can be captured once and replayed with other boundaries, as long as `max_len` bo
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
+from mmpipe.runtime.attention import AttentionBackend
 from mmpipe.vision.metadata import Segments
 
-
-class VisionAttention(Protocol):
-    name: str
-    graph_safe: bool
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
-        """q, k, v: [N, heads, head_dim] -> [N, heads, head_dim]."""
+VisionAttention = AttentionBackend[Segments]
 
 
 class TorchVisionAttention:
     name = "torch"
     graph_safe = False
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
+                out: torch.Tensor | None = None, cache: None = None) -> torch.Tensor:
+        """q, k, v: [N, heads, head_dim] -> [N, heads, head_dim]; rows past the last segment are zeros."""
+        out = torch.empty_like(q) if out is None else out
         start = 0
         for length, count in _runs(seg.lengths):
             if length == 0:
@@ -54,9 +49,14 @@ class VarlenVisionAttention:
 
         self._attn = varlen_attn
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
+                out: torch.Tensor | None = None, cache: None = None) -> torch.Tensor:
         cu = seg.cu_seqlens
-        return self._attn(q, k, v, cu, cu, seg.max_len, seg.max_len)
+        result = self._attn(q, k, v, cu, cu, seg.max_len, seg.max_len)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
 
 
 def _runs(lengths: list[int]) -> list[tuple[int, int]]:

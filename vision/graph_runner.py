@@ -11,24 +11,20 @@ dropped. Segment boundaries live in fixed-length device buffers read by the kern
 so any mix of image sizes with the same bucket replays the same graph exactly; a bucket's
 buffers have room for every layout it can hold (at most `max_images` images). Packs above the
 largest bucket, or when capture is impossible, run eagerly. Each replay's merged output is copied
-into fresh tensors at once, before anything else can run in graph memory.
+into fresh tensors at once, before anything else can run in graph memory (the aliasing rule of
+`mmpipe.runtime.graph_cache`).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import time
-import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from mmpipe.runtime.capture import capture
-from mmpipe.runtime.graph_memory import CaptureMemory, GraphMemory, make_graph_memory
+from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
+from mmpipe.runtime.graph_memory import GraphMemory, make_graph_memory
 from mmpipe.vision.metadata import Segments, VisionPackMeta
 
 log = logging.getLogger("mmpipe")
@@ -47,31 +43,10 @@ def default_buckets(max_patches: int, unit: int = 4) -> list[int]:
     return sorted(set(sizes))
 
 
-@dataclass
-class ViTGraphStats:
-    graphs_live: int = 0
-    captures: int = 0
-    capture_seconds: float = 0.0
-    replays: int = 0
-    eager_fallbacks: int = 0
-    evictions: int = 0
-    physical_bytes: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class _Graph:
-    bucket: int
-    graph: torch.cuda.CUDAGraph
-    output: torch.Tensor
-    memory: CaptureMemory
-    replays: int = 0
-    notes: dict[str, Any] = field(default_factory=dict)
-
-
 class ViTGraphRunner:
+    """Static buffers, `fill` and the captured body of the ViT; capture, replay, eviction and
+    teardown are the shared `GraphCache`'s."""
+
     def __init__(self, vit: Any, device: torch.device, buckets: Sequence[int], max_graphs: int = 32,
                  memory: str = "arena", max_images: int = 64) -> None:
         if not getattr(vit.attention, "graph_safe", False):
@@ -80,12 +55,12 @@ class ViTGraphRunner:
         self.vit, self.device = vit, device
         self.unit = cfg.merge_unit
         self.buckets = sorted({-(-int(b) // self.unit) * self.unit for b in buckets})
-        self.max_graphs, self.max_images = max_graphs, max_images
+        self.max_images = max_images
         self.window_merged = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
         self.window_patches = self.window_merged**2 * self.unit
         largest = self.buckets[-1]
         dtype = vit.patch_embed.weight.dtype
-        # Static inputs, allocated once at the largest bucket, outside any graph pool.
+        # Static inputs, allocated once at the largest bucket, outside any graph memory.
         self.hidden = torch.zeros(largest, cfg.hidden_size, dtype=dtype, device=device)
         self.cos = torch.zeros(largest, cfg.head_dim, dtype=torch.float32, device=device)
         self.sin = torch.zeros(largest, cfg.head_dim, dtype=torch.float32, device=device)
@@ -94,9 +69,15 @@ class ViTGraphRunner:
         self.inverse = torch.arange(largest // self.unit, dtype=torch.int64, device=device)
         self.identity = self.inverse.clone()  # padding rows map to themselves
         self.memory: GraphMemory = make_graph_memory(memory, device)
-        self.graphs: OrderedDict[int, _Graph] = OrderedDict()
-        self.stats = ViTGraphStats()
-        _live_runners.add(self)
+        self.cache = GraphCache("ViT", device, self.memory, max_graphs)
+
+    @property
+    def stats(self) -> GraphStats:
+        return self.cache.stats
+
+    @property
+    def graphs(self) -> dict:
+        return self.cache.graphs
 
     # ------------------------------------------------------------------ sizes
 
@@ -109,10 +90,7 @@ class ViTGraphRunner:
     def bucket_for(self, patches: int, images: int) -> int | None:
         if images > self.max_images:
             return None
-        for bucket in self.buckets:
-            if bucket >= patches:
-                return bucket
-        return None
+        return bucket_for(self.buckets, patches)
 
     # ------------------------------------------------------------------ running
 
@@ -123,29 +101,24 @@ class ViTGraphRunner:
         memory: copy it before the next call."""
         bucket = self.bucket_for(meta.num_patches, len(meta.grids))
         if bucket is None:
-            self.stats.eager_fallbacks += 1
-            log.info("ViT pack of %d patches / %d images runs eagerly (largest graph bucket %d, max %d images)",
-                     meta.num_patches, len(meta.grids), self.buckets[-1], self.max_images)
+            self.cache.fallback("ViT pack of %d patches / %d images runs eagerly (largest graph bucket %d, "
+                                "max %d images)", meta.num_patches, len(meta.grids), self.buckets[-1],
+                                self.max_images)
             return None
-        if not self._fill(pixel_values, meta, bucket):
-            self.stats.eager_fallbacks += 1
-            log.info("ViT pack of %d images / %d windows does not fit the segment slots of bucket %d; "
-                     "running eagerly", len(meta.grids), len(meta.window_lengths), bucket)
+        if not self.fill(pixel_values, meta, bucket):
+            self.cache.fallback("ViT pack of %d images / %d windows does not fit the segment slots of bucket "
+                                "%d; running eagerly", len(meta.grids), len(meta.window_lengths), bucket)
             return None
-        entry = self.graphs.get(bucket)
-        if entry is None:
-            entry = self._capture(bucket)
-            if entry is None:
-                self.stats.eager_fallbacks += 1
-                return None
-        self.graphs.move_to_end(bucket)
         with torch.cuda.device(self.device):
-            entry.graph.replay()
-        entry.replays += 1
-        self.stats.replays += 1
-        return entry.output[: meta.num_merged]
+            output = self.cache.run(bucket, self.body(bucket), f"{bucket} patches")
+        if output is None:
+            return None
+        held = self.memory.physical_bytes()
+        if self.stats.captures and held is not None:
+            log.debug("ViT graphs hold %.0f MiB", held / 2**20)
+        return output[: meta.num_merged]
 
-    def _fill(self, pixel_values: torch.Tensor, meta: VisionPackMeta, bucket: int) -> bool:
+    def fill(self, pixel_values: torch.Tensor, meta: VisionPackMeta, bucket: int) -> bool:
         """Write the pack into the static buffers; False if its layout does not fit the bucket."""
         n, vit = meta.num_patches, self.vit
         pad = bucket - n
@@ -167,75 +140,21 @@ class ViTGraphRunner:
         self.inverse[merged: bucket // self.unit].copy_(self.identity[merged: bucket // self.unit])
         return True
 
-    def _segments(self, bucket: int) -> tuple[Segments, Segments]:
+    def body(self, bucket: int):
+        """The captured region for `bucket`: blocks and merger over the static buffers."""
         full = Segments(self.cu_full[: self.full_slots() + 1], bucket, [])
         windows = Segments(self.cu_window[: self.window_slots(bucket) + 1], self.window_patches, [])
-        return full, windows
-
-    def _capture(self, bucket: int) -> _Graph | None:
-        full, windows = self._segments(bucket)
         hidden, cos, sin = self.hidden[:bucket], self.cos[:bucket], self.sin[:bucket]
         inverse = self.inverse[: bucket // self.unit]
 
         def run() -> torch.Tensor:
             return self.vit.forward_blocks(hidden, cos, sin, full, windows, inverse)
 
-        start = time.perf_counter()
-        try:
-            while len(self.graphs) >= self.max_graphs:
-                self._evict()
-            graph, output, memory = capture(run, self.memory, self.device)
-        except Exception as exc:  # out of memory, an op that cannot be captured, ...
-            log.warning("ViT graph capture for %d patches failed (%s: %s); running eagerly", bucket,
-                        type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
-            torch.cuda.synchronize()
-            return None
-        seconds = time.perf_counter() - start
-        entry = _Graph(bucket, graph, output, memory)
-        self.graphs[bucket] = entry
-        self.stats.captures += 1
-        self.stats.capture_seconds += seconds
-        self.stats.graphs_live = len(self.graphs)
-        self.stats.physical_bytes = self.memory.physical_bytes()
-        held = self.stats.physical_bytes
-        log.info("ViT graph captured: %d patches in %.2f s, %s", bucket, seconds,
-                 f"arena {held / 2**20:.0f} MiB" if held is not None else f"{self.memory.name} pool")
-        return entry
-
-    def _evict(self) -> None:
-        bucket, entry = self.graphs.popitem(last=False)
-        self._destroy(entry)
-        self.stats.evictions += 1
-        self.stats.graphs_live = len(self.graphs)
-        log.info("ViT graph for %d patches evicted (least recently used)", bucket)
-
-    def _destroy(self, entry: _Graph) -> None:
-        entry.output = None  # type: ignore[assignment]
-        entry.graph.reset()  # graphs go before their pools
-        self.memory.release(entry.memory)
+        return run
 
     def close(self) -> None:
         """Destroy every graph, then the memory behind them."""
-        while self.graphs:
-            self._destroy(self.graphs.popitem(last=False)[1])
-        self.stats.graphs_live = 0
-        arena = getattr(self.memory, "arena", None)
-        if arena is not None:
-            arena.close()
-
-
-_live_runners: "weakref.WeakSet[ViTGraphRunner]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    """At interpreter exit, destroy graphs before their pools (garbage collection would not keep
-    that order)."""
-    for runner in list(_live_runners):
-        try:
-            runner.close()
-        except Exception:  # the CUDA context may already be gone; nothing left to protect
-            pass
+        self.cache.close()
 
 
 def full_segment_slots(max_images: int) -> int:

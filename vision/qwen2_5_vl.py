@@ -89,7 +89,7 @@ class VisionSelfAttention(nn.Module):
                 attention: VisionAttention) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # rotated in float32, as the reference
-        out = attention(q, k, v, seg)
+        out = attention.forward(q, k, v, seg)
         return self.proj(out.reshape(n, -1))
 
 
@@ -148,7 +148,7 @@ class VisionRotary(nn.Module):
 
 
 class Qwen25VisionTransformer(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, attention: VisionAttention | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
@@ -157,7 +157,7 @@ class Qwen25VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, cfg.spatial_merge_size)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
-        self.attention: VisionAttention = TorchVisionAttention()
+        self.attention: VisionAttention = attention if attention is not None else TorchVisionAttention()
 
     @property
     def out_dim(self) -> int:

@@ -1,9 +1,11 @@
-"""Attention metadata of one language-model forward, built on the host by the model runner.
+"""Attention metadata of one language-model forward, uploaded from a host `StepInputs`.
 
 Two kinds of step: *extend* (prefill: each sequence adds one or more query tokens that attend
 to its cached prefix and causally to each other) and *decode* (each sequence adds exactly one).
-Device tensors are what kernels and captured graphs read; host mirrors serve eager backends and
-bookkeeping so that nothing needs a device-to-host sync.
+Device tensors are what kernels and captured graphs read. Host values serve eager backends and
+bookkeeping so that nothing needs a device-to-host sync; inside a captured graph they are absent
+(None), since a graph replays for any lengths: there only device tensors and host bounds fixed at
+capture may be used.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ import torch
 @dataclass
 class AttentionMetadata:
     is_decode: bool
-    num_tokens: int  # real query tokens (rows past this are padding)
-    slot_mapping: torch.Tensor  # [T_pad] int64: flat KV slot each query token's K/V is written to
-    seq_lens: torch.Tensor  # [B_pad] int32: KV length of each sequence after this step (0 = padding row)
-    query_start_loc: torch.Tensor  # [B_pad + 1] int32: cumulative query lengths
-    page_table: torch.Tensor  # [B_pad, max_pages] int32
-    seq_lens_host: list[int]  # real sequences only
-    query_lens_host: list[int]
-    max_query_len: int
-    max_seq_len: int
+    num_tokens: int  # query rows in the forward, padding included
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot each row's K/V is written to (padding: dummy page)
+    seq_lens: torch.Tensor  # [B] int32: KV length of each sequence after this step
+    query_start_loc: torch.Tensor | None  # [B + 1] int32: cumulative query lengths (None for decode)
+    page_table: torch.Tensor  # [B, max_pages] int32 (padding rows: the dummy page)
+    seq_lens_host: list[int] | None  # real sequences only; None inside a captured graph
+    query_lens_host: list[int] | None
+    max_query_len: int  # the step's real maximum (a bound inside a graph)
+    max_seq_len: int | None  # the step's real maximum sequence length; None inside a graph
+    # Bound that a captured kernel's grid is sized with: >= every sequence length of any replay
+    # (max_model_len inside graphs). Eager steps use the real maximum.
+    seq_len_bound: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.seq_len_bound and self.max_seq_len is not None:
+            self.seq_len_bound = self.max_seq_len
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
+        return int(self.seq_lens.shape[0])

@@ -2,7 +2,8 @@
 
 Runs on the CPU and on CUDA; gathers each sequence's pages and calls scaled_dot_product_attention
 with an explicit causal mask offset by the cached prefix. It loops over sequences on the host, so
-it is not capturable; it is the oracle the GPU kernels are checked against.
+it is not capturable; it is the oracle the GPU kernels are checked against. New K/V are already in
+the cache when it runs (written with the rotary embedding, `language/rope_kv.py`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from mmpipe.language.attention.metadata import AttentionMetadata
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows [T, kv_heads, dim] into their slots (graph-safe)."""
-    heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -34,11 +27,15 @@ class TorchLMAttention:
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D] (written in place)."""
-        n = meta.num_tokens
-        write_kv(k_cache, v_cache, k[:n], v[:n], meta.slot_mapping[:n])
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                out: torch.Tensor | None = None,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]; keys and values come from the cache (the new ones were
+        written there before the call). Rows past the real tokens are zeros."""
+        if cache is None:
+            raise ValueError("the LM attention reads K/V from the paged cache: pass cache=(k_cache, v_cache)")
+        k_cache, v_cache = cache
+        out = torch.empty_like(q) if out is None else out
         page_size = k_cache.shape[1]
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
@@ -58,3 +55,4 @@ class TorchLMAttention:
             start += q_len
         if start < out.shape[0]:
             out[start:] = 0
+        return out

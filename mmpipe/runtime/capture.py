@@ -52,9 +52,10 @@ def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     return _streams[index]
 
 
-def capture(fn: Callable[[], Any], memory: GraphMemory, device: torch.device,
-            warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, Any, CaptureMemory]:
+def capture(fn: Callable[[], Any], memory: GraphMemory, device: torch.device, warmups: int = 1,
+            shared: CaptureMemory | None = None) -> tuple[torch.cuda.CUDAGraph, Any, CaptureMemory]:
     """Warm `fn` up eagerly, then capture it on `device`; returns (graph, its outputs, its memory).
+    `shared`: capture into that already open memory (several captures that must share one).
 
     `capture_begin`/`capture_end` are called directly rather than through `torch.cuda.graph`,
     whose entry empties the allocator's cache on every capture (a stall, and churn, each time a
@@ -68,7 +69,7 @@ def capture(fn: Callable[[], Any], memory: GraphMemory, device: torch.device,
         torch.cuda.current_stream().wait_stream(stream)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        mem = memory.open()
+        mem = shared if shared is not None else memory.open()
         try:
             with gc_paused(), cublas_workspaces_cleared(), memory.capturing(mem), torch.cuda.stream(stream):
                 graph.capture_begin(mem.pool_id, capture_error_mode="thread_local")
@@ -78,6 +79,7 @@ def capture(fn: Callable[[], Any], memory: GraphMemory, device: torch.device,
                     graph.capture_end()
         except BaseException:
             graph.reset()
-            memory.release(mem)
+            if shared is None:
+                memory.release(mem)
             raise
         return graph, outputs, mem

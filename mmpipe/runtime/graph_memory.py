@@ -41,6 +41,9 @@ class GraphMemory(Protocol):
 
     def physical_bytes(self) -> int | None: ...
 
+    def close(self) -> None:
+        """Free the memory itself; every graph using it must be destroyed first."""
+
 
 class SharedPool:
     name = "shared"
@@ -59,6 +62,9 @@ class SharedPool:
 
     def physical_bytes(self) -> int | None:
         return None
+
+    def close(self) -> None:
+        return None  # the pool's blocks go back to the allocator once its graphs are destroyed
 
 
 class PoolPerGraph(SharedPool):
@@ -92,6 +98,9 @@ class ArenaMemory:
 
     def physical_bytes(self) -> int | None:
         return self.arena.physical
+
+    def close(self) -> None:
+        self.arena.close()
 
 
 def device_memory_in_use(device: torch.device | None = None) -> int:

@@ -120,16 +120,15 @@ class VmmArena:
     @contextmanager
     def allocating_in(self, vrange: VirtualRange) -> Iterator[None]:
         """Route segment requests of the allocator callbacks to `vrange`."""
-        global _active_arena
         with self._lock:
             previous, self._active = self._active, vrange
-            outer, _active_arena = _active_arena, self
+            outer, _capturing.arena = getattr(_capturing, "arena", None), self
         try:
             yield
         finally:
             with self._lock:
                 self._active = previous
-                _active_arena = outer
+                _capturing.arena = outer
 
     def close_range(self, vrange: VirtualRange) -> None:
         """The capture is gone (its graph destroyed, its pool released, the device idle): unmap
@@ -245,7 +244,9 @@ def _round_up(value: int, multiple: int) -> int:
 # ---------------------------------------------------------------------------- process-wide hooks
 
 _arenas: list[VmmArena] = []
-_active_arena: VmmArena | None = None
+# The arena whose capture is open, per thread: allocations come from the capturing thread, and two
+# Pipelines captured from two threads must each reach their own arena.
+_capturing = threading.local()
 _hooks: dict[str, Any] = {}  # callbacks and allocator: never freed (see the module docstring)
 
 
@@ -254,7 +255,7 @@ def _register(arena: VmmArena) -> None:
 
 
 def _alloc_callback(size: int, device: int, stream: int) -> int:
-    arena = _active_arena
+    arena = getattr(_capturing, "arena", None)
     if arena is None:
         log.error("VMM arena: allocation of %d bytes with no capture open", size)
         return 0

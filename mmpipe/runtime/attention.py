@@ -1,0 +1,31 @@
+"""The attention interface shared by the language model and the vision encoder.
+
+A backend is chosen per device when the models are built and passed to them at construction.
+It computes attention only: the language model writes new K/V into its paged cache before the
+call (fused with the rotary embedding), so every backend sees the same cache contents and
+treats padded rows the same way (their K/V went to the reserved dummy page; their outputs are
+don't-care and sliced away by the caller).
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Protocol, TypeVar
+
+import torch
+
+MetaT = TypeVar("MetaT", contravariant=True)
+
+
+class AttentionBackend(Protocol, Generic[MetaT]):
+    name: str
+    # True when forward reads only device tensors and host values fixed for a captured graph
+    # (so it may run inside a CUDA graph and be replayed with new metadata).
+    graph_safe: bool
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: MetaT,
+                out: torch.Tensor | None = None,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (the new tokens) -> [T, H, D], written into `out` when
+        given. `meta` says which rows attend to which; `cache` is the layer's paged (K, V) for
+        backends that read earlier tokens from it."""
+        ...
