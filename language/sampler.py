@@ -1,4 +1,4 @@
-"""Token sampling for a batch, vectorised on the device: no Python loop over rows.
+"""Token sampling for a batch, vectorised on the device and safe to capture in a CUDA graph.
 
 Per row: repetition penalty, a ban on stop tokens before `min_new_tokens`, then greedy, or
 temperature / top-k / top-p / min-p followed by an exponential race (argmax of p / Exp(1)
@@ -8,11 +8,31 @@ else is in the batch, on the CPU and on CUDA alike.
 
 Log-probabilities are those of the model's distribution (log-softmax of the raw logits), like
 vLLM's default, whatever the sampling settings.
+
+The pieces:
+
+- `RowSampling`: one row's settings on the host.
+- `SamplerVariant`: which parts of the sampler run, as host booleans. It is the only thing that
+  chooses code paths, so a graph captured for a variant serves any rows whose
+  `SamplerVariant.of(rows)` asks for no more than it (a part that is on leaves the rows that do
+  not use it bit-identical: x / 1, x * 1, keeping every token, ...).
+- `SamplerTensors`: the per-row state as device tensors of fixed shape (a graph's static
+  buffers): `build` makes fresh ones, `write_rows` fills rows of preallocated ones in place,
+  `rows(n)` takes views of the first n rows.
+- `sample(logits, tensors, variant)`: no host sync, no data-dependent shape, no branch on tensor
+  values; a row's result depends only on its own logits and settings, never on the other rows
+  (padding rows included) or the batch size: every reduction runs per row, and float sums only
+  in kernels whose order within a row does not depend on the row count (softmax, log-softmax;
+  cumsum with a caveat, see `_top_k_top_p`). Top-k / top-p keep the tokens tied with the last
+  one kept (a logit threshold), so no tie is broken by a sort's order.
+- `advance(tensors, tokens, variant, active)`: the state update after a decode step, on the
+  device (step counters, the penalty's presence mask), so a persistent batch needs no host
+  round trip.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -20,144 +40,278 @@ import torch
 _MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x045D9F3B  # < 2**31, so products of 32-bit values fit in int64 without overflow
 _GOLDEN = 0x9E3779B1
+_LOGPROB_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+def logprobs_bucket(k: int) -> int:
+    """0 -> 0; else the smallest of 1, 2, 4, 8, 16, 32, 64, 100 that is >= k."""
+    if k <= 0:
+        return 0
+    for bucket in _LOGPROB_BUCKETS:
+        if bucket >= k:
+            return bucket
+    raise ValueError(f"logprobs={k} is above the largest supported ({_LOGPROB_BUCKETS[-1]})")
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One row's settings, host side (plain Python)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    penalty: float = 1.0
+    seed: int = 0
+    step: int = 0  # tokens generated so far by this request (noise counter)
+    ban_ids: tuple[int, ...] = ()  # token ids forbidden while step < ban_until
+    ban_until: int = 0
+    seen_ids: Sequence[int] = ()  # token ids seen so far (prompt + output), for the penalty
+    logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class SamplerVariant:
+    """Which parts of the sampler run: host booleans fixed for a captured graph (part of its key)."""
+
+    random: bool = False  # some row has temperature > 0
+    top_k_top_p: bool = False  # some sampled row uses top-k (>0) or top-p (<1)
+    min_p: bool = False  # some sampled row uses min-p > 0
+    penalty: bool = False  # some row has repetition_penalty != 1
+    ban: bool = False  # some row may have banned tokens (stop/eos ids before min_new_tokens)
+    logprobs: int = 0  # number of top logprobs computed, already bucketed (see logprobs_bucket)
+
+    @classmethod
+    def of(cls, rows: Sequence[RowSampling]) -> "SamplerVariant":
+        """The variant that serves these rows (also at their later steps: a ban only expires)."""
+        sampled = [r for r in rows if r.temperature > 0]
+        return cls(
+            random=bool(sampled),
+            top_k_top_p=any(r.top_k > 0 or r.top_p < 1.0 for r in sampled),
+            min_p=any(r.min_p > 0.0 for r in sampled),
+            penalty=any(r.penalty != 1.0 for r in rows),
+            ban=any(r.ban_ids and r.step < r.ban_until for r in rows),
+            logprobs=logprobs_bucket(max((r.logprobs for r in rows), default=0)),
+        )
 
 
 @dataclass
-class SamplingBatch:
-    """Per-row sampling settings as device tensors; build with `SamplingBatch.build`."""
+class SamplerTensors:
+    """Per-row state as device tensors of FIXED shape (views of a graph's static buffers work)."""
 
     temperature: torch.Tensor  # [B] float32; 0 = greedy
     top_k: torch.Tensor  # [B] int64; 0 = off
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
     penalty: torch.Tensor  # [B] float32
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64 (tokens generated so far)
-    banned: torch.Tensor | None  # [B, K] int64 token ids to forbid (-1 = none)
-    seen: torch.Tensor | None  # [B, S] int64 token ids seen so far, for the penalty (-1 = none)
-    all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
-    max_logprobs: int
+    seeds: torch.Tensor  # [B] int64, already masked to 32 bits
+    steps: torch.Tensor  # [B] int64
+    ban_ids: torch.Tensor  # [B, K] int64, -1 = empty entry
+    ban_until: torch.Tensor  # [B] int64: row's ban is active while steps < ban_until
+    seen: torch.Tensor | None  # [B, V] bool presence mask (None when no row uses a penalty)
+
+    def rows(self, n: int) -> "SamplerTensors":
+        """Views of the first n rows (no copies)."""
+        views = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SamplerTensors(**{name: None if v is None else v[:n] for name, v in views.items()})
 
     @classmethod
-    def build(cls, *, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
-              min_p: Sequence[float], penalty: Sequence[float], seeds: Sequence[int], steps: Sequence[int],
-              banned: Sequence[Sequence[int]], seen: Sequence[Sequence[int]] | None, max_logprobs: int,
-              device: torch.device) -> "SamplingBatch":
-        def f32(values: Sequence[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+    def build(cls, rows: Sequence[RowSampling], vocab: int, device: torch.device,
+              ban_width: int | None = None) -> "SamplerTensors":
+        """Host rows -> device tensors in two transfers. `seen` (a [B, V] bool mask of `seen_ids`)
+        only if some row has penalty != 1, else None; `ban_ids` padded with -1 to `ban_width`
+        (default: the widest row, at least 1)."""
+        if ban_width is None:
+            ban_width = max(1, max((len(r.ban_ids) for r in rows), default=0))
+        with_seen = any(r.penalty != 1.0 for r in rows)
+        return _Staged(rows, vocab, ban_width, with_seen, torch.device(device)).tensors()
 
-        def i64(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    def write_rows(self, index: torch.Tensor | slice, rows: Sequence[RowSampling], vocab: int) -> None:
+        """Write these rows' settings in place at `index` (e.g. a request joining a persistent
+        decode batch); the tensors keep their addresses. If `seen` is kept, the rows' masks are
+        reset and rebuilt from `seen_ids`. ValueError if a row has more ban ids than fit."""
+        device = self.ban_ids.device
+        staged = _Staged(rows, vocab, self.ban_ids.shape[1], self.seen is not None, device).tensors()
+        if isinstance(index, torch.Tensor):
+            index = index.to(device)
+        for f in fields(self):
+            target = getattr(self, f.name)
+            if target is not None:
+                target[index] = getattr(staged, f.name)
 
-        any_penalty = any(p != 1.0 for p in penalty)
-        return cls(
-            temperature=f32(temperature), top_k=i64(top_k), top_p=f32(top_p), min_p=f32(min_p),
-            penalty=f32(penalty), seeds=i64([s & _MASK32 for s in seeds]), steps=i64(steps),
-            banned=_padded(banned, device) if any(banned) else None,
-            seen=_padded(seen, device) if (any_penalty and seen is not None) else None,
-            all_greedy=all(t == 0.0 for t in temperature),
-            any_top_k=any(k > 0 for k, t in zip(top_k, temperature) if t > 0),
-            any_top_p=any(p < 1.0 for p, t in zip(top_p, temperature) if t > 0),
-            any_min_p=any(p > 0.0 for p, t in zip(min_p, temperature) if t > 0),
-            max_logprobs=max_logprobs,
-        )
+
+class _Staged:
+    """Rows packed on the host into one float32 and one int64 tensor, each sent in one transfer."""
+
+    def __init__(self, rows: Sequence[RowSampling], vocab: int, ban_width: int, with_seen: bool,
+                 device: torch.device):
+        n = len(rows)
+        self.n, self.vocab, self.ban_width = n, vocab, ban_width
+        self.with_seen, self.device = with_seen, device
+        self.floats = torch.tensor([r.temperature for r in rows] + [r.top_p for r in rows]
+                                   + [r.min_p for r in rows] + [r.penalty for r in rows], dtype=torch.float32)
+        ints = ([r.top_k for r in rows] + [r.seed & _MASK32 for r in rows] + [r.step for r in rows]
+                + [r.ban_until for r in rows])
+        for i, r in enumerate(rows):  # ban_ids [n, ban_width], -1 = empty (as are ids no logit has)
+            if len(r.ban_ids) > ban_width:
+                raise ValueError(f"row {i} has {len(r.ban_ids)} banned token ids, more than the "
+                                 f"{ban_width} columns of ban_ids")
+            ints += [t if 0 <= t < vocab else -1 for t in r.ban_ids] + [-1] * (ban_width - len(r.ban_ids))
+        parts = [torch.tensor(ints, dtype=torch.int64)]
+        if with_seen:  # then the flat positions row * vocab + id of every seen id
+            seen = [torch.as_tensor(r.seen_ids, dtype=torch.int64).reshape(-1) for r in rows]
+            ids = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.int64)
+            counts = torch.tensor([len(x) for x in seen], dtype=torch.int64)
+            row = torch.repeat_interleave(torch.arange(n), counts)
+            keep = (ids >= 0) & (ids < vocab)
+            parts.append(row[keep] * vocab + ids[keep])
+        self.ints = torch.cat(parts)
+
+    def tensors(self) -> SamplerTensors:
+        n, width = self.n, self.ban_width
+        floats, ints = self.floats, self.ints
+        if self.device.type == "cuda":
+            floats, ints = floats.pin_memory(), ints.pin_memory()
+        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
+        seen = None
+        if self.with_seen:
+            seen = torch.zeros(n * self.vocab, dtype=torch.bool, device=self.device)
+            seen[ints[(4 + width) * n:]] = True
+            seen = seen.view(n, self.vocab)
+        return SamplerTensors(
+            temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], penalty=floats[3 * n:],
+            top_k=ints[:n], seeds=ints[n:2 * n], steps=ints[2 * n:3 * n], ban_until=ints[3 * n:4 * n],
+            ban_ids=ints[4 * n:(4 + width) * n].view(n, width), seen=seen)
 
 
 @dataclass
 class SampleResult:
     tokens: torch.Tensor  # [B] int64
     token_logprobs: torch.Tensor | None  # [B] float32, logprob of the chosen token
-    top_ids: torch.Tensor | None  # [B, max_logprobs] int64
-    top_logprobs: torch.Tensor | None  # [B, max_logprobs] float32
+    top_ids: torch.Tensor | None  # [B, min(variant.logprobs, V)] int64, best first
+    top_logprobs: torch.Tensor | None  # [B, min(variant.logprobs, V)] float32
 
 
-def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.full((len(rows), width), -1, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.int64)
-    return out.to(device, non_blocking=True)
-
-
-def _row_mask(like: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A [B, V] bool mask of the token ids listed per row; -1 padding lands in a spare column that
-    is cut off (clamping it onto token 0 would let it overwrite a real entry for token 0)."""
-    rows, vocab = like.shape
-    mask = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=like.device)
-    mask.scatter_(1, torch.where(ids >= 0, ids, vocab), True)
-    return mask[:, :vocab]
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    x = ((x >> 16) ^ x) * _HASH_MUL & _MASK32
-    x = ((x >> 16) ^ x) * _HASH_MUL & _MASK32
-    return (x >> 16) ^ x
+def _hash32_(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit integer hash, in place on an int64 tensor of values < 2**32."""
+    for _ in range(2):
+        x ^= x >> 16
+        x *= _HASH_MUL
+        x &= _MASK32
+    x ^= x >> 16
+    return x
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] float32 uniforms in (0, 1), a pure function of (seed, step, column)."""
-    base = _hash32((_hash32(seeds) + steps * 2 + 1) & _MASK32)
-    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = _hash32((base[:, None] + cols[None, :] * _GOLDEN) & _MASK32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    base = _hash32_((_hash32_(seeds & _MASK32) + steps * 2 + 1) & _MASK32)
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _GOLDEN
+    x = base[:, None] + cols[None, :]
+    x &= _MASK32
+    _hash32_(x)
+    x >>= 8  # 24 bits, exact in float32 (the + 0.5 rounds in float32, to 1.0 at the very top)
+    return x.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    """logits [B, V] (float32) -> chosen tokens and, if asked, log-probabilities."""
-    logits = logits.float()
-    raw = logits
-    if batch.seen is not None:
-        seen = _row_mask(logits, batch.seen)
-        p = batch.penalty[:, None]
-        penalised = torch.where(logits > 0, logits / p, logits * p)
-        logits = torch.where(seen, penalised, logits)
-    if batch.banned is not None:
-        logits = logits.masked_fill(_row_mask(logits, batch.banned), float("-inf"))
+def sample(logits: torch.Tensor, t: SamplerTensors, variant: SamplerVariant) -> SampleResult:
+    """logits [B, V] -> chosen tokens and, if `variant.logprobs`, log-probabilities.
 
-    greedy_tokens = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        tokens = greedy_tokens
-    else:
-        tokens = torch.where(batch.temperature == 0, greedy_tokens, _sample_random(logits, batch))
+    Graph-safe: only `variant` (host booleans) and shapes choose code paths. `logits` is not
+    modified. Rows with temperature 0 take the argmax of the penalised, banned logits."""
+    vocab = logits.shape[-1]
+    raw = logits.float()
+    x, owned = raw, raw is not logits  # `owned`: x is our own copy, safe to modify in place
+    if variant.penalty:
+        if t.seen is None:
+            raise ValueError("variant.penalty needs SamplerTensors.seen")
+        p = t.penalty[:, None]
+        x = torch.where(t.seen, torch.where(x > 0, x / p, x * p), x)  # transformers' rule
+        owned = True
+    if variant.ban:
+        x = _ban(x, t, owned)
+        owned = True
 
-    if batch.max_logprobs <= 0:
+    greedy = x.argmax(dim=-1)
+    tokens = greedy
+    if variant.random:
+        tokens = torch.where(t.temperature == 0, greedy, _sample_random(x, t, variant))
+
+    k = min(variant.logprobs, vocab)
+    if k <= 0:
         return SampleResult(tokens, None, None, None)
     logprobs = torch.log_softmax(raw, dim=-1)
-    top_lp, top_ids = logprobs.topk(batch.max_logprobs, dim=-1)
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return SampleResult(tokens, chosen, top_ids, top_lp)
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-    logits = logits / temperature[:, None]
-    if batch.any_top_k or batch.any_top_p:
-        logits = _top_k_top_p(logits, batch.top_k, batch.top_p, batch.any_top_k, batch.any_top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if batch.any_min_p:
-        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    noise = -torch.log(uniform_noise(batch.seeds, batch.steps, logits.shape[-1]))
-    return (probs / noise).argmax(dim=-1)
+def _ban(x: torch.Tensor, t: SamplerTensors, in_place: bool) -> torch.Tensor:
+    """-inf on each row's ban_ids while steps < ban_until: a min-scatter of -inf, where empty (-1)
+    entries and rows whose ban is over scatter +inf, a no-op (so the -1 padding, sent to column
+    0, can never mark token 0, and a real ban of token 0 wins whatever the order)."""
+    active = (t.ban_ids >= 0) & (t.steps < t.ban_until)[:, None]
+    src = torch.where(active, float("-inf"), float("inf"))  # float32, like x
+    index = t.ban_ids.clamp(min=0)
+    if in_place:
+        return x.scatter_reduce_(1, index, src, reduce="amin")
+    return x.scatter_reduce(1, index, src, reduce="amin")
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool,
-                 use_p: bool) -> torch.Tensor:
-    """Keep, per row, the k best tokens and the smallest set whose probability reaches p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        remove |= ranks >= k[:, None]
-    if use_p:
-        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-        remove |= before >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _sample_random(x: torch.Tensor, t: SamplerTensors, variant: SamplerVariant) -> torch.Tensor:
+    temperature = torch.where(t.temperature > 0, t.temperature, 1.0)  # greedy rows: exact x / 1
+    x = x / temperature[:, None]
+    if variant.top_k_top_p:
+        x = _top_k_top_p(x, t.top_k, t.top_p)
+    probs = torch.softmax(x, dim=-1)
+    if variant.min_p:
+        threshold = probs.amax(dim=-1, keepdim=True) * t.min_p[:, None]
+        probs = probs.masked_fill_(probs < threshold, 0.0)  # min_p 0: nothing is < 0
+    # The race argmax(p / E), E = -log(u) ~ Exp(1), computed as argmin(p / -E): the same bits
+    # negated, so the same winner. E is 0 where u rounds to 1.0 (2**-24 of the draws: about 1% of
+    # rows at a 152k vocabulary), and p / 0 is NaN for a token filtered out (p = 0), which argmax
+    # would pick: -E is capped just below 0, so such a token never wins and one with p > 0 does.
+    neg_exp = uniform_noise(t.seeds, t.steps, x.shape[-1]).log_().clamp_(max=-torch.finfo(torch.float32).tiny)
+    return probs.div_(neg_exp).argmin(dim=-1)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the k best tokens, then (renormalised over those) the smallest prefix whose
+    probability reaches p; done as a per-row logit threshold, so tokens tied with the last kept
+    one are kept too. top_k 0 and top_p 1 keep every token (the threshold is the row's minimum)."""
+    rows, vocab = x.shape
+    ordered = x.sort(dim=-1, descending=True).values
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ranks = torch.arange(vocab, device=x.device)
+    probs = torch.softmax(ordered.masked_fill(ranks >= k[:, None], float("-inf")), dim=-1)
+    if rows == 1:
+        # CUDA's cumsum runs a single row through another kernel (cub), with another summation
+        # order. Its per-row kernel sizes its blocks from the row count and length, which for a
+        # vocabulary above 2**17 (Qwen's 151936) gives the same order at 2 to 512 rows: a single row is
+        # scanned as two so that its top-p cutoff matches the one it gets in a batch.
+        cumulative = probs.expand(2, vocab).contiguous().cumsum(dim=-1)[:1]
+    else:
+        cumulative = probs.cumsum(dim=-1)
+    before = cumulative - probs  # mass strictly ahead of each token
+    keep_p = (before < top_p[:, None]).sum(dim=-1)
+    keep = torch.minimum(k, torch.where(top_p < 1.0, keep_p, vocab)).clamp(min=1)
+    threshold = ordered.gather(1, (keep - 1)[:, None])
+    return x.masked_fill_(x < threshold, float("-inf"))
+
+
+def advance(t: SamplerTensors, tokens: torch.Tensor, variant: SamplerVariant,
+            active: torch.Tensor | None = None) -> None:
+    """After a decode step, on the device: steps += 1 and (if variant.penalty) mark each row's sampled
+    token in `seen`. `active` [B] bool: only those rows advance (padded rows of a graph stay as they
+    are). Graph-safe: no host sync."""
+    if active is None:
+        t.steps.add_(1)
+    else:
+        t.steps.add_(active.to(t.steps.dtype))
+    if variant.penalty:
+        if t.seen is None:
+            raise ValueError("variant.penalty needs SamplerTensors.seen")
+        index = tokens.to(torch.int64)[:, None]
+        if active is None:
+            t.seen.scatter_(1, index, True)
+        else:  # inactive rows write back what they hold (one entry per row: no write conflicts)
+            t.seen.scatter_(1, index, t.seen.gather(1, index) | active[:, None])
