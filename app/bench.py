@@ -64,20 +64,22 @@ def paged_cache(batch: int, ctx: int, page_size: int, kv_heads: int, dim: int, d
 
 
 def bench_decode(copy_gbs: float, shapes: tuple[int, int, int] = (16, 2, 128)) -> list[list[Any]]:
-    from mmpipe.language.attention.triton_decode import paged_decode, plan_splits
+    from mmpipe.language.attention.triton_decode import decode_num_splits, paged_decode
 
     heads, kv_heads, dim = shapes
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for batch in (1, 32, 128):
+        # The split count a decode graph for this batch bucket uses, whatever the lengths.
+        splits = decode_num_splits(batch, kv_heads, num_sms)
         for ctx in (512, 4096, 32768):
             k, v, table = paged_cache(batch, ctx, 16, kv_heads, dim, torch.bfloat16)
             q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            ms = median_ms(lambda: paged_decode(q, k, v, table, lens, out, dim**-0.5, ctx))
+            ms = median_ms(lambda: paged_decode(q, k, v, table, lens, out, dim**-0.5, splits))
             kv_bytes = 2 * batch * ctx * kv_heads * dim * 2
             gbs = kv_bytes / ms / 1e6
-            splits, _ = plan_splits(batch, kv_heads, ctx, 64, torch.cuda.get_device_properties(0).multi_processor_count)
             rows.append([batch, ctx, splits, round(ms * 1000, 1), round(gbs), f"{100 * gbs / copy_gbs:.0f}%"])
             del k, v
             torch.cuda.empty_cache()
@@ -144,9 +146,9 @@ def bench_vit_attention() -> list[list[Any]]:
                     F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1))
                     start += n
 
-            t_var = median_ms(lambda: varlen(q, k, v, seg))
+            t_var = median_ms(lambda: varlen.forward(q, k, v, seg))
             t_loop = median_ms(loop, rep=50)
-            t_batched = median_ms(lambda: batched(q, k, v, seg), rep=50)
+            t_batched = median_ms(lambda: batched.forward(q, k, v, seg), rep=50)
             rows.append([images, kind, round(t_var * 1000, 1), round(t_loop * 1000, 1), round(t_batched * 1000, 1),
                          f"{t_loop / t_var:.1f}x"])
     return rows
@@ -449,13 +451,18 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--checkpoint", default=None, help="reuse (or create) the 3B-shaped checkpoint here")
     tp.add_argument("--engine", default=None, help="JSON of EngineConfig overrides")
     sub.add_parser("vit", help="ViT latency: transformers vs mmpipe eager vs graph; graph memory by mode")
+    from mmpipe.app import bench_decode as decode_bench  # (not this module's kernel bench_decode)
+
+    decode_bench.add_arguments(sub.add_parser("decode", help="LM decode speed: transformers (dynamic, static + "
+                                              "compile) vs mmpipe (eager, graphs), with the bandwidth floor"))
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
-    result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit}[args.what](args)
+    result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit,
+              "decode": decode_bench.run_decode}[args.what](args)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

@@ -18,8 +18,7 @@ import inspect
 import torch
 
 from mmpipe.language.attention.metadata import AttentionMetadata
-from mmpipe.language.attention.torch_backend import write_kv
-from mmpipe.language.attention.triton_decode import paged_decode
+from mmpipe.language.attention.triton_decode import decode_num_splits, paged_decode
 from mmpipe.language.attention.triton_extend import paged_extend
 
 
@@ -36,6 +35,8 @@ def _varlen():
 
 
 class CudaLMAttention:
+    """New K/V are in the cache already (written with the rotary embedding)."""
+
     name = "cuda"
     graph_safe = True
 
@@ -45,14 +46,21 @@ class CudaLMAttention:
         self.scale = scale
         self.extend = extend
         self._varlen = _varlen()
+        self._num_sms: dict[int, int] = {}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        rows = meta.slot_mapping.shape[0]
-        write_kv(k_cache, v_cache, k[:rows], v[:rows], meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                out: torch.Tensor | None = None,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if cache is None:
+            raise ValueError("the LM attention reads K/V from the paged cache: pass cache=(k_cache, v_cache)")
+        k_cache, v_cache = cache
+        out = torch.empty_like(q) if out is None else out
         if meta.is_decode:
-            paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, self.scale, meta.max_seq_len)
-            return
+            # The split count depends only on the batch rows (never on lengths), so a captured
+            # step serves any lengths.
+            splits = decode_num_splits(q.shape[0], k_cache.shape[2], self._sms(q.device))
+            paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, self.scale, splits)
+            return out
         if self._use_varlen(q.dtype, meta):
             if meta.query_lens_host == meta.seq_lens_host:  # nothing cached: attend to the new K/V
                 self._varlen_causal(q, k, v, out, meta.query_start_loc, meta.query_start_loc,
@@ -64,6 +72,13 @@ class CudaLMAttention:
         else:
             paged_extend(q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.query_start_loc, out,
                          self.scale, meta.max_query_len)
+        return out
+
+    def _sms(self, device: torch.device) -> int:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._num_sms:
+            self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._num_sms[index]
 
     def _use_varlen(self, dtype: torch.dtype, meta: AttentionMetadata) -> bool:
         if dtype not in (torch.float16, torch.bfloat16) or self._varlen is None or self.extend == "triton":

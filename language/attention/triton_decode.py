@@ -1,11 +1,20 @@
-"""Paged decode attention in Triton, with split-KV.
+"""Paged decode attention in Triton, with a fixed number of KV splits.
 
 One program per (sequence, KV head, split): it reads its split of the sequence's keys and values
-once, through the page table, for all query heads that share the KV head (GQA), and writes a
-partial result and its log-sum-exp. A second kernel combines the splits. Lengths and page tables
-are read from device tensors; the grid depends only on host bounds (batch rows, heads, a bound
-on the longest sequence), so one capture in a CUDA graph serves any lengths under that bound.
-Rows with length 0 (padding) produce zeros.
+once, through the page table, for all query heads that share the KV head (GQA). Decode steps are
+captured in CUDA graphs, one per batch-size bucket, and replayed for any sequence lengths, so
+nothing about the launch may depend on lengths: the grid is (batch rows, KV heads, `num_splits`),
+all host ints fixed by the bucket, and each program reads its sequence's length from the device
+and takes an equal share of it (split s of n covers tokens [s*chunk, min((s+1)*chunk, len)),
+chunk = cdiv(len, n) rounded up to the key block). A grid sized from a bound on the length would
+have to use the longest possible length inside a graph, and at short contexts almost all of its
+programs would idle; with a share of the actual length every split works whatever the length
+(only lengths under n key blocks leave some splits empty).
+
+With several splits each program writes a partial result and its log-sum-exp, and a second kernel
+combines them. With one split (batches large enough to fill the GPU on their own) the one kernel
+normalises and writes the output directly: no partial buffers, no second launch. Rows with length
+0 (padding) produce zeros.
 """
 
 from __future__ import annotations
@@ -19,12 +28,13 @@ import triton.language as tl
 from mmpipe.language.attention.triton_common import load_paged_kv, online_softmax_step
 
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+_PROGRAMS_PER_SM = 2  # aim for at least this many programs per SM (and fewer than twice as many)
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -32,24 +42,29 @@ def _decode_split_kernel(
     stride_tb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_yb, stride_yh,
+    NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    start = split * SPLIT_TOKENS
-    end = tl.minimum(start + SPLIT_TOKENS, seq_len)
+    # This split's share of the actual length, in whole key blocks so that only the last block of
+    # the sequence is partial.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     dmask = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    hd_mask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -61,13 +76,19 @@ def _decode_split_kernel(
                              stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)
         m_i, l_i, acc = online_softmax_step(q, k, v, tmask[None, :], m_i, l_i, acc, scale_log2, PRECISION)
 
-    has_work = start < seq_len
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    lse = tl.where(has_work, m_i + tl.log2(safe_l), float("-inf"))
-    o_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
-    tl.store(o_ptrs, out, mask=gmask[:, None] & dmask[None, :])
-    tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+    out = acc / safe_l[:, None]  # zeros where the split saw no key
+    if DIRECT:
+        tl.store(out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    else:
+        has_work = (start + g * 0) < seq_len  # per head row (a vector mask, as the interpreter needs)
+        lse = tl.where(has_work, m_i + tl.log2(safe_l), float("-inf"))
+        # An empty split writes only its -inf log-sum-exp: the reduce never reads its partial
+        # output, which saves most of the partial traffic at short contexts.
+        o_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+        tl.store(o_ptrs, out, mask=hd_mask & has_work[:, None])
+        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
 
 
 @triton.jit
@@ -85,11 +106,12 @@ def _decode_reduce_kernel(
     smask = s < NUM_SPLITS
     dmask = d < HEAD_DIM
     lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+    live = lse > float("-inf")
     top = tl.max(lse, 0)
-    weight = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+    weight = tl.where(live, tl.exp2(lse - top), 0.0)
     total = tl.sum(weight, 0)
     parts = tl.load(part_out_ptr + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                    mask=smask[:, None] & dmask[None, :], other=0.0)
+                    mask=(smask & live)[:, None] & dmask[None, :], other=0.0)
     result = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_yb + h * stride_yh + d, result.to(out_ptr.dtype.element_ty), mask=dmask)
 
@@ -98,48 +120,62 @@ def _block_n(head_dim: int, dtype: torch.dtype) -> int:
     return 32 if (dtype == torch.float32 and head_dim > 64) else 64
 
 
-def plan_splits(batch: int, kv_heads: int, max_len: int, block_n: int, num_sms: int) -> tuple[int, int]:
-    """(number of splits, tokens per split): enough programs to fill the GPU a few times over,
-    but no split shorter than a few hundred tokens."""
-    max_len = max(1, max_len)
-    want = max(1, math.ceil(4 * num_sms / max(1, batch * kv_heads)))
-    splits = max(1, min(want, math.ceil(max_len / _MIN_SPLIT_TOKENS)))
-    tokens = math.ceil(math.ceil(max_len / splits) / block_n) * block_n
-    return math.ceil(max_len / tokens), tokens
+def decode_num_splits(batch: int, kv_heads: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head): enough programs to fill the GPU (~2-4 programs per SM), at
+    most 64, at least 1.
+
+    A function of the batch bucket only, never of lengths, so a decode graph captured for a bucket
+    is right for every replay. Large batches fill the GPU with one split each and skip the reduce;
+    small ones split each sequence so that long contexts still use every SM. More than 64 splits
+    would only make the partials and the reduce bigger (a lone sequence then gets about one program
+    per SM on an H100)."""
+    rows = max(1, batch * kv_heads)
+    return max(1, min(_MAX_SPLITS, math.ceil(_PROGRAMS_PER_SM * max(1, num_sms) / rows)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                 seq_lens: torch.Tensor, out: torch.Tensor, scale: float, max_len: int) -> None:
+                 seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int) -> None:
     """q/out [B, Hq, D]; caches [pages, page_size, Hkv, D]; page_table [B, P] int32; seq_lens [B]
-    int32; `max_len` bounds every seq_lens entry (a host int: the grid depends on it)."""
+    int32 (read on the device: any lengths, any page tables); `num_splits` >= 1 splits per
+    (sequence, KV head), a host int the grid depends on (see `decode_num_splits`)."""
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}: need at least 1")
     batch, heads, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
     block_n = _block_n(head_dim, q.dtype)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits, split_tokens = plan_splits(batch, kv_heads, max_len, block_n, num_sms)
-    part_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     d_pad = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse,
+    direct = num_splits == 1
+    if direct:  # the kernel writes `out` itself; the partial pointers are never touched
+        part_out, part_lse = out, out
+        part_strides = (0, 0, 0, 0, 0)
+    else:
+        part_out = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+        part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                        part_lse.stride(0), part_lse.stride(1))
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        *part_strides,
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, DIRECT=direct,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=block_n, SPLIT_TOKENS=split_tokens, PRECISION=precision,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=block_n, PRECISION=precision,
         num_warps=4, num_stages=2,
     )
+    if direct:
+        return
     _decode_reduce_kernel[(batch, heads)](
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
         num_warps=4,
     )

@@ -1,0 +1,142 @@
+"""Rotary embedding of q and k plus the paged KV-cache write, in one Triton kernel.
+
+Unfused, a layer splits the qkv projection, rotates q and k with a dozen small elementwise
+kernels (`x * cos + rotate_half(x) * sin`, each product and the sum a kernel of its own, plus the
+slices, negation and concatenation of rotate_half) and scatters k and v into the cache with two
+`index_copy_`. In a decode step captured in a CUDA graph launches are free but each of those
+kernels still costs its minimum run time; here it is one kernel per layer.
+
+One program per token (all heads: for the 3B shape 16 q + 2 k + 2 v heads x 128, ~5 KB in and
+~7 KB out), which keeps all its loads in flight at once; decode batches of 1-256 rows and prefill
+chunks of thousands of rows both give a grid of one program per row.
+
+Rounding is exactly the model's reference (`language/rope_kv.py`, and transformers' Qwen2.5-VL,
+which rotates in the model dtype): each product is rounded to the dtype, then their sum. The
+products are taken in float32 (exact for two bf16 or fp16 values) and rounded to the dtype, and the
+float32 sum of two dtype values rounded to the dtype is the correctly rounded sum (float32 has more
+than 2p+2 bits), so this equals PyTorch's float-opmath kernels bit for bit. The danger is the
+compiler contracting a product and the following add into one FMA (one rounding instead of two or
+three). It does, in every dtype: with plain `*`, LLVM narrows bf16/fp16 `round(float(a)*float(b))`
+to a native bf16/fp16 multiply (exact, so legal) and then fuses it with the add into `fma.rn.bf16`
+(measured in the sm_90 PTX). So every product goes through `mul.rn.f32` in inline PTX, which LLVM
+cannot look into and ptxas may not fuse (an explicit rounding modifier forbids contraction); the
+kernel's PTX then holds no `fma` at all, whatever Triton's fp-fusion setting.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mul(a, b, NO_FMA: tl.constexpr):
+    """a * b in float32, rounded on its own (never contracted with a following add)."""
+    if NO_FMA:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:  # the interpreter (numpy) has no inline asm and never contracts
+        return a * b
+
+
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, NO_FMA: tl.constexpr):
+    """(x1, x2) halves -> (x1*c1 + (-x2)*s1, x2*c2 + x1*s2), each product and sum rounded to x's dtype."""
+    dt = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    p1 = _mul(a, c1, NO_FMA).to(dt)
+    p2 = _mul(-b, s1, NO_FMA).to(dt)
+    p3 = _mul(b, c2, NO_FMA).to(dt)
+    p4 = _mul(a, s2, NO_FMA).to(dt)
+    o1 = (p1.to(tl.float32) + p2.to(tl.float32)).to(dt)
+    o2 = (p3.to(tl.float32) + p4.to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _rope_qk_write_kv_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr,
+    stride_t, stride_c, stride_s, stride_q, stride_k,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr,
+    H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NO_FMA: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)[None, :]
+    jmask = j < HALF
+    c1 = tl.load(cos_ptr + t * stride_c + j, mask=jmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_c + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_s + j, mask=jmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_s + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    row = qkv_ptr + t * stride_t
+
+    # q heads [0, HEADS)
+    h = tl.arange(0, H_PAD)[:, None]
+    mask = (h < HEADS) & jmask
+    x1 = tl.load(row + h * DIM + j, mask=mask, other=0.0)
+    x2 = tl.load(row + h * DIM + HALF + j, mask=mask, other=0.0)
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, NO_FMA)
+    tl.store(q_ptr + t * stride_q + h * DIM + j, o1, mask=mask)
+    tl.store(q_ptr + t * stride_q + h * DIM + HALF + j, o2, mask=mask)
+
+    # k heads [HEADS, HEADS + KV_HEADS): to the k output and the cache slot
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    g = tl.arange(0, KV_PAD)[:, None]
+    mask = (g < KV_HEADS) & jmask
+    x1 = tl.load(row + (HEADS + g) * DIM + j, mask=mask, other=0.0)
+    x2 = tl.load(row + (HEADS + g) * DIM + HALF + j, mask=mask, other=0.0)
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, NO_FMA)
+    tl.store(k_ptr + t * stride_k + g * DIM + j, o1, mask=mask)
+    tl.store(k_ptr + t * stride_k + g * DIM + HALF + j, o2, mask=mask)
+    kc = kc_ptr + page * stride_kcp + offset * stride_kcs + g * stride_kch
+    tl.store(kc + j, o1, mask=mask)
+    tl.store(kc + HALF + j, o2, mask=mask)
+
+    # v heads [HEADS + KV_HEADS, HEADS + 2 * KV_HEADS): copied to the cache slot as they are
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (g < KV_HEADS) & (d < DIM)
+    v = tl.load(row + (HEADS + KV_HEADS + g) * DIM + d, mask=mask, other=0.0)
+    tl.store(vc_ptr + page * stride_vcp + offset * stride_vcs + g * stride_vch + d, v, mask=mask)
+
+
+def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                            head_dim: int, no_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel behind `mmpipe.language.rope_kv.rope_qk_write_kv` (same arguments and results).
+    `no_fma=False` replaces the inline-PTX products with plain ones, for the Triton interpreter
+    only (it has no inline asm, and numpy never contracts)."""
+    n = qkv.shape[0]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)}: expected [T, {width}] with unit column stride")
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim}: the rotate-half rotary embedding needs an even head dim")
+    if cos.shape[0] < n or sin.shape[0] < n or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("cos/sin: need [T, head_dim] rows with unit column stride")
+    if slot_mapping.shape[0] != n:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n} rows")
+    for cache in (k_cache, v_cache):
+        if cache.shape[2:] != (num_kv_heads, head_dim) or cache.stride(3) != 1:
+            raise ValueError(f"cache {tuple(cache.shape)}: expected [pages, page_size, {num_kv_heads}, {head_dim}]"
+                             " with unit last stride")
+    q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    v = qkv.view(n, num_heads + 2 * num_kv_heads, head_dim)[:, num_heads + num_kv_heads:]
+    if n:
+        half = head_dim // 2
+        _rope_qk_write_kv_kernel[(n,)](
+            qkv, cos, sin, slot_mapping, q, k, k_cache, v_cache,
+            qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            HEADS=num_heads, KV_HEADS=num_kv_heads, DIM=head_dim, HALF=half,
+            H_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF_PAD=triton.next_power_of_2(half), D_PAD=triton.next_power_of_2(head_dim),
+            PAGE_SIZE=k_cache.shape[1], NO_FMA=no_fma,
+            num_warps=4,
+        )
+    return q, k, v
