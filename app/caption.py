@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Iterable, Iterator, Sequence
 
+from mmpipe.config import GraphMode
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 
 
@@ -67,6 +69,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--output", default=None, help="write JSON lines here (appends; resumes)")
     parser.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="CUDA graphs for the vision encoder (default: on with CUDA)")
+    parser.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
+                        help="CUDA graphs for the language model (default: full_and_piecewise on CUDA)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -84,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     done = _done_paths(args.output) if args.output else set()
     todo = [p for p in paths if p not in done]
-    pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, vit_graphs=args.vit_graphs)
+    from mmpipe import GraphConfig
+
+    options = {} if args.vit_graphs is None else {"vit_graph": GraphConfig(enabled=args.vit_graphs, max_graphs=32,
+                                                                          memory="arena")}
+    pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
+                                    **options)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     sink = open(args.output, "a") if args.output else None
     failed = captioned = 0

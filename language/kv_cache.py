@@ -15,7 +15,12 @@ DUMMY_PAGE = 0
 
 
 class KVCache:
-    """One allocation holding K and V for every layer: [layers, 2, pages, page_size, kv_heads, head_dim]."""
+    """One allocation holding K and V for every layer: [layers, 2, pages, page_size, kv_heads, head_dim].
+
+    CUDA graphs (decode steps, prefill pieces) bake in the addresses of these pages: the cache is
+    allocated once, before any capture, and must never be reallocated or resized while graphs
+    that were captured against it live.
+    """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:

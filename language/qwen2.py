@@ -1,9 +1,12 @@
 """Qwen2 decoder (the language model of Qwen2-VL and Qwen2.5-VL) with M-RoPE, over flat tokens.
 
 Tokens of all sequences in a step are concatenated: hidden states are [T, hidden], positions
-[3, T]. Attention is the `mmpipe::lm_attention` custom op, which reads per-step metadata and
-the paged KV cache from the forward context, so `forward` has only tensor inputs and no
-data-dependent control flow: it can be traced, split and captured.
+[3, T]. Per-step metadata and the paged KV cache come from the forward context, so `forward`
+has only tensor inputs and no data-dependent control flow: it can be traced, split and captured.
+The rotary tables are computed once per step; each layer rotates q and k and writes K/V into the
+cache in one fused op. Attention is the backend given at construction, called directly in eager
+code and through the `mmpipe::lm_attention` custom op under `torch.compile` (the op is opaque to
+the compiler, which is where the piecewise prefill runner splits the model).
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ from torch import nn
 
 import mmpipe.language.attention.op  # noqa: F401  (registers torch.ops.mmpipe.lm_attention)
 from mmpipe.errors import CheckpointError, UnsupportedModelError
-from mmpipe.runtime.layers import GatedMLP, RMSNorm, rotate_half
+from mmpipe.language.attention import AttentionMetadata, TorchLMAttention
+from mmpipe.language.rope_kv import rope_qk_write_kv
+from mmpipe.runtime.attention import AttentionBackend
+from mmpipe.runtime.context import get_forward_context
+from mmpipe.runtime.fused import add_rms_norm
+from mmpipe.runtime.layers import GatedMLP, RMSNorm
 from mmpipe.runtime.weight_copy import WeightMap
 
 
@@ -109,9 +117,10 @@ class MRotary(nn.Module):
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int) -> None:
+    def __init__(self, cfg: TextConfig, layer: int, attention: AttentionBackend[AttentionMetadata]) -> None:
         super().__init__()
         self.layer = layer
+        self.attention = attention
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
@@ -119,38 +128,45 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim).contiguous()
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
+        context = get_forward_context()
+        k_cache, v_cache = context.kv_caches[self.layer]
+        q, k, v = rope_qk_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache,
+                                   context.attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads,
+                                   self.head_dim)
         out = torch.empty_like(q)
-        torch.ops.mmpipe.lm_attention(q, k, v, out, self.layer)
+        if torch.compiler.is_compiling():
+            torch.ops.mmpipe.lm_attention(q, k, v, out, self.layer)
+        else:  # the custom op's dispatch costs more host time than the kernel takes
+            self.attention.forward(q, k, v, context.attn_metadata, out, (k_cache, v_cache))
         return self.o_proj(out.view(n, self.q_size))
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int) -> None:
+    def __init__(self, cfg: TextConfig, layer: int, attention: AttentionBackend[AttentionMetadata]) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen2Attention(cfg, layer)
+        self.self_attn = Qwen2Attention(cfg, layer, attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + attn(input_norm(x)), then + mlp(post_norm(.)); takes input_norm(x) precomputed and
+        returns the new residual with `next_norm` of it, so every residual add is fused with the
+        norm after it (one kernel, transformers' rounding: the sum rounded, then normed)."""
+        post = self.post_attention_layernorm
+        residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin), post.weight, post.eps)
+        return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
 
 
 class Qwen2LanguageModel(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, attention: AttentionBackend[AttentionMetadata] | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.attention = attention if attention is not None else TorchLMAttention(cfg.head_dim**-0.5)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = MRotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, i, self.attention) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -181,10 +197,12 @@ class Qwen2LanguageModel(nn.Module):
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_embeds [T, hidden], positions [3, T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rotary(positions, input_embeds.dtype)
-        x = input_embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        first = self.layers[0].input_layernorm
+        residual, normed = add_rms_norm(input_embeds, None, first.weight, first.eps)
+        for index, layer in enumerate(self.layers):
+            following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            residual, normed = layer(residual, normed, cos, sin, following)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -55,6 +55,7 @@ _EXPORTS = {
     "SamplingParams": "mmpipe.config",
     "EngineConfig": "mmpipe.config",
     "GraphMode": "mmpipe.config",
+    "GraphConfig": "mmpipe.config",
     "RequestOutput": "mmpipe.outputs",
     "RequestMetrics": "mmpipe.outputs",
     "MmpipeError": "mmpipe.errors",

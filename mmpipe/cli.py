@@ -40,7 +40,7 @@ def _info(args: argparse.Namespace) -> int:
         info["varlen_attn"] = True
     except ImportError:
         info["varlen_attn"] = False
-    info["model"] = _model_summary(args.model, args.device)
+    info["model"] = _model_summary(args.model, args.device, args.graph_mode)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -55,12 +55,12 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_summary(path: str | None, device: str | None) -> dict[str, Any]:
+def _model_summary(path: str | None, device: str | None, graph_mode: str | None) -> dict[str, Any]:
     from mmpipe import Pipeline
     from mmpipe.errors import MmpipeError
 
     try:
-        pipe = Pipeline.from_pretrained(path, device=device)
+        pipe = Pipeline.from_pretrained(path, device=device, graph_mode=graph_mode)
     except MmpipeError as exc:
         return {"error": str(exc)}
     model = pipe.model
@@ -80,11 +80,27 @@ def _model_summary(path: str | None, device: str | None) -> dict[str, Any]:
                     f"{count(model.language) / 1e6:.2f}M params",
         "kv_cache": f"{pipe.runner.pages.capacity} pages x {pipe.runner.page_size} tokens",
         "max_model_len": pipe.runner.max_model_len,
+        "graphs": _graph_summary(pipe.stats()),
     }
+
+
+def _graph_summary(stats: dict[str, Any]) -> str:
+    """One line: the LM graph mode, and graphs / captures / capture seconds / MiB per runner."""
+    parts = [f"mode {stats['graph_mode']}"]
+    for name in ("decode", "prefill", "vit"):
+        part = stats[name]
+        if not part.get("enabled"):
+            parts.append(f"{name} off")
+            continue
+        parts.append(f"{name} {part['graphs']} graphs ({part['captures']} captured in {part['capture_seconds']:.1f} s, "
+                     f"{part['memory_bytes'] / 2**20:.0f} MiB, {part['replays']} replays, "
+                     f"{part['eager_fallbacks']} eager fallbacks)")
+    return "; ".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from mmpipe.app import caption
+    from mmpipe.config import GraphMode
 
     parser = argparse.ArgumentParser(prog="mmpipe", description="Fast vision-language model inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     info.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     info.add_argument("--device", default=None)
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
+                      help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
     sub.add_parser("bench", help="GPU benchmarks (see `mmpipe bench -h`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from mmpipe.config import EngineConfig, GenerationDefaults, SamplingParams, resolve_device, resolve_dtype
+from mmpipe.config import (EngineConfig, GenerationDefaults, GraphMode, SamplingParams, resolve_device,
+                           resolve_dtype)
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.processor import InputProcessor, Prepared
@@ -67,27 +68,32 @@ class Pipeline:
         self.runner = ModelRunner(model, engine_config)
         self.engine = Engine(self.runner, engine_config)
         self.defaults = _generation_defaults(model.path, tokenizer)
-        self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len)
+        self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len,
+                                        engine_config.max_banned_tokens)
         self._pool = futures.ThreadPoolExecutor(engine_config.preprocess_workers, thread_name_prefix="mmpipe-img")
         self._text_lock = threading.Lock()  # tokenizers are not safe to share across threads
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str] | None = None, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, engine_config: EngineConfig | None = None,
-                        **engine_options: Any) -> "Pipeline":
-        """Load a local checkpoint directory (None: the bundled model). `engine_options` override
-        fields of `engine_config` (e.g. `kv_page_size=32`)."""
+                        graph_mode: GraphMode | str | None = None, **engine_options: Any) -> "Pipeline":
+        """Load a local checkpoint directory (None: the bundled model). `graph_mode`: which parts
+        of the language model run as CUDA graphs (`GraphMode`; default full_and_piecewise on CUDA,
+        none on the CPU). `engine_options` override fields of `engine_config` (e.g.
+        `kv_page_size=32`)."""
         path = os.fspath(path) if path is not None else default_model_path()
         dev = resolve_device(device)
         hf_config = read_json(path, "config.json") if os.path.isdir(path) else {}
         dt = resolve_dtype(dtype, dev, hf_config.get("dtype") or hf_config.get("torch_dtype"))
         config = engine_config or EngineConfig()
+        if graph_mode is not None:
+            engine_options["graph_mode"] = graph_mode
         if engine_options:
             try:
                 config = config.replace(**engine_options)
             except TypeError as exc:
                 raise InputError(f"Pipeline.from_pretrained: {exc}") from None
-        model = load_model(path, dev, dt)
+        model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
         return cls(model, load_tokenizer(path), config)
 
     @property
@@ -177,6 +183,22 @@ class Pipeline:
             if not request.finished:
                 with engine.lock:
                     engine.abort(request)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine statistics: graph mode; ViT, decode and prefill graphs (graphs, captures, capture
+        seconds, bytes held, replays, eager fallbacks); step counters and decode host time; KV
+        pages and requests."""
+        with self.engine.lock:
+            scheduler = self.engine.scheduler
+            return {
+                **self.runner.graph_stats(),
+                "runner": self.runner.stats.as_dict(),
+                "kv_pages": {"total": self.runner.pages.capacity, "free": self.runner.pages.num_free,
+                             "page_size": self.runner.page_size},
+                "requests": {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                             "preemptions": scheduler.preemptions},
+                "steps": self.engine.steps,
+            }
 
     def close(self) -> None:
         """Release the model and KV cache (GPU memory)."""

@@ -205,11 +205,11 @@ def test_a_failed_step_leaves_the_engine_usable(checkpoint, alone):
     for request in requests:
         pipe.engine.add(request)
     pipe.engine.step()
-    sample = pipe.runner.sample
-    pipe.runner.sample = lambda *a: (_ for _ in ()).throw(RuntimeError("injected failure"))
+    lm = pipe.model.language
+    lm.compute_logits = lambda *a: (_ for _ in ()).throw(RuntimeError("injected failure"))  # inside the decode step
     with pytest.raises(RuntimeError, match="injected"):
         pipe.engine.step()
-    pipe.runner.sample = sample
+    del lm.compute_logits
     while pipe.engine.has_unfinished:
         pipe.engine.step()
     assert [r.output_ids for r in requests] == alone[:8]

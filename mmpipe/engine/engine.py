@@ -2,8 +2,8 @@
 
 A step: the scheduler plans it; the images its prompt chunks need come from the encoder cache or
 are encoded (packed into ViT calls within the patch budget); one prefill forward runs the prompt
-chunks and samples the requests whose prompt it completes; one decode forward advances every
-decoding request by a token. Finished requests release their KV pages before the next step.
+chunks and samples the requests whose prompt it completes; one decode step (a CUDA graph with the
+sampler inside, where graphs are on) advances every decoding request by a token. Finished requests release their KV pages before the next step.
 
 Not thread-safe by itself: callers that share an engine across threads hold `Engine.lock`
 around `add`, `abort` and `step` (the Pipeline does).
@@ -63,7 +63,7 @@ class Engine:
                     self.runner.sample(done, logits)
                 touched += done
             if plan.decode:
-                self.runner.sample(plan.decode, self.runner.decode(plan.decode))
+                self.runner.decode(plan.decode)  # samples inside the step
                 touched += plan.decode
         except BaseException:
             # Put every request of the failed step back in line (recomputed from its tokens), so
@@ -73,6 +73,7 @@ class Engine:
         finished = [r for r in touched if r.finished]
         for request in finished:
             self.scheduler.finish(request)
+        self.runner.release(finished)
         self.steps += 1
         return finished
 

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from mmpipe.language.attention import AttentionMetadata, make_lm_attention
-from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
-from mmpipe.language.sampler import SampleResult, SamplingBatch, sample
-from mmpipe.config import EngineConfig
-from mmpipe.errors import InputError
+from mmpipe.config import (EngineConfig, GraphConfig, GraphMode, decode_graphs_on, parse_graph_mode,
+                           prefill_graphs_on)
 from mmpipe.engine.request import Request, logprob_dict
+from mmpipe.language.attention import AttentionMetadata
+from mmpipe.language.decode_graphs import DecodeGraphRunner, DecodeOutput
+from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
+from mmpipe.language.sampler import SampleResult, SamplerTensors, SamplerVariant, sample
 from mmpipe.models import LoadedModel
 from mmpipe.runtime.context import ForwardContext, forward_context
-from mmpipe.vision.attention import make_vision_attention
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.preprocess import PreprocessedImage
@@ -45,6 +45,72 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefillInputs:
+    """The host side of one prefill forward, plain numpy; `upload` moves it to the device in one
+    transfer."""
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [3, T] int64 (M-RoPE)
+    slot_mapping: np.ndarray  # [T] int64
+    seq_lens: np.ndarray  # [B] int64: cached prefix + new tokens
+    query_lens: np.ndarray  # [B] int64
+    page_table: np.ndarray  # [B, P] int64
+    logit_rows: np.ndarray  # [n] int64: rows whose logits are sampled (chunks that complete)
+    image_rows: np.ndarray  # [I] int64: rows that take image embeddings
+    image_values: list[torch.Tensor]  # the embeddings for those rows, in order
+
+    @classmethod
+    def build(cls, chunks: Sequence[PrefillChunk], page_size: int) -> "PrefillInputs":
+        token_ids, positions, slots, rows, image_rows, image_values = [], [], [], [], [], []
+        offset = 0
+        for chunk in chunks:
+            request, start, end = chunk.request, chunk.start, chunk.end
+            token_ids.append(np.asarray(request.tokens(start, end), dtype=np.int64))
+            positions.append(request.positions_of(start, end))
+            index = np.arange(start, end, dtype=np.int64)
+            pages = np.asarray(request.pages, dtype=np.int64)
+            slots.append(pages[index // page_size] * page_size + index % page_size)
+            for first, image, emb in zip(request.image_starts, request.images, request.image_embeds):
+                lo, hi = max(start, first), min(end, first + image.num_tokens)
+                if lo >= hi:
+                    continue
+                if emb is None:
+                    raise RuntimeError("image rows scheduled before the image was encoded")
+                image_rows.append(np.arange(lo, hi, dtype=np.int64) - start + offset)
+                image_values.append(emb[lo - first:hi - first])
+            offset += end - start
+            if chunk.completes:
+                rows.append(offset - 1)
+        seq_lens = np.asarray([c.end for c in chunks], dtype=np.int64)
+        width = max(1, int(-(-seq_lens.max() // page_size)))
+        table = np.full((len(chunks), width), DUMMY_PAGE, dtype=np.int64)
+        for i, chunk in enumerate(chunks):
+            count = -(-chunk.end // page_size)
+            table[i, :count] = chunk.request.pages[:count]
+        return cls(np.concatenate(token_ids), np.concatenate(positions, axis=1), np.concatenate(slots), seq_lens,
+                   np.asarray([c.end - c.start for c in chunks], dtype=np.int64), table,
+                   np.asarray(rows, dtype=np.int64),
+                   np.concatenate(image_rows) if image_rows else np.zeros(0, dtype=np.int64), image_values)
+
+    def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                                                    torch.Tensor]:
+        """(token ids, positions, attention metadata, logit rows, image rows) on `device`."""
+        t, b = self.token_ids.shape[0], self.seq_lens.shape[0]
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(self.query_lens, out=qsl[1:])
+        parts = [self.token_ids, self.positions.reshape(-1), self.slot_mapping, self.seq_lens, qsl,
+                 self.page_table.reshape(-1), self.logit_rows, self.image_rows]
+        flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
+        ids, pos, slots, lens, cu, table, logit_rows, image_rows = flat.split([p.shape[0] for p in parts])
+        meta = AttentionMetadata(
+            is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens.to(torch.int32),
+            query_start_loc=cu.to(torch.int32), page_table=table.view(b, -1).to(torch.int32),
+            seq_lens_host=self.seq_lens.tolist(), query_lens_host=self.query_lens.tolist(),
+            max_query_len=int(self.query_lens.max()), max_seq_len=int(self.seq_lens.max()))
+        return ids, pos.view(3, t), meta, logit_rows, image_rows
+
+
+@dataclass
 class RunnerStats:
     vision_calls: int = 0
     images_encoded: int = 0
@@ -52,47 +118,53 @@ class RunnerStats:
     prefill_tokens: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
+    decode_host_seconds: float = 0.0  # host time per decode step up to the launch (sum)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: EngineConfig) -> None:
         self.model, self.cfg = model, cfg
         self.device, self.dtype = model.device, model.dtype
+        self.graph_mode: GraphMode = parse_graph_mode(cfg.graph_mode, self.device)
         lm = model.language
         self.page_size = cfg.kv_page_size
         num_pages = self._num_pages()
+        # Graphs bake in the KV cache's addresses: it is allocated once and never reallocated.
         self.kv = KVCache(lm.num_layers, num_pages, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype,
                           self.device)
         self.pages = PageAllocator(num_pages)
-        model.vision.attention = make_vision_attention(cfg.attention_backend, self.device, self.dtype)
         self.vit_graphs = self._make_vit_graphs()
-        try:
-            self.lm_attention = make_lm_attention(cfg.attention_backend, self.device, self.dtype,
-                                                  lm.head_dim**-0.5, cfg.extend_attention)
-        except ValueError as exc:
-            raise InputError(f"EngineConfig.attention_backend: {exc}") from None
         capacity = self.pages.capacity * self.page_size
         limit = cfg.max_model_len or lm.cfg.max_position_embeddings
         self.max_model_len = min(limit, capacity)
         self.stats = RunnerStats()
-        log.info("KV cache: %d pages of %d tokens (%d tokens, %.1f MiB); max_model_len %d", num_pages,
-                 self.page_size, capacity, self.kv.storage.numel() * self.kv.storage.element_size() / 2**20,
-                 self.max_model_len)
+        log.info("KV cache: %d pages of %d tokens (%d tokens, %.1f MiB); max_model_len %d; graph mode %s",
+                 num_pages, self.page_size, capacity,
+                 self.kv.storage.numel() * self.kv.storage.element_size() / 2**20, self.max_model_len,
+                 self.graph_mode.value)
+        if prefill_graphs_on(self.graph_mode):
+            log.info("graph mode %s: prefill runs eagerly (the piecewise prefill runner is not built yet)",
+                     self.graph_mode.value)
+        decode_graphs = cfg.decode_graph if decode_graphs_on(self.graph_mode) else GraphConfig(enabled=False)
+        self.decoder = DecodeGraphRunner(lm, self.kv, cfg.max_running_requests, self.max_model_len, self.device,
+                                         decode_graphs, ban_width=cfg.max_banned_tokens)
+        self.decoder.capture_all()
 
     def _make_vit_graphs(self) -> "ViTGraphRunner | None":
         cfg, vit = self.cfg, self.model.vision
-        wanted = cfg.vit_graphs if cfg.vit_graphs is not None else self.device.type == "cuda"
-        if not wanted:
-            return None
-        if self.device.type != "cuda":
-            log.info("ViT graphs need CUDA; the vision encoder runs eagerly on %s", self.device)
+        if not cfg.vit_graph.wanted(self.device):
+            if cfg.vit_graph.enabled and self.device.type != "cuda":
+                log.info("ViT graphs need CUDA; the vision encoder runs eagerly on %s", self.device)
             return None
         if not getattr(vit.attention, "graph_safe", False):
             log.info("ViT graphs off: the %s attention path (%s) cannot be captured; running eagerly",
                      vit.attention.name, str(self.dtype).removeprefix("torch."))
             return None
-        buckets = cfg.vit_graph_buckets or default_buckets(cfg.max_vision_patches, vit.cfg.merge_unit)
-        return ViTGraphRunner(vit, self.device, buckets, cfg.vit_graph_max_graphs, cfg.vit_graph_memory,
+        buckets = cfg.vit_graph.buckets or default_buckets(cfg.max_vision_patches, vit.cfg.merge_unit)
+        return ViTGraphRunner(vit, self.device, buckets, cfg.vit_graph.max_graphs, cfg.vit_graph.memory,
                               cfg.vit_graph_max_images)
 
     def close(self) -> None:
@@ -100,7 +172,26 @@ class ModelRunner:
         if self.vit_graphs is not None:
             self.vit_graphs.close()
             self.vit_graphs = None
+        if getattr(self, "decoder", None) is not None:
+            self.decoder.close()
+            self.decoder = None  # type: ignore[assignment]
         self.kv = None  # type: ignore[assignment]
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Graph statistics of the ViT and the language model, for `Pipeline.stats()`."""
+        decode = self.decoder
+        graphs = decode.graph_stats.as_dict() if decode is not None and decode.graph_stats is not None else {}
+        decode_stats = {"enabled": bool(graphs), "buckets": list(decode.buckets) if graphs else [],
+                        "graphs": graphs.get("graphs_live", 0), **graphs,
+                        **(decode.stats.__dict__ if decode is not None else {})}
+        vit = self.vit_graphs
+        return {
+            "graph_mode": self.graph_mode.value,
+            "decode": decode_stats,
+            "prefill": {"enabled": False, "graphs": 0},
+            "vit": ({"enabled": True, "graphs": vit.stats.graphs_live, **vit.stats.as_dict()} if vit is not None
+                    else {"enabled": False, "graphs": 0}),
+        }
 
     # ------------------------------------------------------------------ sizing
 
@@ -123,7 +214,8 @@ class ModelRunner:
         return int(pages)
 
     def _activation_reserve(self) -> int:
-        """Peak temporary memory of the largest prefill and vision call, with margin."""
+        """Peak temporary memory of the largest prefill and vision call, plus the decode graphs
+        (logits of the largest batch and the repetition mask), with margin."""
         lm, vit = self.model.language, self.model.vision.cfg
         elem = torch.empty(0, dtype=self.dtype).element_size()
         tokens = self.cfg.max_prefill_tokens
@@ -131,7 +223,8 @@ class ModelRunner:
         text = tokens * (3 * lm.cfg.intermediate_size + 6 * lm.hidden_size + qkv) * elem
         patches = self.cfg.max_vision_patches
         vision = patches * (3 * vit.intermediate_size + 8 * vit.hidden_size) * elem + patches * vit.head_dim * 16
-        return 2 * max(text, vision) + (512 << 20)
+        decode = self.cfg.max_running_requests * lm.vocab_size * (4 * 4 + 1)
+        return 2 * max(text, vision) + decode + (512 << 20)
 
     # ------------------------------------------------------------------ vision
 
@@ -181,114 +274,51 @@ class ModelRunner:
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """Run the chunks as one extend forward; returns logits [n, vocab] for the chunks that
         complete their sequence, in order."""
-        token_ids, positions, rows = [], [], []
-        offset = 0
-        for chunk in chunks:
-            request = chunk.request
-            token_ids.extend(request.tokens(chunk.start, chunk.end))
-            positions.append(request.positions_of(chunk.start, chunk.end))
-            offset += chunk.end - chunk.start
-            if chunk.completes:
-                rows.append(offset - 1)
-        ids = self._to_device(np.asarray(token_ids, dtype=np.int64))
-        embeds = self.model.language.embed(ids)
-        self._insert_image_embeds(embeds, chunks)
-        pos = self._to_device(np.concatenate(positions, axis=1))
-        meta = self._extend_metadata(chunks)
-        hidden = self._forward(embeds, pos, meta)
+        inputs = PrefillInputs.build(chunks, self.page_size)
+        ids, positions, meta, logit_rows, image_rows = inputs.upload(self.device)
+        lm = self.model.language
+        embeds = lm.embed(ids)
+        if inputs.image_values:  # each image's rows straight from its embeddings (one copy)
+            embeds.index_copy_(0, image_rows, torch.cat(inputs.image_values).to(embeds.dtype))
+        with forward_context(ForwardContext(meta, self.kv.layers, lm.attention)):
+            hidden = lm(embeds, positions)
         for chunk in chunks:
             chunk.request.num_computed = chunk.end
             if chunk.end >= chunk.request.prompt_len:
                 chunk.request.image_embeds = [None] * len(chunk.request.images)  # consumed
         self.stats.prefill_forwards += 1
-        self.stats.prefill_tokens += len(token_ids)
-        return self.model.language.compute_logits(hidden[self._to_device(np.asarray(rows, dtype=np.int64))])
+        self.stats.prefill_tokens += int(inputs.token_ids.shape[0])
+        return lm.compute_logits(hidden[logit_rows])
 
     @torch.inference_mode()
-    def decode(self, requests: Sequence[Request]) -> torch.Tensor:
-        """One token per request (its last sampled one); returns logits [B, vocab]."""
-        ids = self._to_device(np.asarray([r.output_ids[-1] for r in requests], dtype=np.int64))
-        indices = np.asarray([r.total_len - 1 for r in requests], dtype=np.int64)
-        deltas = np.asarray([r.mrope_delta for r in requests], dtype=np.int64)
-        pos = self._to_device(np.ascontiguousarray(np.broadcast_to(indices + deltas, (3, len(requests)))))
-        meta = self._decode_metadata(requests)
-        hidden = self._forward(self.model.language.embed(ids), pos, meta)
-        for request in requests:
-            request.num_computed = request.total_len
+    def decode(self, requests: Sequence[Request]) -> None:
+        """One token for each request (its last sampled one is fed), sampled inside the step and
+        appended to the request (which may finish it)."""
+        out: DecodeOutput = self.decoder.step(requests)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(requests)
-        return self.model.language.compute_logits(hidden)
+        self.stats.decode_host_seconds = self.decoder.host_seconds
+        for i, request in enumerate(requests):
+            request.num_computed = request.total_len
+            k = request.sampling.logprobs
+            lp = None
+            if k and out.top_ids is not None:
+                lp = logprob_dict(out.tokens[i], out.token_logprobs[i], out.top_ids[i],  # type: ignore[index]
+                                  out.top_logprobs[i], k)  # type: ignore[index]
+            request.append_token(out.tokens[i], lp)
 
-    def _forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        context = ForwardContext(attn_metadata=meta, kv_caches=self.kv.layers, attention=self.lm_attention)
-        with forward_context(context):
-            return self.model.language(embeds, positions)
-
-    def _insert_image_embeds(self, embeds: torch.Tensor, chunks: Sequence[PrefillChunk]) -> None:
-        rows, values = [], []
-        offset = 0
-        for chunk in chunks:
-            request = chunk.request
-            for start, image, emb in zip(request.image_starts, request.images, request.image_embeds):
-                lo, hi = max(chunk.start, start), min(chunk.end, start + image.num_tokens)
-                if lo >= hi:
-                    continue
-                if emb is None:
-                    raise RuntimeError("image rows scheduled before the image was encoded")
-                rows.append(np.arange(lo, hi) - chunk.start + offset)
-                values.append(emb[lo - start:hi - start])
-            offset += chunk.end - chunk.start
-        if rows:
-            index = self._to_device(np.concatenate(rows).astype(np.int64))
-            embeds.index_copy_(0, index, torch.cat(values).to(embeds.dtype))
-
-    # ------------------------------------------------------------------ metadata
-
-    def _slots(self, request: Request, start: int, end: int) -> np.ndarray:
-        idx = np.arange(start, end, dtype=np.int64)
-        pages = np.asarray(request.pages, dtype=np.int64)
-        return pages[idx // self.page_size] * self.page_size + idx % self.page_size
-
-    def _page_table(self, requests: Sequence[Request], lengths: Sequence[int]) -> torch.Tensor:
-        width = max(1, max(-(-n // self.page_size) for n in lengths))
-        table = np.full((len(requests), width), DUMMY_PAGE, dtype=np.int32)
-        for row, (request, n) in enumerate(zip(requests, lengths)):
-            count = -(-n // self.page_size)
-            table[row, :count] = request.pages[:count]
-        return self._to_device(table)
-
-    def _extend_metadata(self, chunks: Sequence[PrefillChunk]) -> AttentionMetadata:
-        q_lens = [c.end - c.start for c in chunks]
-        seq_lens = [c.end for c in chunks]
-        slots = np.concatenate([self._slots(c.request, c.start, c.end) for c in chunks])
-        return self._metadata(False, [c.request for c in chunks], q_lens, seq_lens, slots)
-
-    def _decode_metadata(self, requests: Sequence[Request]) -> AttentionMetadata:
-        seq_lens = [r.total_len for r in requests]
-        slots = np.concatenate([self._slots(r, r.total_len - 1, r.total_len) for r in requests])
-        return self._metadata(True, requests, [1] * len(requests), seq_lens, slots)
-
-    def _metadata(self, is_decode: bool, requests: Sequence[Request], q_lens: list[int], seq_lens: list[int],
-                  slots: np.ndarray) -> AttentionMetadata:
-        qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qsl[1:])
-        return AttentionMetadata(
-            is_decode=is_decode, num_tokens=int(qsl[-1]), slot_mapping=self._to_device(slots),
-            seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
-            query_start_loc=self._to_device(qsl), page_table=self._page_table(requests, seq_lens),
-            seq_lens_host=list(seq_lens), query_lens_host=list(q_lens), max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens))
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+    def release(self, requests: Sequence[Request]) -> None:
+        """Finished requests leave the decode batch (no reference to them is kept)."""
+        self.decoder.release(requests)
 
     # ------------------------------------------------------------------ sampling
 
     @torch.inference_mode()
     def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> None:
-        """Sample one token per request and append it (which may finish the request)."""
-        batch = self._sampling_batch(requests)
-        result: SampleResult = sample(logits, batch)
+        """Sample one token per request from prefill logits and append it (which may finish it)."""
+        rows = [r.row_sampling() for r in requests]
+        variant = SamplerVariant.of(rows)
+        result: SampleResult = sample(logits, SamplerTensors.build(rows, logits.shape[-1], self.device), variant)
         tokens = result.tokens.tolist()
         if result.top_ids is None:
             for request, token in zip(requests, tokens):
@@ -299,13 +329,3 @@ class ModelRunner:
             k = request.sampling.logprobs
             lp = logprob_dict(token, chosen[i], top_ids[i], top_lps[i], k) if k else None
             request.append_token(token, lp)
-
-    def _sampling_batch(self, requests: Sequence[Request]) -> SamplingBatch:
-        s = [r.sampling for r in requests]
-        return SamplingBatch.build(
-            temperature=[x.temperature for x in s], top_k=[x.top_k for x in s], top_p=[x.top_p for x in s],
-            min_p=[x.min_p for x in s], penalty=[x.repetition_penalty for x in s],
-            seeds=[r.seed for r in requests], steps=[len(r.output_ids) for r in requests],
-            banned=[r.banned_tokens() for r in requests],
-            seen=[r.prompt_ids + r.output_ids if r.sampling.repetition_penalty != 1.0 else [] for r in requests],
-            max_logprobs=max(x.logprobs for x in s), device=self.device)

@@ -36,8 +36,10 @@ class Prepared:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model: LoadedModel, defaults: GenerationDefaults, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, model: LoadedModel, defaults: GenerationDefaults, max_model_len: int,
+                 max_banned_tokens: int = 16) -> None:
         self.tokenizer = tokenizer
+        self.max_banned_tokens = max_banned_tokens
         self.model = model
         self.defaults = defaults
         self.max_model_len = max_model_len
@@ -58,6 +60,10 @@ class InputProcessor:
     def prepare(self, index: int, prompt: str, images: Sequence[Any], params: SamplingParams, where: str,
                 stream: bool = False) -> Prepared:
         sampling = params.resolve(self.defaults)
+        banned = len(set(sampling.stop_token_ids) | set(sampling.eos_token_ids))
+        if sampling.min_new_tokens > 0 and banned > self.max_banned_tokens:
+            raise InputError(f"{where}: min_new_tokens with {banned} stop and end-of-sequence token ids; at most "
+                             f"{self.max_banned_tokens} can be held back (EngineConfig.max_banned_tokens)")
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         slots = sum(1 for t in ids if t == self.image_token_id)
         if slots != len(images):

@@ -10,6 +10,7 @@ import torch
 
 from mmpipe.config import ResolvedSampling
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
+from mmpipe.language.sampler import RowSampling
 from mmpipe.outputs import RequestMetrics, RequestOutput
 from mmpipe.vision.preprocess import PreprocessedImage
 
@@ -79,11 +80,15 @@ class Request:
         if self.first_scheduled is None:
             self.first_scheduled = time.monotonic()
 
-    def banned_tokens(self) -> list[int]:
-        """Tokens that may not be sampled yet: stop tokens before min_new_tokens."""
-        if len(self.output_ids) >= self.sampling.min_new_tokens:
-            return []
-        return list(set(self.sampling.stop_token_ids) | set(self.sampling.eos_token_ids))
+    def row_sampling(self) -> RowSampling:
+        """This request's sampling settings as one sampler row, as of its next token."""
+        s = self.sampling
+        ban = tuple(sorted(set(s.stop_token_ids) | set(s.eos_token_ids))) if s.min_new_tokens > 0 else ()
+        return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                           penalty=s.repetition_penalty, seed=self.seed, step=len(self.output_ids), ban_ids=ban,
+                           ban_until=s.min_new_tokens if ban else 0,
+                           seen_ids=self.prompt_ids + self.output_ids if s.repetition_penalty != 1.0 else (),
+                           logprobs=s.logprobs)
 
     def append_token(self, token: int, logprobs: dict[int, float] | None) -> None:
         """Record a generated token and decide whether the request is done."""

@@ -74,7 +74,7 @@ class SimpleLoop:
             self._prefill(chunks)
         active = [r for r in group if not r.finished]
         while active:
-            runner.sample(active, runner.decode(active))
+            runner.decode(active)
             active = [r for r in active if not r.finished]
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:

@@ -1,0 +1,459 @@
+"""Decode steps over a persistent device-side batch, run eagerly or as CUDA graphs with sampling
+inside.
+
+The decode batch lives on the device in static buffers allocated once for `max_rows` rows:
+token ids, sequence lengths, M-RoPE deltas, page tables, sampling settings, an `active` flag.
+Rows are dense (0 .. size-1) and a request keeps its row for as long as it keeps decoding, so a
+step changes the device state only where something changed: a request joined (its row is
+written), left (the last row moves into the hole, rows past the end are reset to padding) or
+gained a KV page (one entry of its page-table row). Everything that advances every step
+(the fed token, lengths, positions, KV write slots, the sampler's step counter and repetition
+mask) is computed on the device inside the step itself. A steady-state step therefore needs no
+host-to-device copy at all: one replay, then one device-to-host copy of the new tokens (and of
+log-probabilities only when a request asked for them).
+
+The step (`DecodeGraphRunner.body`) is embedding -> layers -> final norm -> LM head -> sampler
+-> advance. It runs eagerly with exactly the batch's rows, or as the graph of the smallest
+bucket >= rows, keyed by (bucket, sampler variant): the variant's host booleans choose which
+sampler stages exist (greedy-only steps skip sorting and noise). Graphs of the default variant
+are captured at start, largest bucket first, into one memory pool shared by every language-model
+graph; other variants are captured the first time a batch needs them. Padded rows (size ..
+bucket-1) are inactive: their length stays 1, their page-table row is the dummy page, so their
+K/V land in the reserved page and they never advance; their outputs are ignored.
+Batches above the largest bucket, and any capture that fails, run eagerly.
+
+Graphs bake in the addresses of these buffers, of the weights and of the KV cache: none of them
+may be reallocated while the runner's graphs live.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from mmpipe.config import GraphConfig
+from mmpipe.language.attention.metadata import AttentionMetadata
+from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
+from mmpipe.language.sampler import (RowSampling, SampleResult, SamplerTensors, SamplerVariant, advance,
+                                     logprobs_bucket, sample)
+from mmpipe.runtime.context import ForwardContext, forward_context
+from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
+from mmpipe.runtime.graph_memory import make_graph_memory
+
+log = logging.getLogger("mmpipe")
+
+# Per-row feature bits, OR-reduced over the batch into the sampler variant.
+_RANDOM, _TOP_K_P, _MIN_P, _PENALTY = 1, 2, 4, 8
+
+
+def default_decode_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, then steps of 16 to 256 (and on, steps of 32), capped by `max_batch`
+    (which is always a bucket, so every allowed batch has a graph)."""
+    sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, 257, 16))
+    size = 288
+    while size <= max_batch:
+        sizes.append(size)
+        size += 32
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeSource(Protocol):
+    """What a decode row needs from a request (the engine's Request has these)."""
+
+    output_ids: list[int]  # the last one is fed this step
+    mrope_delta: int
+    pages: list[int]
+
+    @property
+    def total_len(self) -> int: ...
+
+    def row_sampling(self) -> RowSampling: ...
+
+
+@dataclass
+class DecodeOutput:
+    """One step's results, in the order of the requests passed to `step`."""
+
+    tokens: list[int]
+    token_logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class DecodeRunnerStats:
+    steps: int = 0
+    graph_steps: int = 0
+    eager_steps: int = 0
+    rows_written: int = 0
+    rows_moved: int = 0
+    pages_appended: int = 0
+
+
+class DecodeGraphRunner:
+    """The persistent decode batch and its step, eager or captured. Model-agnostic: it needs the
+    language model's `embed(ids)`, `forward(embeds, positions)` and `compute_logits(hidden)`."""
+
+    def __init__(self, lm: Any, kv: KVCache, max_rows: int, max_model_len: int, device: torch.device,
+                 graphs: GraphConfig | None = None, ban_width: int = 16, memory: str | None = None) -> None:
+        self.lm, self.kv, self.device = lm, kv, device
+        self.max_rows, self.page_size = max_rows, kv.page_size
+        self.max_pages = -(-max_model_len // kv.page_size)
+        self.max_model_len = max_model_len
+        self.vocab = lm.vocab_size
+        rows = max_rows
+        # Static buffers (outside any graph memory; graphs read slices of them).
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.mrope_delta = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.page_table = torch.full((rows, self.max_pages), DUMMY_PAGE, dtype=torch.int32, device=device)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.sampler = SamplerTensors(
+            temperature=torch.zeros(rows, dtype=torch.float32, device=device),
+            top_k=torch.zeros(rows, dtype=torch.int64, device=device),
+            top_p=torch.ones(rows, dtype=torch.float32, device=device),
+            min_p=torch.zeros(rows, dtype=torch.float32, device=device),
+            penalty=torch.ones(rows, dtype=torch.float32, device=device),
+            seeds=torch.zeros(rows, dtype=torch.int64, device=device),
+            steps=torch.zeros(rows, dtype=torch.int64, device=device),
+            ban_ids=torch.full((rows, ban_width), -1, dtype=torch.int64, device=device),
+            ban_until=torch.zeros(rows, dtype=torch.int64, device=device),
+            seen=torch.zeros(rows, self.vocab, dtype=torch.bool, device=device),
+        )
+        self.ban_width = ban_width
+        # Host mirrors of what the device holds per row.
+        self.requests: list[DecodeSource | None] = [None] * rows
+        self.row_of: dict[int, int] = {}
+        self.size = 0
+        self.lens = np.zeros(rows, dtype=np.int64)  # sequence length the row's last step used
+        self.pages_written = np.zeros(rows, dtype=np.int64)
+        self.steps = np.zeros(rows, dtype=np.int64)
+        self.ban_until = np.zeros(rows, dtype=np.int64)
+        self.flags = np.zeros(rows, dtype=np.int64)
+        self.logprobs = np.zeros(rows, dtype=np.int64)
+        self.stats = DecodeRunnerStats()
+        self.host_seconds = 0.0
+        # Graphs.
+        graphs = graphs or GraphConfig(enabled=False)
+        self.graphs_on = graphs.wanted(device) and getattr(lm.attention, "graph_safe", False)
+        if graphs.wanted(device) and not self.graphs_on:
+            log.info("decode graphs off: the %s attention backend cannot be captured", lm.attention.name)
+        buckets = graphs.buckets or default_decode_buckets(max_rows)
+        self.buckets = sorted({min(int(b), max_rows) for b in buckets})
+        self.cache: GraphCache | None = None
+        if self.graphs_on:
+            self.cache = GraphCache("decode", device, make_graph_memory(memory or graphs.memory, device),
+                                    max_graphs=max(graphs.max_graphs, len(self.buckets)), log_captures=False)
+
+    # ------------------------------------------------------------------ graphs
+
+    @property
+    def graph_stats(self) -> GraphStats | None:
+        return self.cache.stats if self.cache is not None else None
+
+    def capture_all(self, variant: SamplerVariant = SamplerVariant(), progress: bool = True) -> None:
+        """Capture every bucket for `variant`, largest first (smaller sizes then reuse the largest
+        one's pool blocks), with a progress bar and one log line."""
+        if self.cache is None:
+            return
+        from tqdm import tqdm
+
+        from mmpipe.runtime.graph_memory import device_memory_in_use
+
+        before = device_memory_in_use(self.device)
+        start = time.perf_counter()
+        sizes = sorted(self.buckets, reverse=True)
+        for bucket in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not progress,
+                           leave=False, dynamic_ncols=True):
+            self._capture(bucket, variant)
+        seconds = time.perf_counter() - start
+        after = device_memory_in_use(self.device)
+        log.info("decode graphs: %d sizes (%s) captured in %.1f s; GPU memory %.0f -> %.0f MiB (graphs %.0f MiB)",
+                 len(sizes), _ranges(sorted(sizes)), seconds, before / 2**20, after / 2**20,
+                 (after - before) / 2**20)
+
+    def _capture(self, bucket: int, variant: SamplerVariant) -> bool:
+        """Capture one graph. The warm-up run executes the body, so it runs with every row
+        inactive: rows do not advance (the K/V it writes are the values the real step writes)."""
+        assert self.cache is not None
+        saved = self.active.clone()
+        self.active.zero_()
+        try:
+            entry = self.cache.capture((bucket, variant), self.body(bucket, variant, None),
+                                       f"batch {bucket} {variant_label(variant)}")
+        finally:
+            self.active.copy_(saved)
+        return entry is not None
+
+    # ------------------------------------------------------------------ the step
+
+    def body(self, n: int, variant: SamplerVariant, host_lens: list[int] | None) -> Callable[[], SampleResult]:
+        """One decode step over rows 0..n-1 of the static buffers (captured, or run eagerly).
+        `host_lens`: the rows' lengths for backends that need host values (eager only)."""
+        lm, ps = self.lm, self.page_size
+        ids, lens, delta = self.input_ids[:n], self.seq_lens[:n], self.mrope_delta[:n]
+        table, active, sampler = self.page_table[:n], self.active[:n], self.sampler.rows(n)
+
+        def run() -> SampleResult:
+            last = (lens - 1).long()  # index of the token fed this step
+            slots = table.gather(1, (last // ps).unsqueeze(1)).squeeze(1).long() * ps + last % ps
+            meta = AttentionMetadata(
+                is_decode=True, num_tokens=n, slot_mapping=slots, seq_lens=lens, query_start_loc=None,
+                page_table=table, seq_lens_host=host_lens, query_lens_host=[1] * n if host_lens else None,
+                max_query_len=1, max_seq_len=max(host_lens) if host_lens else None,
+                seq_len_bound=self.max_model_len)
+            positions = (last + delta).unsqueeze(0).expand(3, n)
+            with forward_context(ForwardContext(meta, self.kv.layers, lm.attention)):
+                hidden = lm(lm.embed(ids), positions)
+            result = sample(lm.compute_logits(hidden), sampler, variant)
+            # Advance active rows for the next step, on the device.
+            ids.copy_(torch.where(active, result.tokens, ids))
+            lens.add_(active.to(lens.dtype))
+            advance(sampler, result.tokens, variant, active)
+            return result
+
+        return run
+
+    @torch.inference_mode()
+    def step(self, requests: Sequence[DecodeSource]) -> DecodeOutput:
+        """Decode one token for each request (each has the pages for its new token)."""
+        start = time.perf_counter()
+        try:
+            rows = self._sync(requests)
+        except BaseException:
+            self.reset()
+            raise
+        n = self.size
+        variant = self._variant(n)
+        result = None
+        bucket = bucket_for(self.buckets, n) if self.cache is not None else None
+        try:
+            if bucket is not None:
+                assert self.cache is not None
+                key = (bucket, variant)
+                if key in self.cache or self._capture(bucket, variant):
+                    result = self.cache.replay_key(key)
+                    self.stats.graph_steps += 1
+                else:
+                    self.cache.stats.eager_fallbacks += 1
+            elif self.cache is not None:
+                self.cache.fallback("decode batch of %d rows runs eagerly (largest graph bucket %d)", n,
+                                    self.buckets[-1])
+            if result is None:
+                host_lens = (self.lens[:n] + 1).tolist() if self.kv.storage.device.type == "cpu" or \
+                    not getattr(self.lm.attention, "graph_safe", False) else None
+                result = self.body(n, variant, host_lens)()
+                self.stats.eager_steps += 1
+            self.host_seconds += time.perf_counter() - start
+            output = _to_host(result, n, variant, rows)
+        except BaseException:
+            self.reset()
+            raise
+        self.lens[:n] += 1
+        self.steps[:n] += 1
+        self.stats.steps += 1
+        return output
+
+    # ------------------------------------------------------------------ batch bookkeeping
+
+    def _sync(self, requests: Sequence[DecodeSource]) -> np.ndarray:
+        """Bring the device rows in line with `requests`; returns each request's row."""
+        ps = self.page_size
+        wanted = {id(r) for r in requests}
+        if len(wanted) != len(requests):
+            raise ValueError("a request appears twice in one decode batch")
+        if len(requests) > self.max_rows:
+            raise ValueError(f"{len(requests)} requests exceed the decode batch's {self.max_rows} rows")
+        old_size, target = self.size, len(requests)
+        # Rows whose request left, or went out of step with its row (recomputed), are freed.
+        for row in range(old_size):
+            request = self.requests[row]
+            if request is not None and (id(request) not in wanted or request.total_len != self.lens[row] + 1):
+                self._forget(row)
+        # Rows stay dense: requests sitting past the new end move into holes, newcomers take the rest.
+        holes = [row for row in range(target) if self.requests[row] is None]
+        movers = [row for row in range(target, old_size) if self.requests[row] is not None]
+        moves = list(zip(movers, holes))
+        for src, dst in moves:
+            self._move_host(src, dst)
+        fresh = holes[len(movers):]
+        new = [r for r in requests if id(r) not in self.row_of]
+        for row, request in zip(fresh, new):
+            self._adopt(row, request)
+        self.size = target
+        if moves:
+            self._move_device(moves)
+        if fresh:
+            self._write_rows(fresh)
+        if old_size > target:
+            self._reset_rows(range(target, old_size))
+        # Pages gained by rows that stayed.
+        appends: list[tuple[int, int, int]] = []
+        fresh_set = set(fresh)
+        rows = np.empty(target, dtype=np.int64)
+        for i, request in enumerate(requests):
+            row = self.row_of[id(request)]
+            rows[i] = row
+            if row in fresh_set:
+                continue
+            need = -(-request.total_len // ps)
+            have = int(self.pages_written[row])
+            if need > have:
+                appends.extend((row, col, request.pages[col]) for col in range(have, need))
+                self.pages_written[row] = need
+        if appends:
+            self._append_pages(appends)
+        return rows
+
+    def release(self, requests: Sequence[DecodeSource]) -> None:
+        """Drop finished requests' rows now (the device rows are reused at the next step)."""
+        for request in requests:
+            row = self.row_of.get(id(request))
+            if row is not None:
+                self._forget(row)
+
+    def _forget(self, row: int) -> None:
+        request = self.requests[row]
+        self.row_of.pop(id(request), None)
+        self.requests[row] = None
+
+    def _adopt(self, row: int, request: DecodeSource) -> None:
+        self.requests[row] = request
+        self.row_of[id(request)] = row
+
+    def _move_host(self, src: int, dst: int) -> None:
+        request = self.requests[src]
+        self.requests[dst], self.requests[src] = request, None
+        self.row_of[id(request)] = dst
+        for mirror in (self.lens, self.pages_written, self.steps, self.ban_until, self.flags, self.logprobs):
+            mirror[dst] = mirror[src]
+
+    def _move_device(self, moves: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in moves], dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor([d for _, d in moves], dtype=torch.int64).to(self.device, non_blocking=True)
+        for buffer in self._row_buffers():
+            buffer.index_copy_(0, dst, buffer.index_select(0, src))
+        self.stats.rows_moved += len(moves)
+
+    def _row_buffers(self) -> list[torch.Tensor]:
+        s = self.sampler
+        buffers = [self.input_ids, self.seq_lens, self.mrope_delta, self.page_table, self.active, s.temperature,
+                   s.top_k, s.top_p, s.min_p, s.penalty, s.seeds, s.steps, s.ban_ids, s.ban_until]
+        return buffers + ([s.seen] if s.seen is not None else [])
+
+    def _write_rows(self, rows: list[int]) -> None:
+        """Upload whole rows for requests that just joined."""
+        ps = self.page_size
+        count = len(rows)
+        table = np.full((count, self.max_pages), DUMMY_PAGE, dtype=np.int32)
+        scalars = np.empty((3, count), dtype=np.int64)  # token, length, delta
+        settings: list[RowSampling] = []
+        for i, row in enumerate(rows):
+            request = self.requests[row]
+            assert request is not None
+            length = request.total_len
+            if length > self.max_model_len:
+                raise ValueError(f"sequence of {length} tokens exceeds max_model_len {self.max_model_len}")
+            pages = -(-length // ps)
+            table[i, :pages] = request.pages[:pages]
+            scalars[:, i] = (request.output_ids[-1], length, request.mrope_delta)
+            setting = request.row_sampling()
+            if len(setting.ban_ids) > self.ban_width:
+                raise ValueError(f"a request bans {len(setting.ban_ids)} token ids before min_new_tokens; "
+                                 f"at most {self.ban_width} (EngineConfig.max_banned_tokens)")
+            settings.append(setting)
+            self.lens[row] = length - 1  # the step adds the fed token
+            self.pages_written[row] = pages
+            self.steps[row] = setting.step
+            self.ban_until[row] = setting.ban_until if setting.ban_ids else 0
+            self.flags[row] = _row_flags(setting)
+            self.logprobs[row] = setting.logprobs
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        host = torch.from_numpy(scalars).to(self.device, non_blocking=True)
+        self.input_ids.index_copy_(0, index, host[0])
+        self.seq_lens.index_copy_(0, index, host[1].to(torch.int32))
+        self.mrope_delta.index_copy_(0, index, host[2])
+        self.page_table.index_copy_(0, index, torch.from_numpy(table).to(self.device, non_blocking=True))
+        self.active.index_fill_(0, index, True)
+        self.sampler.write_rows(index, settings, self.vocab)
+        self.stats.rows_written += count
+
+    def _reset_rows(self, rows: range) -> None:
+        """Padding state: inactive, length 1 on the dummy page, neutral sampling."""
+        s = slice(rows.start, rows.stop)
+        self.active[s] = False
+        self.seq_lens[s] = 1
+        self.page_table[s] = DUMMY_PAGE
+        self.input_ids[s] = 0
+        index = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=self.device)
+        self.sampler.write_rows(index, [RowSampling()] * len(rows), self.vocab)
+        for mirror in (self.lens, self.pages_written, self.steps, self.ban_until, self.flags, self.logprobs):
+            mirror[s] = 0
+        for row in rows:
+            if self.requests[row] is not None:
+                self._forget(row)
+
+    def _append_pages(self, appends: list[tuple[int, int, int]]) -> None:
+        triples = torch.from_numpy(np.asarray(appends, dtype=np.int64).T.copy()).to(self.device, non_blocking=True)
+        self.page_table.index_put_((triples[0], triples[1]), triples[2].to(torch.int32))
+        self.stats.pages_appended += len(appends)
+
+    def _variant(self, n: int) -> SamplerVariant:
+        flags = int(np.bitwise_or.reduce(self.flags[:n])) if n else 0
+        return SamplerVariant(random=bool(flags & _RANDOM), top_k_top_p=bool(flags & _TOP_K_P),
+                              min_p=bool(flags & _MIN_P), penalty=bool(flags & _PENALTY),
+                              ban=bool(np.any(self.ban_until[:n] > self.steps[:n])),
+                              logprobs=logprobs_bucket(int(self.logprobs[:n].max(initial=0))))
+
+    def reset(self) -> None:
+        """Forget every row (after a failed step the device state is not trusted)."""
+        self._reset_rows(range(0, self.max_rows))
+        self.size = 0
+        self.row_of.clear()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+
+def _row_flags(s: RowSampling) -> int:
+    flags = 0
+    if s.temperature > 0:
+        flags |= _RANDOM
+        if s.top_k > 0 or s.top_p < 1.0:
+            flags |= _TOP_K_P
+        if s.min_p > 0:
+            flags |= _MIN_P
+    if s.penalty != 1.0:
+        flags |= _PENALTY
+    return flags
+
+
+def _to_host(result: SampleResult, n: int, variant: SamplerVariant, rows: np.ndarray) -> DecodeOutput:
+    """One device-to-host copy of the tokens (plus the logprobs when asked), in request order."""
+    tokens = result.tokens[:n].tolist()
+    out = DecodeOutput([tokens[r] for r in rows])
+    if variant.logprobs and result.top_ids is not None:
+        chosen = result.token_logprobs[:n].tolist()  # type: ignore[index]
+        ids, lps = result.top_ids[:n].tolist(), result.top_logprobs[:n].tolist()  # type: ignore[index]
+        out.token_logprobs = [chosen[r] for r in rows]
+        out.top_ids = [ids[r] for r in rows]
+        out.top_logprobs = [lps[r] for r in rows]
+    return out
+
+
+def variant_label(variant: SamplerVariant) -> str:
+    on = [name for name in ("random", "top_k_top_p", "min_p", "penalty", "ban") if getattr(variant, name)]
+    if variant.logprobs:
+        on.append(f"logprobs={variant.logprobs}")
+    return "greedy" if not on else "+".join(on)
+
+
+def _ranges(sizes: list[int]) -> str:
+    return ", ".join(str(s) for s in sizes) if len(sizes) <= 8 else f"{sizes[0]}..{sizes[-1]}"

@@ -1,0 +1,334 @@
+"""The decode runner's host side on the CPU: buckets and modes, the persistent device batch kept in
+step with the requests (joins, leaves, moves, page growth, padding rows), sampling inside the step
+against transformers, the shared graph cache's bookkeeping, and per-thread forward contexts."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from mmpipe import EngineConfig, GraphConfig, GraphMode, InputError, Pipeline, SamplingParams
+from mmpipe.config import decode_graphs_on, parse_graph_mode, prefill_graphs_on
+from mmpipe.language.decode_graphs import default_decode_buckets
+from mmpipe.language.kv_cache import DUMMY_PAGE
+from mmpipe.runtime import graph_cache as graph_cache_module
+from mmpipe.runtime.graph_cache import GraphCache, bucket_for
+from tests.helpers import hf_generate, hf_inputs, hf_model, make_checkpoint
+
+CPU = torch.device("cpu")
+CUDA_LIKE = torch.device("cuda", 0)
+
+
+# ---------------------------------------------------------------------------- buckets and modes
+
+def test_default_decode_buckets():
+    buckets = default_decode_buckets(256)
+    assert buckets[:7] == [1, 2, 4, 8, 16, 24, 32]
+    assert buckets[7:] == list(range(48, 257, 16))
+    assert default_decode_buckets(20) == [1, 2, 4, 8, 16, 20]  # the cap is always a bucket
+    assert default_decode_buckets(300)[-3:] == [256, 288, 300]
+
+
+@pytest.mark.parametrize("size, bucket", [(1, 1), (3, 4), (4, 4), (5, 8), (25, 32), (32, 32), (33, None)])
+def test_bucket_choice(size, bucket):
+    assert bucket_for([1, 2, 4, 8, 16, 24, 32], size) == bucket
+
+
+def test_graph_modes():
+    assert parse_graph_mode(None, CUDA_LIKE) is GraphMode.FULL_AND_PIECEWISE
+    assert parse_graph_mode(None, CPU) is GraphMode.NONE
+    assert parse_graph_mode("full", CPU) is GraphMode.NONE  # nothing to capture on a CPU
+    assert parse_graph_mode("FULL_DECODE_ONLY", CUDA_LIKE) is GraphMode.FULL_DECODE_ONLY
+    on = {m for m in GraphMode if decode_graphs_on(m)}
+    assert on == {GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE}
+    assert {m for m in GraphMode if prefill_graphs_on(m)} == {GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE}
+    with pytest.raises(InputError, match="graph_mode='fast'"):
+        parse_graph_mode("fast", CUDA_LIKE)
+    with pytest.raises(InputError, match="graph_mode"):
+        EngineConfig(graph_mode="everything")
+
+
+def test_graph_config_validation():
+    assert GraphConfig(buckets=(8, 2, 2, 4)).buckets == (2, 4, 8)
+    for bad in (dict(buckets=()), dict(buckets=(0, 4)), dict(memory="heap"), dict(max_graphs=0),
+                dict(enabled="yes")):
+        with pytest.raises(InputError, match="GraphConfig"):
+            GraphConfig(**bad)
+    with pytest.raises(InputError, match="decode_graph"):
+        EngineConfig(decode_graph={"enabled": True})
+    assert not GraphConfig().wanted(CPU) and GraphConfig().wanted(CUDA_LIKE)
+    assert not GraphConfig(enabled=False).wanted(CUDA_LIKE)
+
+
+def test_cpu_pipeline_reports_graph_stats(pipe):
+    stats = pipe.stats()
+    assert stats["graph_mode"] == "none"
+    assert stats["decode"]["enabled"] is False and stats["vit"]["enabled"] is False
+    before = stats["runner"]["decode_steps"]
+    pipe.chat([{"role": "user", "content": "hello"}], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    after = pipe.stats()["runner"]
+    assert after["decode_steps"] == before + 3 and after["decode_host_seconds"] > 0
+
+
+# ---------------------------------------------------------------------------- the persistent batch
+
+def check_rows(decoder) -> None:
+    """Every row agrees with its request; every row past the batch is padding."""
+    ps = decoder.page_size
+    size = decoder.size
+    for row in range(decoder.max_rows):
+        request = decoder.requests[row]
+        if row >= size:
+            assert request is None
+            assert decoder.seq_lens[row].item() == 1 and not decoder.active[row].item()
+            assert (decoder.page_table[row] == DUMMY_PAGE).all()
+            assert decoder.sampler.temperature[row].item() == 0 and decoder.sampler.penalty[row].item() == 1
+            assert not decoder.sampler.seen[row].any()
+            continue
+        if request is None:  # released when its request finished; reused or reset at the next step
+            continue
+        assert decoder.active[row].item() and not request.finished
+        assert decoder.input_ids[row].item() == request.output_ids[-1]
+        assert decoder.seq_lens[row].item() == request.total_len
+        assert decoder.sampler.steps[row].item() == len(request.output_ids)
+        pages = -(-(request.total_len - 1) // ps)  # the newest token's page comes with its step
+        assert decoder.page_table[row, :pages].tolist() == request.pages[:pages]
+
+
+def test_rows_follow_joins_leaves_and_page_growth(checkpoint):
+    """Requests of different lengths join at different steps and finish at different steps, with
+    4-token pages so they gain pages while decoding; after every step the device rows match."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=4, max_prefill_tokens=40)
+    engine, decoder = pipe.engine, pipe.runner.decoder
+    prompts = ["tell me", "tell me about the picture in a few words", "a", "please be brief about it now"]
+    requests = []
+    for i in range(12):
+        params = SamplingParams(max_new_tokens=2 + (i * 5) % 11, ignore_eos=True, temperature=0.0,
+                                repetition_penalty=1.3 if i % 3 == 0 else None, seed=i)
+        conversation = [{"role": "user", "content": prompts[i % 4]}]
+        requests.append(pipe.processor.build(i, *pipe.processor.render_chat(conversation, "t"), params, "t"))
+    pending = list(requests)
+    steps = 0
+    while pending or engine.has_unfinished:
+        if pending and steps % 2 == 0:  # staggered arrivals
+            engine.add(pending.pop(0))
+        engine.step()
+        check_rows(decoder)
+        steps += 1
+    assert decoder.stats.rows_moved > 0 and decoder.stats.pages_appended > 0
+    assert all(r is None for r in decoder.requests) and not decoder.row_of  # nothing kept alive
+    alone = [pipe.chat([{"role": "user", "content": prompts[i % 4]}], SamplingParams(
+        max_new_tokens=2 + (i * 5) % 11, ignore_eos=True, temperature=0.0,
+        repetition_penalty=1.3 if i % 3 == 0 else None, seed=i))[0].token_ids for i in range(12)]
+    assert [r.output_ids for r in requests] == alone
+
+
+def test_a_failed_step_resets_the_rows(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    decoder = pipe.runner.decoder
+    original = decoder.lm.compute_logits
+    calls = {"n": 0}
+
+    def flaky(hidden):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected")
+        return original(hidden)
+
+    decoder.lm.compute_logits = flaky
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.chat([[{"role": "user", "content": "tell me"}]] * 3, SamplingParams(max_new_tokens=6, ignore_eos=True),
+                      errors="raise")
+    finally:
+        decoder.lm.compute_logits = original
+    check_rows(decoder)
+    assert decoder.size == 0
+    out = pipe.chat([[{"role": "user", "content": "tell me"}]] * 3, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in out)
+
+
+# ---------------------------------------------------------------------------- sampling in the step
+
+@pytest.fixture(scope="module")
+def eos_checkpoint(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt_eos")), seed=3)
+
+
+def test_repetition_penalty_and_min_new_tokens_match_transformers(eos_checkpoint):
+    """The repetition mask lives on the device and is advanced inside the step; transformers'
+    logits processors (over prompt + generated ids) are the oracle."""
+    pipe = Pipeline.from_pretrained(eos_checkpoint, device="cpu")
+    model = hf_model(eos_checkpoint)
+    conversation = [{"role": "user", "content": "tell me a story about a fox"}]
+    inputs = hf_inputs(eos_checkpoint, conversation)
+    plain = pipe.chat(conversation, SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.0))[0]
+    for penalty in (1.5, 0.7):
+        ours = pipe.chat(conversation, SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.0,
+                                                      repetition_penalty=penalty))[0]
+        out = model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
+                             eos_token_id=None, repetition_penalty=penalty, top_k=None, top_p=None,
+                             temperature=None)
+        assert ours.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist(), penalty
+        assert ours.token_ids != plain.token_ids  # the knob acts
+    # min_new_tokens holds back the end-of-sequence token (transformers' MinNewTokensLength rule)
+    eos = plain.token_ids[3]
+    ours = pipe.chat(conversation, SamplingParams(max_new_tokens=12, min_new_tokens=8, temperature=0.0,
+                                                  stop_token_ids=[eos]))[0]
+    out = model.generate(**inputs, max_new_tokens=12, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                         eos_token_id=[eos] + list(pipe.defaults.eos_token_ids), top_k=None, top_p=None,
+                         temperature=None)
+    reference = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert ours.token_ids == reference[:len(ours.token_ids)]
+    assert len(ours.token_ids) >= 8 and eos not in ours.token_ids[:8]
+
+
+def test_seeded_sampling_in_the_step_is_independent_of_the_batch(pipe):
+    """A seeded request with every knob on draws the same tokens alone, in a batch whose other
+    rows sample differently, and after rows around it finish (its row moves)."""
+    conversation = [{"role": "user", "content": "tell me about the picture"}]
+    knobs = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02,
+                           repetition_penalty=1.2, seed=1234, logprobs=3)
+    alone = pipe.chat(conversation, knobs)[0]
+    others = [SamplingParams(max_new_tokens=1 + i, ignore_eos=True, temperature=0.0 if i % 2 else 1.3, seed=i)
+              for i in range(7)]
+    outs = pipe.chat([conversation] * 8, others[:3] + [knobs] + others[3:])
+    assert outs[3].token_ids == alone.token_ids
+    assert [sorted(d) for d in outs[3].logprobs] == [sorted(d) for d in alone.logprobs]
+    for a, b in zip(outs[3].logprobs, alone.logprobs):
+        assert all(abs(a[t] - b[t]) < 1e-5 for t in a)
+    unseeded_like = pipe.chat(conversation, SamplingParams(**{**knobs.__dict__, "seed": 99}))[0]
+    assert unseeded_like.token_ids != alone.token_ids  # the seed matters
+
+
+# ---------------------------------------------------------------------------- the graph cache
+
+class FakeGraph:
+    log: list[str] = []
+
+    def __init__(self, name):
+        self.name = name
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+    def reset(self):
+        FakeGraph.log.append(f"reset {self.name}")
+
+
+class FakeMemory:
+    name = "fake"
+
+    def __init__(self):
+        self.released, self.closed = [], False
+
+    def open(self):
+        return object()
+
+    def release(self, memory):
+        FakeGraph.log.append("release")
+        self.released.append(memory)
+
+    def physical_bytes(self):
+        return None
+
+    def close(self):
+        FakeGraph.log.append("close")
+        self.closed = True
+
+
+def test_graph_cache_captures_replays_evicts_and_tears_down_in_order(monkeypatch):
+    def fake_capture(body, memory, device, warmups=1, shared=None):
+        output = body()
+        if output == "boom":
+            raise RuntimeError("capture failed")
+        return FakeGraph(output), output, shared or memory.open()
+
+    monkeypatch.setattr(graph_cache_module, "capture", fake_capture)
+    FakeGraph.log = []
+    memory = FakeMemory()
+    cache = GraphCache("test", CPU, memory, max_graphs=2)
+    assert cache.run(1, lambda: "one", "1") == "one"
+    assert cache.run(1, lambda: "never called", "1") == "one"  # replayed, not recaptured
+    assert cache.stats.captures == 1 and cache.stats.replays == 2
+    assert cache.run(2, lambda: "boom", "2") is None  # a failed capture falls back, never raises
+    assert cache.stats.capture_failures == 1 and cache.stats.eager_fallbacks == 1
+    cache.run(2, lambda: "two", "2")
+    cache.run(1, lambda: "one", "1")  # 1 is now the most recently used
+    cache.run(3, lambda: "three", "3")  # evicts 2
+    assert list(cache.graphs) == [1, 3] and cache.stats.evictions == 1
+    assert FakeGraph.log == ["reset two", "release"]
+    FakeGraph.log = []
+    cache.close()
+    assert FakeGraph.log == ["reset one", "release", "reset three", "release", "close"]
+    cache.close()  # idempotent
+    assert FakeGraph.log.count("close") == 1 and cache.stats.graphs_live == 0
+
+
+# ---------------------------------------------------------------------------- threads
+
+def test_two_pipelines_in_two_threads(checkpoint, checkpoint_factory):
+    """Each thread's forward reads its own metadata and KV cache (the forward context is per
+    thread); with a shared context the two models would read each other's caches."""
+    other = checkpoint_factory(seed=7)
+    pipes = [Pipeline.from_pretrained(path, device="cpu") for path in (checkpoint, other)]
+    conversations = [[{"role": "user", "content": " ".join(["tell me about the picture"] * (1 + i % 3))}]
+                     for i in range(6)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.0)
+    expected = [[o.token_ids for o in p.chat(conversations, params)] for p in pipes]
+    assert expected[0] != expected[1]
+    results: list = [None, None]
+    errors: list = []
+
+    def work(i):
+        try:
+            results[i] = [[o.token_ids for o in pipes[i].chat(conversations, params)] for _ in range(3)]
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    for i in range(2):
+        assert results[i] == [expected[i]] * 3
+
+
+# ---------------------------------------------------------------------------- prefill inputs
+
+def test_prefill_inputs_are_built_on_the_host_and_uploaded_once(pipe):
+    from mmpipe.engine.model_runner import PrefillChunk, PrefillInputs
+    from tests.helpers import random_image
+
+    image = random_image(90, 60, seed=5)
+    request = pipe.processor.build(0, *pipe.processor.render_chat(
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}], "t"),
+        SamplingParams(max_new_tokens=2), "t")
+    request.pages = [7, 3, 9, 12, 5, 6, 8, 2][: -(-request.prompt_len // pipe.runner.page_size)]
+    request.image_embeds = [torch.randn(request.images[0].num_tokens, 8)]
+    half = request.prompt_len // 2
+    inputs = PrefillInputs.build([PrefillChunk(request, half, request.prompt_len)], pipe.runner.page_size)
+    ps = pipe.runner.page_size
+    index = np.arange(half, request.prompt_len)
+    assert inputs.slot_mapping.tolist() == [request.pages[i // ps] * ps + i % ps for i in index]
+    assert inputs.positions.tolist() == request.positions[:, half:].tolist()
+    assert inputs.logit_rows.tolist() == [request.prompt_len - half - 1]
+    start = request.image_starts[0]
+    image_rows = [i - half for i in range(start, start + request.images[0].num_tokens) if i >= half]
+    assert inputs.image_rows.tolist() == image_rows
+    ids, pos, meta, rows, irows = inputs.upload(CPU)
+    assert ids.tolist() == request.prompt_ids[half:] and pos.shape == (3, request.prompt_len - half)
+    assert meta.seq_lens.tolist() == [request.prompt_len] and meta.query_start_loc.tolist() == [0, len(index)]
+    assert meta.page_table.dtype == torch.int32 and meta.page_table[0].tolist()[: len(request.pages)] == request.pages
