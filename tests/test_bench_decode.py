@@ -118,7 +118,7 @@ def fake_result() -> dict:
             "shape": "3b", "dtype": "bfloat16", "prompt_tokens": 256, "new_tokens": [32, 160],
             "mean_context": 352.0, "lm_weight_bytes": 6.17e9, "rows": rows,
             "mmpipe": {"mmpipe-graphs": {"graph_mode_reported": "full_and_piecewise", "startup_s": 20.0,
-                                         "first_call_s": 1.5, "capture_s": 3.2, "memory_MiB": 120.0,
+                                         "first_call_s": 1.5, "capture_s": 3.2, "memory_MiB": 120.0, "largest_alone_MiB": 110.0,
                                          "graphs": 13, "replays": 500, "eager_steps": 0},
                        "mmpipe-eager": {"startup_s": 9.0}}}
 
@@ -131,7 +131,7 @@ def test_report():
     assert cells[2:9] == ["3", "333", "2", "67%", "40", "10.00x", "2.00x"]
     assert "error: RuntimeError: compile failed" in text
     assert "| transformers (dynamic cache) | 8 | 30 | 267 | 2 | 7% | n/a | 1.00x | n/a |" in text
-    assert "| mmpipe graphs | full_and_piecewise | 20.0 | 1.5 | 3.20 | 120 | 13 | 500 | 0 |" in text
+    assert "| mmpipe graphs | full_and_piecewise | 20.0 | 1.5 | 3.20 | 120 | 110 | 13 | 500 | 0 |" in text
     assert "| mmpipe eager | n/a | 9.0 | n/a |" in text
 
 
