@@ -270,10 +270,11 @@ class DecodeGraphRunner:
         if len(requests) > self.max_rows:
             raise ValueError(f"{len(requests)} requests exceed the decode batch's {self.max_rows} rows")
         old_size, target = self.size, len(requests)
+        lens = self.lens.tolist()  # plain ints: this loop runs for every row of every step
         # Rows whose request left, or went out of step with its row (recomputed), are freed.
         for row in range(old_size):
             request = self.requests[row]
-            if request is not None and (id(request) not in wanted or request.total_len != self.lens[row] + 1):
+            if request is not None and (id(request) not in wanted or request.total_len != lens[row] + 1):
                 self._forget(row)
         # Rows stay dense: requests sitting past the new end move into holes, newcomers take the rest.
         holes = [row for row in range(target) if self.requests[row] is None]
@@ -295,20 +296,19 @@ class DecodeGraphRunner:
         # Pages gained by rows that stayed.
         appends: list[tuple[int, int, int]] = []
         fresh_set = set(fresh)
-        rows = np.empty(target, dtype=np.int64)
-        for i, request in enumerate(requests):
-            row = self.row_of[id(request)]
-            rows[i] = row
+        row_of, written = self.row_of, self.pages_written.tolist()
+        rows = [row_of[id(request)] for request in requests]
+        for row, request in zip(rows, requests):
             if row in fresh_set:
                 continue
             need = -(-request.total_len // ps)
-            have = int(self.pages_written[row])
+            have = written[row]
             if need > have:
                 appends.extend((row, col, request.pages[col]) for col in range(have, need))
                 self.pages_written[row] = need
         if appends:
             self._append_pages(appends)
-        return rows
+        return np.asarray(rows, dtype=np.int64)
 
     def release(self, requests: Sequence[DecodeSource]) -> None:
         """Drop finished requests' rows now (the device rows are reused at the next step)."""
@@ -438,6 +438,7 @@ def _row_flags(s: RowSampling) -> int:
 def _to_host(result: SampleResult, n: int, variant: SamplerVariant, rows: np.ndarray) -> DecodeOutput:
     """One device-to-host copy of the tokens (plus the logprobs when asked), in request order."""
     tokens = result.tokens[:n].tolist()
+    rows = rows.tolist()
     out = DecodeOutput([tokens[r] for r in rows])
     if variant.logprobs and result.top_ids is not None:
         chosen = result.token_logprobs[:n].tolist()  # type: ignore[index]

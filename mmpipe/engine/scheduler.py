@@ -95,9 +95,12 @@ class Scheduler:
         return plan
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
+        preempted_before = len(plan.preempted)
         for request in [r for r in self.running if _decode_ready(r)]:
-            if request not in self.running:
-                continue  # preempted to make room for an older request
+            # Preempted to make room for an older request? (A list scan only after a preemption:
+            # with hundreds of running requests a scan per request would cost milliseconds.)
+            if len(plan.preempted) > preempted_before and any(p is request for p in plan.preempted):
+                continue
             while not self._grow(request, request.total_len):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
