@@ -4,6 +4,7 @@ and every comparison is measured in the same process.
     python -m mmpipe.app.bench kernels       # attention kernels: decode bandwidth, extend variants, ViT varlen
     python -m mmpipe.app.bench throughput    # 256 captioning requests: engine vs static loop vs transformers
     python -m mmpipe.app.bench vit           # ViT per-image latency (transformers / eager / graph), graph memory
+    python -m mmpipe.app.bench decode        # LM decode: transformers (2 caches) vs mmpipe eager vs graphs
     mmpipe bench kernels              # the same through the CLI
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded).
