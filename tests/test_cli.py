@@ -14,6 +14,17 @@ def test_info_reports_versions_and_the_model(checkpoint, capsys):
     assert info["torch"] and info["transformers"]
     assert info["model"]["architecture"] == "Qwen2_5_VLForConditionalGeneration"
     assert "2 blocks" in info["model"]["vision"] and info["model"]["device"] == "cpu"
+    assert info["model"]["graphs"] == "mode none; decode off; prefill off; vit off"  # the CPU runs no graphs
+
+
+def test_graph_mode_flag_is_checked(checkpoint, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["caption", "x.png", "--model", checkpoint, "--graph-mode", "fastest"])
+    assert exit_info.value.code == 2 and "--graph-mode" in capsys.readouterr().err
+    assert main(["info", "--model", checkpoint, "--device", "cpu", "--graph-mode", "full", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["graphs"].startswith("mode none")
 
 
 def test_caption_skips_a_corrupt_image_and_resumes(checkpoint, tmp_path, capsys):
