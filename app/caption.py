@@ -88,10 +88,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     done = _done_paths(args.output) if args.output else set()
     todo = [p for p in paths if p not in done]
-    from mmpipe import GraphConfig
+    import dataclasses
 
-    options = {} if args.vit_graphs is None else {"vit_graph": GraphConfig(enabled=args.vit_graphs, max_graphs=32,
-                                                                          memory="arena")}
+    from mmpipe import EngineConfig
+
+    options = {} if args.vit_graphs is None else {
+        "vit_graph": dataclasses.replace(EngineConfig().vit_graph, enabled=args.vit_graphs)}
     pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
                                     **options)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)

@@ -148,7 +148,7 @@ class DecodeGraphRunner:
         self.cache: GraphCache | None = None
         if self.graphs_on:
             self.cache = GraphCache("decode", device, make_graph_memory(memory or graphs.memory, device),
-                                    max_graphs=max(graphs.max_graphs, len(self.buckets)), log_captures=False)
+                                    max_graphs=max(graphs.max_graphs, len(self.buckets)))
 
     # ------------------------------------------------------------------ graphs
 
@@ -165,19 +165,20 @@ class DecodeGraphRunner:
 
         from mmpipe.runtime.graph_memory import device_memory_in_use
 
-        before = device_memory_in_use(self.device)
+        on_cuda = self.device.type == "cuda"
+        before = device_memory_in_use(self.device) if on_cuda else 0
         start = time.perf_counter()
         sizes = sorted(self.buckets, reverse=True)
         for bucket in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not progress,
                            leave=False, dynamic_ncols=True):
-            self._capture(bucket, variant)
+            self._capture(bucket, variant, quiet=True)
         seconds = time.perf_counter() - start
-        after = device_memory_in_use(self.device)
+        after = device_memory_in_use(self.device) if on_cuda else 0
         log.info("decode graphs: %d sizes (%s) captured in %.1f s; GPU memory %.0f -> %.0f MiB (graphs %.0f MiB)",
                  len(sizes), _ranges(sorted(sizes)), seconds, before / 2**20, after / 2**20,
                  (after - before) / 2**20)
 
-    def _capture(self, bucket: int, variant: SamplerVariant) -> bool:
+    def _capture(self, bucket: int, variant: SamplerVariant, quiet: bool = False) -> bool:
         """Capture one graph. The warm-up run executes the body, so it runs with every row
         inactive: rows do not advance (the K/V it writes are the values the real step writes)."""
         assert self.cache is not None
@@ -185,16 +186,31 @@ class DecodeGraphRunner:
         self.active.zero_()
         try:
             entry = self.cache.capture((bucket, variant), self.body(bucket, variant, None),
-                                       f"batch {bucket} {variant_label(variant)}")
+                                       f"batch {bucket} {variant_label(variant)}", quiet=quiet)
         finally:
             self.active.copy_(saved)
         return entry is not None
 
+    def _graph_for(self, bucket: int, variant: SamplerVariant) -> tuple[int, SamplerVariant] | None:
+        """The live graph to replay for `bucket`: the exact variant, else the one with the fewest
+        stages among those that include every stage asked for (a stage a row does not use leaves
+        it bit for bit as it was), else a new capture of the exact variant; None if that fails."""
+        assert self.cache is not None
+        key = (bucket, variant)
+        if key in self.cache:
+            return key
+        covering = [k for k in self.cache.live_keys() if k[0] == bucket and covers(k[1], variant)]
+        if covering:
+            return min(covering, key=lambda k: _stage_count(k[1]))
+        return key if self._capture(bucket, variant) else None
+
     # ------------------------------------------------------------------ the step
 
-    def body(self, n: int, variant: SamplerVariant, host_lens: list[int] | None) -> Callable[[], SampleResult]:
+    def body(self, n: int, variant: SamplerVariant, host_lens: list[int] | None,
+             split_rows: int | None = None) -> Callable[[], SampleResult]:
         """One decode step over rows 0..n-1 of the static buffers (captured, or run eagerly).
-        `host_lens`: the rows' lengths for backends that need host values (eager only)."""
+        `host_lens`: the rows' lengths for backends that need host values (eager only).
+        `split_rows`: the batch size attention plans its splits for (the bucket; default n)."""
         lm, ps = self.lm, self.page_size
         ids, lens, delta = self.input_ids[:n], self.seq_lens[:n], self.mrope_delta[:n]
         table, active, sampler = self.page_table[:n], self.active[:n], self.sampler.rows(n)
@@ -206,7 +222,7 @@ class DecodeGraphRunner:
                 is_decode=True, num_tokens=n, slot_mapping=slots, seq_lens=lens, query_start_loc=None,
                 page_table=table, seq_lens_host=host_lens, query_lens_host=[1] * n if host_lens else None,
                 max_query_len=1, max_seq_len=max(host_lens) if host_lens else None,
-                seq_len_bound=self.max_model_len)
+                seq_len_bound=self.max_model_len, split_rows=split_rows or n)
             positions = (last + delta).unsqueeze(0).expand(3, n)
             with forward_context(ForwardContext(meta, self.kv.layers, lm.attention)):
                 hidden = lm(lm.embed(ids), positions)
@@ -234,23 +250,21 @@ class DecodeGraphRunner:
         bucket = bucket_for(self.buckets, n) if self.cache is not None else None
         try:
             if bucket is not None:
-                assert self.cache is not None
-                key = (bucket, variant)
-                if key in self.cache or self._capture(bucket, variant):
-                    result = self.cache.replay_key(key)
+                key = self._graph_for(bucket, variant)
+                if key is not None:
+                    result = self.cache.replay_key(key)  # type: ignore[union-attr]
                     self.stats.graph_steps += 1
-                else:
-                    self.cache.stats.eager_fallbacks += 1
             elif self.cache is not None:
                 self.cache.fallback("decode batch of %d rows runs eagerly (largest graph bucket %d)", n,
                                     self.buckets[-1])
             if result is None:
-                host_lens = (self.lens[:n] + 1).tolist() if self.kv.storage.device.type == "cpu" or \
-                    not getattr(self.lm.attention, "graph_safe", False) else None
-                result = self.body(n, variant, host_lens)()
+                # Host lengths only for a backend that needs them (the reference; CUDA reads the device).
+                graph_safe = getattr(self.lm.attention, "graph_safe", False)
+                host_lens = None if graph_safe else (self.lens[:n] + 1).tolist()
+                result = self.body(n, variant, host_lens, bucket_for(self.buckets, n) or n)()
                 self.stats.eager_steps += 1
             self.host_seconds += time.perf_counter() - start
-            output = _to_host(result, n, variant, rows)
+            output = _to_host(result, n, variant.logprobs > 0, rows)
         except BaseException:
             self.reset()
             raise
@@ -435,18 +449,28 @@ def _row_flags(s: RowSampling) -> int:
     return flags
 
 
-def _to_host(result: SampleResult, n: int, variant: SamplerVariant, rows: np.ndarray) -> DecodeOutput:
-    """One device-to-host copy of the tokens (plus the logprobs when asked), in request order."""
-    tokens = result.tokens[:n].tolist()
-    rows = rows.tolist()
-    out = DecodeOutput([tokens[r] for r in rows])
-    if variant.logprobs and result.top_ids is not None:
-        chosen = result.token_logprobs[:n].tolist()  # type: ignore[index]
-        ids, lps = result.top_ids[:n].tolist(), result.top_logprobs[:n].tolist()  # type: ignore[index]
-        out.token_logprobs = [chosen[r] for r in rows]
-        out.top_ids = [ids[r] for r in rows]
-        out.top_logprobs = [lps[r] for r in rows]
-    return out
+def _to_host(result: SampleResult, n: int, logprobs: bool, rows: np.ndarray) -> DecodeOutput:
+    """One device-to-host copy of the tokens (ids and logprobs as one int and one float block when
+    asked), in request order."""
+    order = rows.tolist()
+    if not logprobs or result.top_ids is None:
+        tokens = result.tokens[:n].tolist()
+        return DecodeOutput([tokens[r] for r in order])
+    ids = torch.cat([result.tokens[:n, None], result.top_ids[:n]], dim=1).tolist()
+    lps = torch.cat([result.token_logprobs[:n, None], result.top_logprobs[:n]], dim=1).tolist()  # type: ignore[index]
+    return DecodeOutput([ids[r][0] for r in order], [lps[r][0] for r in order], [ids[r][1:] for r in order],
+                        [lps[r][1:] for r in order])
+
+
+def covers(have: SamplerVariant, need: SamplerVariant) -> bool:
+    """Whether a graph captured for `have` serves rows that need `need`, with the same results."""
+    stages = ("random", "top_k_top_p", "min_p", "penalty", "ban")
+    return all(getattr(have, s) or not getattr(need, s) for s in stages) and have.logprobs >= need.logprobs
+
+
+def _stage_count(variant: SamplerVariant) -> int:
+    return sum(map(bool, (variant.random, variant.top_k_top_p, variant.min_p, variant.penalty, variant.ban,
+                          variant.logprobs)))
 
 
 def variant_label(variant: SamplerVariant) -> str:

@@ -164,8 +164,9 @@ class EngineConfig:
     # the ViT attention can be captured (half precision).
     vit_graph: GraphConfig = GraphConfig(max_graphs=32, memory="arena")
     vit_graph_max_images: int = 64  # images in one ViT graph call (segment slots are sized for it)
-    # Most token ids a request may ban at once inside a decode graph (stop and eos ids before
-    # min_new_tokens); a request with more runs its decode steps eagerly.
+    # Most token ids a request may hold back at once (its stop and eos ids, before
+    # min_new_tokens): the width of the decode batch's ban list. A request with more is rejected
+    # with an InputError naming the limit.
     max_banned_tokens: int = 16
     # Attention implementation for the language model and the ViT: "auto" picks the fastest
     # one available on the device; "torch" is the reference.

@@ -17,6 +17,7 @@ requests are batched together.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import logging
 import os
 import threading
@@ -203,10 +204,12 @@ class Pipeline:
     def close(self) -> None:
         """Release the model and KV cache (GPU memory)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if "runner" in self.__dict__:
-            self.runner.close()
-        for name in ("engine", "runner", "model", "processor"):
-            self.__dict__.pop(name, None)
+        engine = self.__dict__.get("engine")
+        with engine.lock if engine is not None else contextlib.nullcontext():  # no step mid-teardown
+            if "runner" in self.__dict__:
+                self.runner.close()
+            for name in ("engine", "runner", "model", "processor"):
+                self.__dict__.pop(name, None)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

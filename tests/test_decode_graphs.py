@@ -17,7 +17,7 @@ from mmpipe.language.decode_graphs import default_decode_buckets
 from mmpipe.language.kv_cache import DUMMY_PAGE
 from mmpipe.runtime import graph_cache as graph_cache_module
 from mmpipe.runtime.graph_cache import GraphCache, bucket_for
-from tests.helpers import hf_generate, hf_inputs, hf_model, make_checkpoint
+from tests.helpers import hf_inputs, hf_model, make_checkpoint
 
 CPU = torch.device("cpu")
 CUDA_LIKE = torch.device("cuda", 0)
@@ -258,11 +258,13 @@ def test_graph_cache_captures_replays_evicts_and_tears_down_in_order(monkeypatch
     assert cache.stats.captures == 1 and cache.stats.replays == 2
     assert cache.run(2, lambda: "boom", "2") is None  # a failed capture falls back, never raises
     assert cache.stats.capture_failures == 1 and cache.stats.eager_fallbacks == 1
-    cache.run(2, lambda: "two", "2")
+    assert cache.run(2, lambda: "two", "2") is None  # and is not retried (each try costs a warm-up)
+    assert cache.stats.capture_failures == 1 and cache.stats.eager_fallbacks == 2
+    cache.run(4, lambda: "four", "4")
     cache.run(1, lambda: "one", "1")  # 1 is now the most recently used
-    cache.run(3, lambda: "three", "3")  # evicts 2
+    cache.run(3, lambda: "three", "3")  # evicts 4
     assert list(cache.graphs) == [1, 3] and cache.stats.evictions == 1
-    assert FakeGraph.log == ["reset two", "release"]
+    assert FakeGraph.log == ["reset four", "release"]
     FakeGraph.log = []
     cache.close()
     assert FakeGraph.log == ["reset one", "release", "reset three", "release", "close"]
@@ -332,3 +334,137 @@ def test_prefill_inputs_are_built_on_the_host_and_uploaded_once(pipe):
     assert ids.tolist() == request.prompt_ids[half:] and pos.shape == (3, request.prompt_len - half)
     assert meta.seq_lens.tolist() == [request.prompt_len] and meta.query_start_loc.tolist() == [0, len(index)]
     assert meta.page_table.dtype == torch.int32 and meta.page_table[0].tolist()[: len(request.pages)] == request.pages
+
+
+# ---------------------------------------------------------------------------- failures and stale rows
+
+def test_a_failure_after_a_request_finished_does_not_run_it_again(checkpoint):
+    """A step fails after one of its requests finished (here: its completion callback raises):
+    that request stays finished with exactly its tokens and frees its pages; the others are
+    recomputed and complete."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    conversation = [{"role": "user", "content": "tell me"}]
+    short, long_ = (pipe.processor.build(i, *pipe.processor.render_chat(conversation, "t"),
+                                         SamplingParams(max_new_tokens=n, ignore_eos=True), "t")
+                    for i, n in enumerate((3, 8)))
+    calls = []
+
+    def explode(request):
+        calls.append(request)
+        raise RuntimeError("callback failed")
+
+    short.on_finish = explode
+    for request in (short, long_):
+        pipe.engine.add(request)
+    with pytest.raises(RuntimeError, match="callback failed"):
+        while True:
+            pipe.engine.step()
+    while pipe.engine.has_unfinished:
+        pipe.engine.step()
+    assert len(short.output_ids) == 3 and short.finish_reason == "length" and len(calls) == 1
+    assert len(long_.output_ids) == 8
+    assert pipe.runner.pages.num_free == pipe.runner.pages.capacity
+    assert not pipe.runner.decoder.row_of
+
+
+def test_aborted_and_preempted_requests_leave_the_decode_batch(pipe):
+    conversation = [{"role": "user", "content": "tell me"}]
+    requests = [pipe.processor.build(i, *pipe.processor.render_chat(conversation, "t"),
+                                     SamplingParams(max_new_tokens=20, ignore_eos=True), "t") for i in range(3)]
+    for request in requests:
+        pipe.engine.add(request)
+    for _ in range(3):
+        pipe.engine.step()
+    decoder = pipe.runner.decoder
+    assert len(decoder.row_of) == 3
+    pipe.engine.abort(requests[1])
+    assert id(requests[1]) not in decoder.row_of and len(decoder.row_of) == 2  # no reference kept
+    for request in (requests[0], requests[2]):
+        pipe.engine.abort(request)
+    assert not decoder.row_of
+
+
+def test_a_row_out_of_step_with_its_request_is_rewritten(checkpoint):
+    """The engine releases rows on every path that recomputes a request; as a safety net the
+    decode batch itself rewrites a row whose request is not exactly one token past it (here: the
+    request is cut back two tokens behind the runner's back, as a recompute would leave it)."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    conversation = [{"role": "user", "content": "tell me about the picture"}]
+    request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "t"),
+                                   SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0), "t")
+    pipe.engine.add(request)
+    for _ in range(4):
+        pipe.engine.step()
+    decoder = pipe.runner.decoder
+    written = decoder.stats.rows_written
+    del request.output_ids[-2:]
+    request.num_computed = request.total_len - 1
+    pipe.runner.decode([request])
+    assert decoder.stats.rows_written == written + 1
+    check_rows(decoder)
+
+
+# ---------------------------------------------------------------------------- the graph path, simulated
+
+class ReplayingGraph:
+    """Stands in for a CUDA graph on the CPU: a replay runs the captured body again and writes its
+    results into the tensors the capture returned (as a real replay writes its static outputs)."""
+
+    def __init__(self, body, output):
+        self.body, self.output = body, output
+
+    def replay(self):
+        fresh = self.body()
+        for name in ("tokens", "token_logprobs", "top_ids", "top_logprobs"):
+            target = getattr(self.output, name)
+            if target is not None:
+                target.copy_(getattr(fresh, name))
+
+    def reset(self):
+        pass
+
+
+@pytest.fixture
+def simulated_graphs(monkeypatch):
+    """Decode graphs on the CPU: the engine believes graphs are on; captures replay the body."""
+    from mmpipe.engine import model_runner
+    from mmpipe.language import decode_graphs
+    from mmpipe.language.attention.torch_backend import TorchLMAttention
+
+    def fake_capture(body, memory, device, warmups=1, shared=None):
+        for _ in range(warmups):
+            body()
+        output = body()
+        return ReplayingGraph(body, output), output, None
+
+    monkeypatch.setattr(graph_cache_module, "capture", fake_capture)
+    monkeypatch.setattr(decode_graphs, "make_graph_memory", lambda kind, device: FakeMemory())
+    monkeypatch.setattr(model_runner, "parse_graph_mode", lambda mode, device: GraphMode.FULL)
+    monkeypatch.setattr(GraphConfig, "wanted", lambda self, device: self.enabled is not False)
+    monkeypatch.setattr(TorchLMAttention, "graph_safe", True)
+
+
+def test_the_graph_path_equals_eager_with_padding_variants_and_fallbacks(checkpoint, simulated_graphs):
+    """Buckets (1, 2, 4) with up to 6 requests: exact, padded and above-the-largest batches, lazily
+    captured sampler variants (with their inactive warm-up), all equal to eager decoding."""
+    graphs = Pipeline.from_pretrained(checkpoint, device="cpu", max_running_requests=6,
+                                      decode_graph=GraphConfig(buckets=(1, 2, 4), max_graphs=8))
+    eager = Pipeline.from_pretrained(checkpoint, device="cpu", max_running_requests=6,
+                                     decode_graph=GraphConfig(enabled=False))
+    assert graphs.stats()["decode"]["captures"] == 3  # 1, 2, 4 (greedy); 5 or 6 rows run eagerly
+    conversation = [{"role": "user", "content": "tell me about the picture"}]
+    params = [SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                             top_p=0.9, repetition_penalty=1.2 if i == 2 else None, seed=i, logprobs=2)
+              for i in range(6)]
+    for count in (3, 6):
+        ours = graphs.chat([conversation] * count, params[:count])
+        reference = eager.chat([conversation] * count, params[:count])
+        assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+        for a, b in zip(ours, reference):  # padded rows change the matmul blocking: rounding only
+            for da, db in zip(a.logprobs, b.logprobs):
+                assert da.keys() == db.keys() and max(abs(da[t] - db[t]) for t in da) < 1e-5
+    decode = graphs.stats()["decode"]
+    assert decode["graph_steps"] > 0 and decode["captures"] > 3  # sampling variants captured lazily
+    assert decode["eager_steps"] > 0 and decode["eager_fallbacks"] > 0  # 5 and 6 rows: above the largest
+    assert eager.stats()["decode"]["graph_steps"] == 0
+    FakeGraph.log = []

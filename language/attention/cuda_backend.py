@@ -58,7 +58,7 @@ class CudaLMAttention:
         if meta.is_decode:
             # The split count depends only on the batch rows (never on lengths), so a captured
             # step serves any lengths.
-            splits = decode_num_splits(q.shape[0], k_cache.shape[2], self._sms(q.device))
+            splits = decode_num_splits(meta.split_rows or q.shape[0], k_cache.shape[2], self._sms(q.device))
             paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, self.scale, splits)
             return out
         if self._use_varlen(q.dtype, meta):

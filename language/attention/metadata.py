@@ -1,4 +1,5 @@
-"""Attention metadata of one language-model forward, uploaded from a host `StepInputs`.
+"""Attention metadata of one language-model forward: built from host inputs (`PrefillInputs`, or
+the decode runner's device-side batch).
 
 Two kinds of step: *extend* (prefill: each sequence adds one or more query tokens that attend
 to its cached prefix and causally to each other) and *decode* (each sequence adds exactly one).
@@ -28,8 +29,12 @@ class AttentionMetadata:
     max_query_len: int  # the step's real maximum (a bound inside a graph)
     max_seq_len: int | None  # the step's real maximum sequence length; None inside a graph
     # Bound that a captured kernel's grid is sized with: >= every sequence length of any replay
-    # (max_model_len inside graphs). Eager steps use the real maximum.
+    # (max_model_len inside graphs). Eager steps use the real maximum. (Decode attention does not
+    # need one: its grid depends on the batch only; the captured prefill pieces will.)
     seq_len_bound: int = 0
+    # Decode: the batch size the split-KV count is chosen for. The padded bucket inside a graph,
+    # and the same bucket when the batch runs eagerly, so eager and graph steps reduce alike.
+    split_rows: int | None = None
 
     def __post_init__(self) -> None:
         if not self.seq_len_bound and self.max_seq_len is not None:

@@ -37,8 +37,13 @@ class TorchLMAttention:
         k_cache, v_cache = cache
         out = torch.empty_like(q) if out is None else out
         page_size = k_cache.shape[1]
+        seq_lens, query_lens = meta.seq_lens_host, meta.query_lens_host
+        if seq_lens is None:  # a step built for a graph: read the lengths back (a sync; fine here)
+            seq_lens = meta.seq_lens.tolist()
+            query_lens = [1] * len(seq_lens) if meta.is_decode else \
+                torch.diff(meta.query_start_loc).tolist()  # type: ignore[arg-type]
         start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
             if q_len == 0:
                 continue
             pages = meta.page_table[i, : -(-seq_len // page_size)]

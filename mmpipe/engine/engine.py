@@ -43,11 +43,14 @@ class Engine:
         """Stop a request now and free its pages (no-op if it already finished)."""
         if not request.finished:
             self.scheduler.abort(request)
+            self.runner.release([request])
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
+        if plan.preempted:
+            self.runner.release(plan.preempted)
         if plan.empty:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the scheduler could not place any request (KV cache too small for the "
@@ -66,9 +69,15 @@ class Engine:
                 self.runner.decode(plan.decode)  # samples inside the step
                 touched += plan.decode
         except BaseException:
-            # Put every request of the failed step back in line (recomputed from its tokens), so
-            # the engine stays usable for whoever steps it next; then report the failure.
-            self.scheduler.requeue([c.request for c in plan.prefill] + plan.decode)
+            # Requests that finished before the failure are done (their pages go back); every
+            # other request of the step goes back in line, to be recomputed from its tokens, so
+            # the engine stays usable for whoever steps it next. Then report the failure.
+            stepped = [c.request for c in plan.prefill] + plan.decode
+            done = [r for r in stepped if r.finished]
+            for request in done:
+                self.scheduler.finish(request)
+            self.runner.release(stepped)
+            self.scheduler.requeue([r for r in stepped if not r.finished])
             raise
         finished = [r for r in touched if r.finished]
         for request in finished:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,6 +43,10 @@ def cublas_workspaces_cleared() -> Iterator[None]:
 
 
 _streams: dict[int, torch.cuda.Stream] = {}
+# One capture at a time in the process: captures share the capture stream (work another thread
+# launched on it would join the graph), pause garbage collection process-wide, and clear every
+# cuBLAS workspace. Captures are rare (start-up, a new shape), so serialising them costs nothing.
+_capturing = threading.RLock()
 
 
 def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
@@ -60,7 +65,7 @@ def capture(fn: Callable[[], Any], memory: GraphMemory, device: torch.device, wa
     `capture_begin`/`capture_end` are called directly rather than through `torch.cuda.graph`,
     whose entry empties the allocator's cache on every capture (a stall, and churn, each time a
     new shape appears while serving)."""
-    with torch.cuda.device(device):
+    with _capturing, torch.cuda.device(device):
         stream = capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -7,8 +7,8 @@ body: a function of no arguments that computes the outputs from the static buffe
 does the rest, the same way for every runner:
 
 - capture on first use (warm-up on the capture stream, garbage collection paused, cuBLAS
-  workspaces cleared), and on any failure (out of memory, an op that cannot be captured) a log
-  line and an eager fallback, never an error;
+  workspaces cleared), and on any failure (out of memory, an op that cannot be captured) one log
+  line and eager runs for that key from then on, never an error;
 - replay, with least-recently-used eviction beyond `max_graphs`;
 - teardown in the only safe order: outputs, then the graph, then its memory, then the memory
   itself; also at interpreter exit, where garbage collection would not keep that order;
@@ -73,14 +73,11 @@ class CapturedGraph:
 
 
 class GraphCache:
-    def __init__(self, name: str, device: torch.device, memory: GraphMemory, max_graphs: int | None = None,
-                 log_captures: bool = True) -> None:
-        """`log_captures`: an info line per capture (lazy captures while serving); runners that
-        capture everything at start log one summary line instead."""
+    def __init__(self, name: str, device: torch.device, memory: GraphMemory, max_graphs: int | None = None) -> None:
         self.name, self.device, self.memory = name, device, memory
-        self.log_level = logging.INFO if log_captures else logging.DEBUG
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[Hashable, CapturedGraph] = OrderedDict()
+        self.failed: set[Hashable] = set()  # keys whose capture failed: they run eagerly from then on
         self.stats = GraphStats()
         self.closed = False
         _live_caches.add(self)
@@ -92,7 +89,6 @@ class GraphCache:
         """Replay the graph for `key` (capturing it first if needed) and return its outputs, or
         None when it could not be captured (the caller then runs `body` eagerly)."""
         if key not in self.graphs and self.capture(key, body, label) is None:
-            self.stats.eager_fallbacks += 1
             return None
         return self.replay_key(key)
 
@@ -109,11 +105,15 @@ class GraphCache:
         self.stats.replays += 1
 
     def capture(self, key: Hashable, body: Callable[[], Any], label: str, warmups: int = 1,
-                shared: CaptureMemory | None = None) -> CapturedGraph | None:
-        """Capture `body` under `key`; None (with a warning) if that fails. `shared`: capture into
-        that memory instead of a new one (it stays owned by whoever opened it)."""
+                shared: CaptureMemory | None = None, quiet: bool = False) -> CapturedGraph | None:
+        """Capture `body` under `key`; None (with a warning, once) if that fails. `shared`: capture
+        into that memory instead of a new one (it stays owned by whoever opened it). `quiet`: log
+        at debug level (captures at start-up, summarised by the caller)."""
         if self.closed:
             raise RuntimeError(f"{self.name} graph cache is closed")
+        if key in self.failed:  # failed before: never retried (each try costs a warm-up and a sync)
+            self.stats.eager_fallbacks += 1
+            return None
         while self.max_graphs is not None and len(self.graphs) >= self.max_graphs:
             self._evict()
         on_cuda = self.device.type == "cuda"
@@ -123,6 +123,8 @@ class GraphCache:
             graph, output, mem = capture(body, self.memory, self.device, warmups=warmups, shared=shared)
         except Exception as exc:  # out of memory, an op that cannot be captured, ...
             self.stats.capture_failures += 1
+            self.stats.eager_fallbacks += 1
+            self.failed.add(key)
             log.warning("%s graph capture for %s failed (%s: %s); running eagerly", self.name, label,
                         type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
             if on_cuda:
@@ -139,9 +141,13 @@ class GraphCache:
             self.stats.memory_bytes = physical
         elif on_cuda:
             self.stats.memory_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
-        log.log(self.log_level, "%s graph captured: %s in %.3f s, %s", self.name, label, seconds,
-                f"{self.stats.memory_bytes / 2**20:.0f} MiB" + (" (arena)" if physical is not None else ""))
+        held = f"{self.stats.memory_bytes / 2**20:.0f} MiB" + (" (arena)" if physical is not None else "")
+        log.log(logging.DEBUG if quiet else logging.INFO, "%s graph captured: %s in %.3f s, %s", self.name, label,
+                seconds, held)
         return entry
+
+    def live_keys(self) -> list[Hashable]:
+        return list(self.graphs)
 
     def fallback(self, message: str, *args: Any) -> None:
         """Count (and log) a call that runs eagerly because it does not fit any graph."""
