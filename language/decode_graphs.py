@@ -138,6 +138,8 @@ class DecodeGraphRunner:
         self.logprobs = np.zeros(rows, dtype=np.int64)
         self.stats = DecodeRunnerStats()
         self.host_seconds = 0.0
+        self._last_order: list[int] | None = None  # request ids of the last step, in order
+        self._last_rows = np.zeros(0, dtype=np.int64)
         # Graphs.
         graphs = graphs or GraphConfig(enabled=False)
         self.graphs_on = graphs.wanted(device) and getattr(lm.attention, "graph_safe", False)
@@ -277,6 +279,30 @@ class DecodeGraphRunner:
 
     def _sync(self, requests: Sequence[DecodeSource]) -> np.ndarray:
         """Bring the device rows in line with `requests`; returns each request's row."""
+        order = [id(r) for r in requests]
+        if order == self._last_order:  # the steady state: same requests, same rows, one token on
+            rows = self._last_rows
+            totals = np.fromiter((r.total_len for r in requests), dtype=np.int64, count=len(requests))
+            if np.array_equal(totals, self.lens[rows] + 1):
+                self._grow_pages(requests, rows, totals)
+                return rows
+        rows = self._sync_rows(requests)
+        self._last_order, self._last_rows = order, rows
+        return rows
+
+    def _grow_pages(self, requests: Sequence[DecodeSource], rows: np.ndarray, totals: np.ndarray) -> None:
+        need = -(-totals // self.page_size)
+        have = self.pages_written[rows]
+        grown = np.nonzero(need > have)[0]
+        if not grown.size:
+            return
+        appends = [(int(rows[i]), col, requests[i].pages[col]) for i in grown.tolist()
+                   for col in range(int(have[i]), int(need[i]))]
+        self.pages_written[rows[grown]] = need[grown]
+        self._append_pages(appends)
+
+    def _sync_rows(self, requests: Sequence[DecodeSource]) -> np.ndarray:
+        """The general case of `_sync`: joins, leaves, moves."""
         ps = self.page_size
         wanted = {id(r) for r in requests}
         if len(wanted) != len(requests):
@@ -307,22 +333,11 @@ class DecodeGraphRunner:
             self._write_rows(fresh)
         if old_size > target:
             self._reset_rows(range(target, old_size))
-        # Pages gained by rows that stayed.
-        appends: list[tuple[int, int, int]] = []
-        fresh_set = set(fresh)
-        row_of, written = self.row_of, self.pages_written.tolist()
-        rows = [row_of[id(request)] for request in requests]
-        for row, request in zip(rows, requests):
-            if row in fresh_set:
-                continue
-            need = -(-request.total_len // ps)
-            have = written[row]
-            if need > have:
-                appends.extend((row, col, request.pages[col]) for col in range(have, need))
-                self.pages_written[row] = need
-        if appends:
-            self._append_pages(appends)
-        return np.asarray(rows, dtype=np.int64)
+        # Pages gained by rows that stayed (fresh rows were written whole).
+        rows = np.asarray([self.row_of[id(request)] for request in requests], dtype=np.int64)
+        totals = np.fromiter((r.total_len for r in requests), dtype=np.int64, count=len(requests))
+        self._grow_pages(requests, rows, totals)
+        return rows
 
     def release(self, requests: Sequence[DecodeSource]) -> None:
         """Drop finished requests' rows now (the device rows are reused at the next step)."""
@@ -332,6 +347,7 @@ class DecodeGraphRunner:
                 self._forget(row)
 
     def _forget(self, row: int) -> None:
+        self._last_order = None
         request = self.requests[row]
         self.row_of.pop(id(request), None)
         self.requests[row] = None
@@ -426,6 +442,7 @@ class DecodeGraphRunner:
 
     def reset(self) -> None:
         """Forget every row (after a failed step the device state is not trusted)."""
+        self._last_order = None
         self._reset_rows(range(0, self.max_rows))
         self.size = 0
         self.row_of.clear()

@@ -46,14 +46,15 @@ class Request:
     def __post_init__(self) -> None:
         if not self.image_embeds:
             self.image_embeds = [None] * len(self.images)
+        self._prompt_len = len(self.prompt_ids)  # the prompt never changes; read every step
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+        return self._prompt_len
 
     @property
     def total_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self._prompt_len + len(self.output_ids)
 
     @property
     def finished(self) -> bool:

@@ -76,14 +76,13 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        self._schedule_decodes(plan)
+        prefilling = self._schedule_decodes(plan)
         prefill_budget = self.cfg.max_prefill_tokens
         vision_budget = [self.cfg.max_vision_patches]
-        for request in list(self.running):
+        for request in prefilling:
             if prefill_budget <= 0:
                 break
-            if not _decode_ready(request):
-                prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
+            prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
         while self.waiting and prefill_budget > 0 and len(self.running) < self.cfg.max_running_requests:
             request = self.waiting[0]
             if not self._admit(request):
@@ -94,9 +93,15 @@ class Scheduler:
             prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
         return plan
 
-    def _schedule_decodes(self, plan: StepPlan) -> None:
+    def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
+        """Plan a token for every decode-ready request (growing its pages, preempting the newest
+        requests when none are free); returns the running requests still prefilling, in order."""
         preempted_before = len(plan.preempted)
-        for request in [r for r in self.running if _decode_ready(r)]:
+        ready: list[Request] = []
+        prefilling: list[Request] = []
+        for request in self.running:  # one pass: hundreds of requests run at once
+            (ready if _decode_ready(request) else prefilling).append(request)
+        for request in ready:
             # Preempted to make room for an older request? (A list scan only after a preemption:
             # with hundreds of running requests a scan per request would cost milliseconds.)
             if len(plan.preempted) > preempted_before and any(p is request for p in plan.preempted):
@@ -108,6 +113,9 @@ class Scheduler:
                     break
             else:
                 plan.decode.append(request)
+        if len(plan.preempted) > preempted_before:
+            prefilling = [r for r in prefilling if not any(p is r for p in plan.preempted)]
+        return prefilling
 
     def _add_chunk(self, plan: StepPlan, request: Request, budget: int, vision_budget: list[int]) -> int:
         """Plan the next prompt chunk of `request`; returns the tokens it uses."""
