@@ -127,6 +127,24 @@ def test_rows_follow_joins_leaves_and_page_growth(checkpoint):
     assert [r.output_ids for r in requests] == alone
 
 
+def test_a_steady_batch_grows_its_pages(checkpoint):
+    """The same requests step after step (the fast path): their page-table rows still gain each
+    new page, and every step's tokens equal running each request alone."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=4)
+    conversations = [[{"role": "user", "content": "tell me " * (1 + i)}] for i in range(3)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.0)
+    requests = [pipe.processor.build(i, *pipe.processor.render_chat(c, "t"), params, "t")
+                for i, c in enumerate(conversations)]
+    for request in requests:
+        pipe.engine.add(request)
+    appended = pipe.runner.decoder.stats.pages_appended
+    while pipe.engine.has_unfinished:
+        pipe.engine.step()
+        check_rows(pipe.runner.decoder)
+    assert pipe.runner.decoder.stats.pages_appended >= appended + 3 * 4
+    assert [r.output_ids for r in requests] == [o.token_ids for o in pipe.chat(conversations, params)]
+
+
 def test_a_failed_step_resets_the_rows(checkpoint):
     pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
     decoder = pipe.runner.decoder
