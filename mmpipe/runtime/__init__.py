@@ -1,4 +1,11 @@
-"""Low-level, model-agnostic machinery: forward context, shared layers, weight copying, graph memory.
+"""Low-level, model-agnostic machinery shared by the vision encoder and the language model.
 
-Imports nothing from `vision`, `language` or `mmpipe.engine`.
+- `attention`: the typed attention-backend interface both models are built with.
+- `context`: the per-thread forward context (step metadata, KV cache views) that ops read.
+- `graph_cache`: the one graph cache every CUDA graph runner uses (capture with eager fallback,
+  LRU eviction, teardown order, statistics); `capture`: capturing safely; `graph_memory` and
+  `vmm_arena`: where graph memory comes from (one pool, a pool per graph, or the VMM arena).
+- `fused`, `layers`, `weight_copy`: fused Triton kernels, small shared layers, weight loading.
+
+Imports nothing from `mmpipe.vision`, `mmpipe.language` or `mmpipe.engine`.
 """
