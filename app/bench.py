@@ -155,6 +155,56 @@ def bench_vit_attention() -> list[list[Any]]:
     return rows
 
 
+def graph_us_per_call(calls: list[Callable[[], Any]]) -> float:
+    """Microseconds per call of `calls` replayed as one CUDA graph (no launch gaps between them,
+    as in a captured decode step)."""
+    def run() -> None:
+        for call in calls:
+            call()
+
+    run()
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()
+        torch.cuda.synchronize()
+        graph.capture_begin()
+        run()
+        graph.capture_end()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / 20 / len(calls)
+
+
+def bench_decode_gemms(copy_gbs: float) -> list[list[Any]]:
+    """The 3B decode step's projections through F.linear (cuBLAS), each over 24 distinct weights
+    (as 24 layers: nothing stays in L2), inside a CUDA graph: how fast they stream their weights."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv (bias)": (2560, 2048, True), "o": (2048, 2048, False), "gate_up": (22016, 2048, False),
+              "down": (2048, 11008, False), "lm head": (151936, 2048, False)}
+    rows = []
+    for name, (n, k, bias) in shapes.items():
+        layers = 4 if n > 100000 else 24
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        for m in (1, 32, 128):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            us = graph_us_per_call([lambda w=w: F.linear(x, w, b) for w in weights])  # noqa: B023
+            gbs = n * k * 2 / us / 1e3
+            rows.append([name, f"{n}x{k}", m, round(us, 2), round(gbs), f"{100 * gbs / copy_gbs:.0f}%"])
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _faster(row: list[Any]) -> str:
     return "triton" if row[1] <= row[2] else "varlen"
 
@@ -166,9 +216,11 @@ def run_kernels(args: argparse.Namespace) -> dict[str, Any]:
     decode = bench_decode(copy_gbs)
     extend = bench_extend()
     vit = bench_vit_attention()
-    result.update(decode=decode, extend=extend, vit=vit)
+    gemms = bench_decode_gemms(copy_gbs)
+    result.update(decode=decode, extend=extend, vit=vit, gemms=gemms)
     print(f"device {device}, torch {torch.__version__}; device-to-device copy {copy_gbs:.0f} GB/s (read + write)\n")
-    print(table("Paged decode (Triton, split-KV), bf16, 16 q heads / 2 kv heads x 128, page 16",
+    print(table("Paged decode (Triton, split-KV), bf16, 16 q heads / 2 kv heads x 128, page 16; eager launches, "
+                "so small sizes measure the launch (in-graph step times: `bench decode`)",
                 ["batch", "context", "splits", "us", "KV GB/s", "of copy"], decode))
     print(table("Extend attention, bf16, ms (new K/V already in the cache; varlen = FlashAttention on the new "
                 "K/V when nothing is cached, else on gathered K/V)",
@@ -177,6 +229,8 @@ def run_kernels(args: argparse.Namespace) -> dict[str, Any]:
     print(table("ViT attention, bf16, 16 heads x 80, 1024 patches per image, us",
                 ["images", "segments", "varlen", "per-segment SDPA loop", "batched SDPA (reference)",
                  "loop / varlen"], vit))
+    print(table("Decode projections through cuBLAS (F.linear), bf16, in a CUDA graph over 24 distinct weights",
+                ["projection", "N x K", "rows", "us", "weight GB/s", "of copy"], gemms))
     return result
 
 
