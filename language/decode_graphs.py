@@ -195,8 +195,8 @@ class DecodeGraphRunner:
 
     def _graph_for(self, bucket: int, variant: SamplerVariant) -> tuple[int, SamplerVariant] | None:
         """The live graph to replay for `bucket`: the exact variant, else the one with the fewest
-        stages among those that include every stage asked for (a stage a row does not use leaves
-        it bit for bit as it was), else a new capture of the exact variant; None if that fails."""
+        extra cheap stages that covers it (`covers`), else a new capture of the exact variant;
+        None if that fails."""
         assert self.cache is not None
         key = (bucket, variant)
         if key in self.cache:
@@ -480,9 +480,14 @@ def _to_host(result: SampleResult, n: int, logprobs: bool, rows: np.ndarray) -> 
 
 
 def covers(have: SamplerVariant, need: SamplerVariant) -> bool:
-    """Whether a graph captured for `have` serves rows that need `need`, with the same results."""
-    stages = ("random", "top_k_top_p", "min_p", "penalty", "ban")
-    return all(getattr(have, s) or not getattr(need, s) for s in stages) and have.logprobs >= need.logprobs
+    """Whether a graph captured for `have` serves rows that need `need` with the same results and
+    about the same cost: only the cheap stages (penalty, ban, min-p) may be extra, since a stage a
+    row does not use leaves it bit for bit as it was. Sampling noise and the top-k/top-p sort cost
+    passes over the whole vocabulary, and a larger top-logprob count may break ties among equal
+    logits in another order, so those must match exactly."""
+    if (have.random, have.top_k_top_p, have.logprobs) != (need.random, need.top_k_top_p, need.logprobs):
+        return False
+    return all(getattr(have, s) or not getattr(need, s) for s in ("penalty", "ban", "min_p"))
 
 
 def _stage_count(variant: SamplerVariant) -> int:

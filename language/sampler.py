@@ -234,7 +234,9 @@ def sample(logits: torch.Tensor, t: SamplerTensors, variant: SamplerVariant) -> 
     greedy = x.argmax(dim=-1)
     tokens = greedy
     if variant.random:
-        tokens = torch.where(t.temperature == 0, greedy, _sample_random(x, t, variant))
+        # A row samples only when its temperature is positive (as SamplerVariant.of decides):
+        # anything else is greedy, in any variant.
+        tokens = torch.where(t.temperature > 0, _sample_random(x, t, variant), greedy)
 
     k = min(variant.logprobs, vocab)
     if k <= 0:

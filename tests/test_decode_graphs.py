@@ -486,3 +486,54 @@ def test_the_graph_path_equals_eager_with_padding_variants_and_fallbacks(checkpo
     assert decode["eager_steps"] > 0 and decode["eager_fallbacks"] > 0  # 5 and 6 rows: above the largest
     assert eager.stats()["decode"]["graph_steps"] == 0
     FakeGraph.log = []
+
+
+def test_covering_graphs_reuse_cheap_stages_only_and_keep_logprob_ids(checkpoint, simulated_graphs):
+    """A live graph with extra cheap stages (here: the min_new_tokens ban, after it expired) serves
+    a batch without capturing again; a different top-logprob count never reuses a graph (equal
+    bf16 logits could be ranked differently), so every request's logprob ids equal eager's."""
+    kw = dict(device="cpu", dtype="bfloat16", max_running_requests=4)
+    graphs = Pipeline.from_pretrained(checkpoint, decode_graph=GraphConfig(buckets=(1, 2, 4)), **kw)
+    eager = Pipeline.from_pretrained(checkpoint, decode_graph=GraphConfig(enabled=False), **kw)
+    conversation = [{"role": "user", "content": "tell me about the picture"}]
+    banned = [SamplingParams(max_new_tokens=12, min_new_tokens=4, temperature=0.0, repetition_penalty=1.3,
+                             stop_token_ids=[7])] * 4
+    before = graphs.stats()["decode"]["captures"]
+    graphs.chat([conversation] * 4, banned)
+    assert graphs.stats()["decode"]["captures"] == before + 1  # penalty+ban; the ban expires: reused
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.0, logprobs=8)] + \
+             [SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.0, logprobs=3)] * 3
+    ours, reference = graphs.chat([conversation] * 4, params), eager.chat([conversation] * 4, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert [[sorted(d) for d in o.logprobs] for o in ours] == [[sorted(d) for d in o.logprobs] for o in reference]
+
+
+def test_a_request_preempted_mid_prefill_is_not_prefilled_in_the_same_step(checkpoint):
+    """A decoding request runs out of pages while a long prompt is half prefilled: the prompt's
+    request is preempted and must not get a chunk in that step; both finish as when run alone."""
+    words = " ".join("tell me about the picture in a few words please and be brief about it".split() * 2)
+    decode_params = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=0.0)
+    prompt_params = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.0)
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", num_kv_pages=37, kv_page_size=4, max_prefill_tokens=16)
+    build = lambda i, text, p: pipe.processor.build(  # noqa: E731
+        i, *pipe.processor.render_chat([{"role": "user", "content": text}], "t"), p, "t")
+    first, second = build(0, "hi", decode_params), build(1, words, prompt_params)
+    pipe.engine.add(first)
+    pipe.engine.step()
+    pipe.engine.step()
+    pipe.engine.add(second)
+    preempted_mid_prefill = []
+    preempt = pipe.engine.scheduler._preempt
+
+    def spy(request, plan):
+        if request is second and 0 < second.num_computed < second.prompt_len:
+            preempted_mid_prefill.append(second.num_computed)
+        return preempt(request, plan)
+
+    pipe.engine.scheduler._preempt = spy
+    while pipe.engine.has_unfinished:
+        pipe.engine.step()
+    assert preempted_mid_prefill  # the situation under test happened
+    reference = Pipeline.from_pretrained(checkpoint, device="cpu")
+    assert first.output_ids == reference.chat([{"role": "user", "content": "hi"}], decode_params)[0].token_ids
+    assert second.output_ids == reference.chat([{"role": "user", "content": words}], prompt_params)[0].token_ids

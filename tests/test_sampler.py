@@ -485,3 +485,13 @@ def test_sampling_params_validation(bad):
 
     with pytest.raises(InputError, match="SamplingParams"):
         SamplingParams(**bad)
+
+
+def test_rows_without_a_positive_temperature_are_greedy_in_any_variant():
+    """SamplerVariant.of counts a row as sampled only when its temperature is positive; the sampler
+    must agree, or a row would be greedy in one graph and sampled in another that covers it."""
+    logits_ = torch.tensor([[1.0, 0.9, 0.8, 0.7]]).expand(64, 4).contiguous()
+    rows = [RowSampling(temperature=-0.5 if i % 2 else 0.0, seed=i) for i in range(64)]
+    tensors = SamplerTensors.build(rows, 4, CPU)
+    result = sample(logits_, tensors, SamplerVariant(random=True))
+    assert result.tokens.tolist() == [0] * 64
