@@ -518,10 +518,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit,
               "decode": decode_bench.run_decode}[args.what](args)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
     return 0
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as handle:
+            json.dump(result, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -772,10 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
-    result = run_decode(args)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    from mmpipe.app.bench import write_json
+
+    write_json(args.json, run_decode(args))
     return 0
 
 

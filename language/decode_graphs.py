@@ -303,7 +303,6 @@ class DecodeGraphRunner:
 
     def _sync_rows(self, requests: Sequence[DecodeSource]) -> np.ndarray:
         """The general case of `_sync`: joins, leaves, moves."""
-        ps = self.page_size
         wanted = {id(r) for r in requests}
         if len(wanted) != len(requests):
             raise ValueError("a request appears twice in one decode batch")
