@@ -43,7 +43,7 @@ from mmpipe.language.sampler import (RowSampling, SampleResult, SamplerTensors, 
                                      logprobs_bucket, sample)
 from mmpipe.runtime.context import ForwardContext, forward_context
 from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
-from mmpipe.runtime.graph_memory import make_graph_memory
+from mmpipe.runtime.graph_memory import GraphMemory, make_graph_memory
 
 log = logging.getLogger("mmpipe")
 
@@ -100,7 +100,8 @@ class DecodeGraphRunner:
     language model's `embed(ids)`, `forward(embeds, positions)` and `compute_logits(hidden)`."""
 
     def __init__(self, lm: Any, kv: KVCache, max_rows: int, max_model_len: int, device: torch.device,
-                 graphs: GraphConfig | None = None, ban_width: int = 16, memory: str | None = None) -> None:
+                 graphs: GraphConfig | None = None, ban_width: int = 16,
+                 memory: "GraphMemory | str | None" = None) -> None:
         self.lm, self.kv, self.device = lm, kv, device
         self.max_rows, self.page_size = max_rows, kv.page_size
         self.max_pages = -(-max_model_len // kv.page_size)
@@ -149,7 +150,9 @@ class DecodeGraphRunner:
         self.buckets = sorted({min(int(b), max_rows) for b in buckets})
         self.cache: GraphCache | None = None
         if self.graphs_on:
-            self.cache = GraphCache("decode", device, make_graph_memory(memory or graphs.memory, device),
+            if memory is None or isinstance(memory, str):  # else: a memory shared with the prefill graphs
+                memory = make_graph_memory(memory or graphs.memory, device)
+            self.cache = GraphCache("decode", device, memory,
                                     max_graphs=max(graphs.max_graphs, len(self.buckets)))
 
     # ------------------------------------------------------------------ graphs

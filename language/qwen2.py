@@ -18,12 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mmpipe.language.attention.op  # noqa: F401  (registers torch.ops.mmpipe.lm_attention)
 from mmpipe.errors import CheckpointError, UnsupportedModelError
 from mmpipe.language.attention import AttentionMetadata, TorchLMAttention
-from mmpipe.language.rope_kv import rope_qk_write_kv
+from mmpipe.language.attention.op import rope_attention  # also registers torch.ops.mmpipe.lm_attention
 from mmpipe.runtime.attention import AttentionBackend
-from mmpipe.runtime.context import get_forward_context
 from mmpipe.runtime.fused import add_rms_norm
 from mmpipe.runtime.layers import GatedMLP, RMSNorm
 from mmpipe.runtime.weight_copy import WeightMap
@@ -128,16 +126,12 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        context = get_forward_context()
-        k_cache, v_cache = context.kv_caches[self.layer]
-        q, k, v = rope_qk_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache,
-                                   context.attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads,
-                                   self.head_dim)
-        out = torch.empty_like(q)
-        if torch.compiler.is_compiling():
-            torch.ops.mmpipe.lm_attention(q, k, v, out, self.layer)
-        else:  # the custom op's dispatch costs more host time than the kernel takes
-            self.attention.forward(q, k, v, context.attn_metadata, out, (k_cache, v_cache))
+        qkv = self.qkv_proj(x)
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+        if torch.compiler.is_compiling():  # the split point of the piecewise prefill runner
+            torch.ops.mmpipe.lm_attention(qkv, cos, sin, out, self.layer)
+        else:  # the custom op's dispatch costs more host time than the kernels take
+            rope_attention(qkv, cos, sin, out, self.layer, self.attention)
         return self.o_proj(out.view(n, self.q_size))
 
 
@@ -191,8 +185,11 @@ class Qwen2LanguageModel(nn.Module):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids)
+    def embed(self, token_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [T, hidden], written into `out` (e.g. rows of a fixed buffer) when given."""
+        if out is None:
+            return self.embed_tokens(token_ids)
+        return torch.index_select(self.embed_tokens.weight, 0, token_ids, out=out)
 
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_embeds [T, hidden], positions [3, T] -> final-normed hidden states [T, hidden]."""

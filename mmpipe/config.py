@@ -87,7 +87,7 @@ def decode_graphs_on(mode: GraphMode) -> bool:
 
 
 def prefill_graphs_on(mode: GraphMode) -> bool:
-    """Whether `mode` captures prefill pieces (the piecewise runner; until it lands prefill is eager)."""
+    """Whether `mode` compiles the prefill forward and captures its pieces (the piecewise runner)."""
     return mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
 
 
@@ -164,6 +164,17 @@ class EngineConfig:
     # the ViT attention can be captured (half precision).
     vit_graph: GraphConfig = GraphConfig(max_graphs=32, memory="arena")
     vit_graph_max_images: int = 64  # images in one ViT graph call (segment slots are sized for it)
+    # Piecewise prefill graphs: the forward traced once by torch.compile, split at attention, each
+    # piece captured at start for every token count of the schedule (default 4-32 step 4, 48-256
+    # step 16, 288-512 step 32, 576-1024 step 64, 1280-4096 step 256, then step 512, capped by
+    # max_prefill_tokens), largest first, in the pool the decode graphs use ("shared" only).
+    prefill_graph: GraphConfig = GraphConfig()
+    # Compiler of the prefill pieces: "eager" (the traced pieces as they are; fast start) or
+    # "inductor" (fused kernels; compiled artifacts kept in the compile cache).
+    prefill_compiler: str = "eager"
+    # Compile cache directory; None: $MMPIPE_CACHE_DIR, else $XDG_CACHE_HOME/mmpipe, else
+    # ~/.cache/mmpipe (subfolder "compile", entries keyed by torch, GPU, model and compiler).
+    compile_cache_dir: str | None = None
     # Most token ids a request may hold back at once (its stop and eos ids, before
     # min_new_tokens): the width of the decode batch's ban list. A request with more is rejected
     # with an InputError naming the limit.
@@ -183,11 +194,16 @@ class EngineConfig:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2):
             raise InputError(f"EngineConfig.num_kv_pages={self.num_kv_pages!r}: must be an integer >= 2")
-        for name in ("decode_graph", "vit_graph"):
+        for name in ("decode_graph", "vit_graph", "prefill_graph"):
             if not isinstance(getattr(self, name), GraphConfig):
                 raise InputError(f"EngineConfig.{name}: give a GraphConfig, got {getattr(self, name)!r}")
         if self.graph_mode is not None:
             parse_graph_mode(self.graph_mode, torch.device("cuda"))  # validates the name
+        if self.prefill_graph.memory != "shared":
+            raise InputError(f"EngineConfig.prefill_graph.memory={self.prefill_graph.memory!r}: prefill pieces "
+                             "share the language model's pool; only 'shared' is supported")
+        if self.prefill_compiler not in ("eager", "inductor"):
+            raise InputError(f"EngineConfig.prefill_compiler={self.prefill_compiler!r}: use 'eager' or 'inductor'")
         if not isinstance(self.encoder_cache_bytes, int) or self.encoder_cache_bytes < 0:
             raise InputError(f"EngineConfig.encoder_cache_bytes={self.encoder_cache_bytes!r}: must be >= 0")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

@@ -346,12 +346,43 @@ def test_prefill_inputs_are_built_on_the_host_and_uploaded_once(pipe):
     assert inputs.positions.tolist() == request.positions[:, half:].tolist()
     assert inputs.logit_rows.tolist() == [request.prompt_len - half - 1]
     start = request.image_starts[0]
-    image_rows = [i - half for i in range(start, start + request.images[0].num_tokens) if i >= half]
-    assert inputs.image_rows.tolist() == image_rows
-    ids, pos, meta, rows, irows = inputs.upload(CPU)
+    (span,) = inputs.images  # the image's rows in this chunk, with its values (no concatenation)
+    assert span.row == start - half and span.values.data_ptr() == request.image_embeds[0].data_ptr()
+    assert span.values.shape[0] == request.images[0].num_tokens - max(0, half - start)
+    ids, pos, meta, rows = inputs.upload(CPU)
     assert ids.tolist() == request.prompt_ids[half:] and pos.shape == (3, request.prompt_len - half)
     assert meta.seq_lens.tolist() == [request.prompt_len] and meta.query_start_loc.tolist() == [0, len(index)]
     assert meta.page_table.dtype == torch.int32 and meta.page_table[0].tolist()[: len(request.pages)] == request.pages
+
+
+def test_prefill_writes_text_and_image_rows_into_the_fixed_input_buffers(pipe):
+    """The prefill reads slices of input_embeds/positions, allocated once: text rows hold the
+    token embeddings, each image's rows its embeddings (rows before the chunk's start skipped)."""
+    from mmpipe.engine.model_runner import PrefillChunk, PrefillInputs
+    from tests.helpers import random_image
+
+    lm, prefiller = pipe.model.language, pipe.runner.prefiller
+    image = random_image(90, 60, seed=5)
+    request = pipe.processor.build(0, *pipe.processor.render_chat(
+        [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image", "image": image},
+                                      {"type": "text", "text": "hi"}]}], "t"), SamplingParams(max_new_tokens=2), "t")
+    request.pages = pipe.runner.pages.allocate(-(-request.prompt_len // pipe.runner.page_size))
+    tokens = request.images[0].num_tokens
+    request.image_embeds = [torch.randn(tokens, lm.hidden_size, dtype=prefiller.input_embeds.dtype)]
+    start = request.image_starts[0]
+    cut = start + tokens // 2  # the chunk begins inside the image
+    buffer_before = prefiller.input_embeds.data_ptr()
+    inputs = PrefillInputs.build([PrefillChunk(request, cut, request.prompt_len)], pipe.runner.page_size)
+    ids, pos, meta, _ = inputs.upload(CPU)
+    prefiller.forward(ids, pos, inputs.images, meta)
+    n = request.prompt_len - cut
+    image_part = tokens - tokens // 2
+    assert torch.equal(prefiller.input_embeds[:image_part], request.image_embeds[0][tokens // 2:])
+    text = torch.tensor(request.prompt_ids[start + tokens:])
+    assert torch.equal(prefiller.input_embeds[image_part:n], lm.embed(text))
+    assert torch.equal(prefiller.positions[:n].t(), torch.as_tensor(request.positions[:, cut:]))
+    assert prefiller.input_embeds.data_ptr() == buffer_before
+    pipe.runner.pages.free(request.pages)
 
 
 # ---------------------------------------------------------------------------- failures and stale rows
@@ -457,6 +488,7 @@ def simulated_graphs(monkeypatch):
 
     monkeypatch.setattr(graph_cache_module, "capture", fake_capture)
     monkeypatch.setattr(decode_graphs, "make_graph_memory", lambda kind, device: FakeMemory())
+    monkeypatch.setattr(model_runner, "SharedPool", FakeMemory)
     monkeypatch.setattr(model_runner, "parse_graph_mode", lambda mode, device: GraphMode.FULL)
     monkeypatch.setattr(GraphConfig, "wanted", lambda self, device: self.enabled is not False)
     monkeypatch.setattr(TorchLMAttention, "graph_safe", True)

@@ -20,9 +20,10 @@ from mmpipe.engine.request import Request, logprob_dict
 from mmpipe.language.attention import AttentionMetadata
 from mmpipe.language.decode_graphs import DecodeGraphRunner, DecodeOutput
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
+from mmpipe.language.prefill_graphs import ImageSpan, PrefillRunner
 from mmpipe.language.sampler import SampleResult, SamplerTensors, SamplerVariant, sample
 from mmpipe.models import LoadedModel
-from mmpipe.runtime.context import ForwardContext, forward_context
+from mmpipe.runtime.graph_memory import SharedPool
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.preprocess import PreprocessedImage
@@ -56,12 +57,11 @@ class PrefillInputs:
     query_lens: np.ndarray  # [B] int64
     page_table: np.ndarray  # [B, P] int64
     logit_rows: np.ndarray  # [n] int64: rows whose logits are sampled (chunks that complete)
-    image_rows: np.ndarray  # [I] int64: rows that take image embeddings
-    image_values: list[torch.Tensor]  # the embeddings for those rows, in order
+    images: list[ImageSpan]  # rows that take image embeddings, each image's span with its values
 
     @classmethod
     def build(cls, chunks: Sequence[PrefillChunk], page_size: int) -> "PrefillInputs":
-        token_ids, positions, slots, rows, image_rows, image_values = [], [], [], [], [], []
+        token_ids, positions, slots, rows, images = [], [], [], [], []
         offset = 0
         for chunk in chunks:
             request, start, end = chunk.request, chunk.start, chunk.end
@@ -76,8 +76,7 @@ class PrefillInputs:
                     continue
                 if emb is None:
                     raise RuntimeError("image rows scheduled before the image was encoded")
-                image_rows.append(np.arange(lo, hi, dtype=np.int64) - start + offset)
-                image_values.append(emb[lo - first:hi - first])
+                images.append(ImageSpan(lo - start + offset, emb[lo - first:hi - first]))
             offset += end - start
             if chunk.completes:
                 rows.append(offset - 1)
@@ -89,25 +88,23 @@ class PrefillInputs:
             table[i, :count] = chunk.request.pages[:count]
         return cls(np.concatenate(token_ids), np.concatenate(positions, axis=1), np.concatenate(slots), seq_lens,
                    np.asarray([c.end - c.start for c in chunks], dtype=np.int64), table,
-                   np.asarray(rows, dtype=np.int64),
-                   np.concatenate(image_rows) if image_rows else np.zeros(0, dtype=np.int64), image_values)
+                   np.asarray(rows, dtype=np.int64), images)
 
-    def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                                                    torch.Tensor]:
-        """(token ids, positions, attention metadata, logit rows, image rows) on `device`."""
+    def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(token ids, positions, attention metadata, logit rows) on `device`."""
         t, b = self.token_ids.shape[0], self.seq_lens.shape[0]
         qsl = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(self.query_lens, out=qsl[1:])
         parts = [self.token_ids, self.positions.reshape(-1), self.slot_mapping, self.seq_lens, qsl,
-                 self.page_table.reshape(-1), self.logit_rows, self.image_rows]
+                 self.page_table.reshape(-1), self.logit_rows]
         flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
-        ids, pos, slots, lens, cu, table, logit_rows, image_rows = flat.split([p.shape[0] for p in parts])
+        ids, pos, slots, lens, cu, table, logit_rows = flat.split([p.shape[0] for p in parts])
         meta = AttentionMetadata(
             is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens.to(torch.int32),
             query_start_loc=cu.to(torch.int32), page_table=table.view(b, -1).to(torch.int32),
             seq_lens_host=self.seq_lens.tolist(), query_lens_host=self.query_lens.tolist(),
             max_query_len=int(self.query_lens.max()), max_seq_len=int(self.seq_lens.max()))
-        return ids, pos.view(3, t), meta, logit_rows, image_rows
+        return ids, pos.view(3, t), meta, logit_rows
 
 
 @dataclass
@@ -145,12 +142,17 @@ class ModelRunner:
                  num_pages, self.page_size, capacity,
                  self.kv.storage.numel() * self.kv.storage.element_size() / 2**20, self.max_model_len,
                  self.graph_mode.value)
-        if prefill_graphs_on(self.graph_mode):
-            log.info("graph mode %s: prefill runs eagerly (the piecewise prefill runner is not built yet)",
-                     self.graph_mode.value)
+        # One graph pool for the language model: prefill pieces (largest sizes) captured first,
+        # then the decode buckets reuse its blocks.
+        wanted = cfg.prefill_graph.wanted(self.device) or cfg.decode_graph.wanted(self.device)
+        pool = SharedPool() if wanted else None
+        self.prefiller = PrefillRunner(lm, self.kv, self.device, cfg.max_prefill_tokens,
+                                       prefill_graphs_on(self.graph_mode), cfg.prefill_graph, cfg.prefill_compiler,
+                                       cfg.compile_cache_dir, memory=pool)
+        self.prefiller.capture_all()
         decode_graphs = cfg.decode_graph if decode_graphs_on(self.graph_mode) else GraphConfig(enabled=False)
         self.decoder = DecodeGraphRunner(lm, self.kv, cfg.max_running_requests, self.max_model_len, self.device,
-                                         decode_graphs, ban_width=cfg.max_banned_tokens)
+                                         decode_graphs, ban_width=cfg.max_banned_tokens, memory=pool)
         self.decoder.capture_all()
 
     def _make_vit_graphs(self) -> "ViTGraphRunner | None":
@@ -175,6 +177,9 @@ class ModelRunner:
         if getattr(self, "decoder", None) is not None:
             self.decoder.close()
             self.decoder = None  # type: ignore[assignment]
+        if getattr(self, "prefiller", None) is not None:
+            self.prefiller.close()
+            self.prefiller = None  # type: ignore[assignment]
         self.kv = None  # type: ignore[assignment]
 
     def graph_stats(self) -> dict[str, Any]:
@@ -188,7 +193,7 @@ class ModelRunner:
         return {
             "graph_mode": self.graph_mode.value,
             "decode": decode_stats,
-            "prefill": {"enabled": False, "graphs": 0},
+            "prefill": self.prefiller.graph_stats() if self.prefiller is not None else {"enabled": False, "graphs": 0},
             "vit": ({"enabled": True, "graphs": vit.stats.graphs_live, **vit.stats.as_dict()} if vit is not None
                     else {"enabled": False, "graphs": 0}),
         }
@@ -275,20 +280,15 @@ class ModelRunner:
         """Run the chunks as one extend forward; returns logits [n, vocab] for the chunks that
         complete their sequence, in order."""
         inputs = PrefillInputs.build(chunks, self.page_size)
-        ids, positions, meta, logit_rows, image_rows = inputs.upload(self.device)
-        lm = self.model.language
-        embeds = lm.embed(ids)
-        if inputs.image_values:  # each image's rows straight from its embeddings (one copy)
-            embeds.index_copy_(0, image_rows, torch.cat(inputs.image_values).to(embeds.dtype))
-        with forward_context(ForwardContext(meta, self.kv.layers, lm.attention)):
-            hidden = lm(embeds, positions)
+        ids, positions, meta, logit_rows = inputs.upload(self.device)
+        hidden = self.prefiller.forward(ids, positions, inputs.images, meta)
         for chunk in chunks:
             chunk.request.num_computed = chunk.end
             if chunk.end >= chunk.request.prompt_len:
                 chunk.request.image_embeds = [None] * len(chunk.request.images)  # consumed
         self.stats.prefill_forwards += 1
         self.stats.prefill_tokens += int(inputs.token_ids.shape[0])
-        return lm.compute_logits(hidden[logit_rows])
+        return self.model.language.compute_logits(hidden[logit_rows])
 
     @torch.inference_mode()
     def decode(self, requests: Sequence[Request]) -> None:

@@ -42,6 +42,24 @@ def cublas_workspaces_cleared() -> Iterator[None]:
         torch._C._cuda_clearCublasWorkspaces()
 
 
+@contextlib.contextmanager
+def capture_session() -> Iterator[None]:
+    """Around many captures in a row (a start-up schedule): one collection first, then every
+    object frozen out of the collector's view and collection off, and `torch.cuda.empty_cache`
+    a no-op (code that calls it between captures would return the pool's freed blocks to the
+    driver, so the next capture allocates afresh instead of reusing them)."""
+    gc.collect()
+    gc.freeze()
+    empty_cache = torch.cuda.empty_cache
+    torch.cuda.empty_cache = lambda: None
+    try:
+        with gc_paused():
+            yield
+    finally:
+        torch.cuda.empty_cache = empty_cache
+        gc.unfreeze()
+
+
 _streams: dict[int, torch.cuda.Stream] = {}
 # One capture at a time in the process: captures share the capture stream (work another thread
 # launched on it would join the graph), pause garbage collection process-wide, and clear every

@@ -1,0 +1,369 @@
+"""Piecewise CUDA graphs: a `torch.compile` backend that splits a traced forward at chosen ops and
+turns every piece between them into a per-size CUDA graph (the design of SGLang's and vLLM's
+piecewise runners, from `shared/seeds/000` and `003`).
+
+`torch.compile(forward, backend=PiecewiseBackend(...))`, with the token dimension of the inputs
+marked dynamic, traces the forward once. The backend:
+
+1. splits the FX graph with `split_module` at every *split op* (the language model's attention):
+   each split op becomes its own submodule, the nodes between two of them a *piece*;
+2. turns each split op into a direct call of its Python implementation (the custom op exists for
+   the tracer; dispatching it costs more host time than its kernels take), which runs eagerly,
+   with the step's real metadata, between pieces;
+3. compiles each piece once for the dynamic size with the chosen compiler: `eager` (the traced
+   graph as it is: nothing to compile, fast start) or `inductor` (fused kernels; artifacts kept in a
+   disk cache keyed by a hash of torch, the GPU, the model and the compiler settings, so a second
+   start loads instead of compiling; structurally equal pieces of different layers compile once);
+4. wraps each piece in a `PieceRunner` that, for every size of the schedule, captures its own CUDA
+   graph (when the owner runs a capture forward) and replays it afterwards.
+
+The owner (e.g. `language/prefill_graphs.py`) sets `PiecewiseState.size` to the padded size of
+each forward; sizes without graphs run the compiled pieces directly.
+
+Memory. All pieces of all sizes capture into one `GraphMemory` (a shared pool), largest size
+first. Piece outputs are kept as weak references after capture (they do not own their blocks, so
+later captures reuse them); the last piece's outputs become weak inside its capture. A replay
+returns the same addresses every time: the inputs of piece k+1 are the outputs of piece k, or
+buffers the split ops write in place, or the owner's static input buffers. The returned final
+outputs alias graph memory: consume them before the next replay of any graph of that memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from mmpipe.runtime.graph_cache import GraphCache
+from mmpipe.runtime.graph_memory import CaptureMemory
+
+log = logging.getLogger("mmpipe")
+
+COMPILERS = ("eager", "inductor")
+# Compare every piece's input addresses at replay with those at capture (a test and debug aid:
+# a mismatch means a graph would read stale memory).
+CHECK_INPUTS_ENV = "MMPIPE_CHECK_GRAPH_INPUTS"
+
+
+# ---------------------------------------------------------------------------- weak references
+
+def weak_ref(value: Any) -> Any:
+    """A tensor that views `value`'s memory without owning it (non-tensors pass through). Its
+    memory stays valid only while something else (a graph's pool) keeps it."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    storage = value.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device, storage.nbytes())
+    return torch.empty(0, dtype=value.dtype, device=value.device).set_(weak, value.storage_offset(), value.shape,
+                                                                       value.stride())
+
+
+def weak_refs(outputs: Any) -> Any:
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(weak_ref(o) for o in outputs)
+    return weak_ref(outputs)
+
+
+# ---------------------------------------------------------------------------- splitting
+
+@dataclass
+class SplitItem:
+    name: str  # attribute of the split module ("submod_3")
+    index: int  # position in execution order
+    is_split: bool  # a split op (runs eagerly) rather than a piece
+    module: fx.GraphModule
+
+
+def split_graph(gm: fx.GraphModule, split_ops: Sequence[Any]) -> tuple[fx.GraphModule, list[SplitItem]]:
+    """Split `gm` before and after every call of an op in `split_ops`; returns the stitching
+    module (which calls the submodules in order) and its submodules in execution order."""
+    targets = set(split_ops)
+    partition: dict[fx.Node, int] = {}
+    current = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target in targets:
+            current += 1
+            partition[node] = current
+            current += 1
+        else:
+            partition[node] = current
+    split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
+    items = []
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            module = getattr(split, node.target)
+            is_split = any(n.op == "call_function" and n.target in targets for n in module.graph.nodes)
+            items.append(SplitItem(node.target, len(items), is_split, module))
+    return split, items
+
+
+def call_directly(module: fx.GraphModule, implementations: dict[Any, Callable[..., Any]]) -> None:
+    """Point the split op's node at its Python implementation (same arguments)."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in implementations:
+            node.target = implementations[node.target]
+    module.recompile()
+
+
+# ---------------------------------------------------------------------------- compilers
+
+def environment_key(extra: dict[str, Any]) -> str:
+    """A hash of what compiled code depends on: torch and Triton versions, the GPU, and `extra`
+    (the model config, the compiler and its settings)."""
+    parts: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, **extra}
+    try:
+        import triton
+
+        parts["triton"] = triton.__version__
+    except ImportError:
+        parts["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        parts["gpu"] = [props.name, props.major, props.minor]
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    """`$MMPIPE_CACHE_DIR`, else `$XDG_CACHE_HOME/mmpipe`, else `~/.cache/mmpipe`."""
+    if os.environ.get("MMPIPE_CACHE_DIR"):
+        return Path(os.environ["MMPIPE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mmpipe"
+
+
+def _canonical_code(module: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """The piece's code with placeholder names replaced by their position, plus its inputs'
+    dtypes and shapes: equal for the same piece of different layers."""
+    code = module.code
+    names = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    for i, name in enumerate(sorted(names, key=len, reverse=True)):
+        code = re.sub(rf"\b{re.escape(name)}\b", f"__in{names.index(name)}", code)
+    meta = [(str(x.dtype), [str(s) for s in x.shape], [str(s) for s in x.stride()]) if isinstance(x, torch.Tensor)
+            else type(x).__name__ for x in example_inputs]
+    return code + json.dumps(meta)
+
+
+class PieceCompiler:
+    """`eager`: the traced piece as it is."""
+
+    name = "eager"
+
+    def __init__(self) -> None:
+        self.compilations = 0
+        self.cache_hits = 0
+
+    def compile(self, module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return module
+
+
+class InductorCompiler(PieceCompiler):
+    """Inductor, once per distinct piece for the dynamic size, through `standalone_compile`;
+    artifacts saved under `cache_dir/<environment key>/` and loaded on later starts."""
+
+    name = "inductor"
+
+    def __init__(self, cache_dir: Path | None, env_key: str) -> None:
+        super().__init__()
+        self.dir = None if cache_dir is None else Path(cache_dir) / f"inductor-{env_key}"
+        self.memo: dict[str, Callable[..., Any]] = {}
+        self.loads = 0
+
+    def compile(self, module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._inductor import CompiledArtifact, standalone_compile
+
+        key = hashlib.sha256(_canonical_code(module, example_inputs).encode()).hexdigest()[:24]
+        if key in self.memo:  # the same piece in another layer
+            self.cache_hits += 1
+            return self.memo[key]
+        path = None if self.dir is None else self.dir / key
+        compiled = None
+        if path is not None and path.exists():
+            try:
+                compiled = CompiledArtifact.load(path=str(path), format="unpacked")
+                self.loads += 1
+            except Exception as exc:  # a partial write or a format change: compile again
+                log.warning("compile cache entry %s unreadable (%s); compiling", path, exc)
+        if compiled is None:
+            compiled = standalone_compile(module, list(example_inputs), dynamic_shapes="from_tracing_context")
+            self.compilations += 1
+            if path is not None:
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+                    compiled.save(path=str(tmp), format="unpacked")
+                    os.replace(tmp, path)
+                except OSError as exc:
+                    log.warning("could not write the compile cache at %s (%s)", path, exc)
+        self.memo[key] = compiled
+        return compiled
+
+
+def make_piece_compiler(name: str, cache_dir: Path | None, env_key: str) -> PieceCompiler:
+    if name == "eager":
+        return PieceCompiler()
+    if name == "inductor":
+        return InductorCompiler(cache_dir, env_key)
+    raise ValueError(f"piece compiler {name!r}: use one of {', '.join(COMPILERS)}")
+
+
+# ---------------------------------------------------------------------------- runtime
+
+@dataclass
+class PiecewiseStats:
+    graphs_seen: int = 0  # graphs torch.compile handed to the backend (1 when nothing re-traces)
+    pieces: int = 0
+    split_points: int = 0
+    compilations: int = 0  # piece compilations (inductor); cache hits and loads are not counted
+    compile_cache_loads: int = 0
+    compile_seconds: float = 0.0  # tracing, splitting and compiling
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PiecewiseState:
+    """Shared by the owner and every piece of one compiled forward."""
+
+    cache: GraphCache | None
+    size: int | None = None  # the padded token count of this forward; None: no graphs
+    capturing: bool = False
+    memory: CaptureMemory | None = None  # the capture memory the pieces of a size share
+    failed_sizes: set[int] = field(default_factory=set)
+    check_inputs: bool = field(default_factory=lambda: os.environ.get(CHECK_INPUTS_ENV) == "1")
+    input_addresses: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)
+    num_pieces: int = 0
+    # Which traced graph the pieces belong to (a re-trace makes new pieces that must not replay
+    # the graphs captured for the old ones): graph keys are (generation, size, piece index).
+    generation: int = 0
+
+
+def _addresses(args: Sequence[Any]) -> list[int]:
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else -1 for a in args]
+
+
+class PieceRunner:
+    """One piece: its compiled callable, plus one CUDA graph per captured size (in the state's
+    graph cache, keyed (size, piece index))."""
+
+    def __init__(self, index: int, runnable: Callable[..., Any], state: PiecewiseState, last: bool) -> None:
+        self.index, self.runnable, self.state, self.last = index, runnable, state, last
+        self.generation = state.generation
+
+    def __call__(self, *args: Any) -> Any:
+        state = self.state
+        size = state.size
+        if size is None or state.cache is None or size in state.failed_sizes:
+            return self.runnable(*args)
+        key = (self.generation, size, self.index)
+        if state.capturing:
+            return self._capture(key, args)
+        entry = state.cache.graphs.get(key)
+        if entry is None:  # not captured (should not happen: the owner checks sizes)
+            return self.runnable(*args)
+        if state.check_inputs and _addresses(args) != state.input_addresses[key]:
+            moved = [i for i, (a, b) in enumerate(zip(_addresses(args), state.input_addresses[key])) if a != b]
+            raise RuntimeError(f"piece {self.index} at size {size}: inputs {moved} moved since capture; the "
+                               "graph would read stale memory")
+        state.cache.replay(entry)
+        return entry.output
+
+    def _capture(self, key: tuple[int, int, int], args: tuple[Any, ...]) -> Any:
+        state = self.state
+        assert state.cache is not None
+        if self.last:  # the final outputs become weak inside the capture: their blocks return to the pool
+            def body() -> Any:
+                return weak_refs(self.runnable(*args))
+        else:
+            def body() -> Any:
+                return self.runnable(*args)
+        entry = state.cache.capture(key, body, f"prefill {key[1]} tokens, piece {self.index}", warmups=0,
+                                    shared=state.memory, quiet=True)
+        if entry is None:  # logged by the cache; this size runs without graphs from now on
+            state.failed_sizes.add(key[1])
+            return self.runnable(*args)
+        outputs, entry.output = entry.output, weak_refs(entry.output)
+        if state.check_inputs:
+            state.input_addresses[key] = _addresses(args)
+        return outputs
+
+
+class PiecewiseBackend:
+    """The `torch.compile` backend. `split_ops`: op overloads to split at, mapped to the Python
+    functions the split points call instead."""
+
+    def __init__(self, split_ops: dict[Any, Callable[..., Any]], compiler: PieceCompiler,
+                 state: PiecewiseState) -> None:
+        self.split_ops, self.compiler, self.state = split_ops, compiler, state
+        self.stats = PiecewiseStats()
+        self.split_module: fx.GraphModule | None = None
+        self.items: list[SplitItem] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        start = time.perf_counter()
+        self.stats.graphs_seen += 1
+        self.state.generation = self.stats.graphs_seen
+        if self.stats.graphs_seen > 1:
+            log.warning("the prefill forward was traced again (graph %d): its pieces run without graphs until "
+                        "captured", self.stats.graphs_seen)
+        split, items = split_graph(gm, list(self.split_ops))
+        piece_inputs = self._piece_inputs(gm, split, items) if self.compiler.name != "eager" else {}
+        pieces = [item for item in items if not item.is_split]
+        for item in items:
+            if item.is_split:
+                call_directly(item.module, self.split_ops)
+                continue
+            runnable = self.compiler.compile(item.module, piece_inputs.get(item.name, ()))
+            runner = PieceRunner(pieces.index(item), runnable, self.state, last=item is pieces[-1])
+            setattr(split, item.name, _PieceModule(runner))
+        self.stats.pieces += len(pieces)
+        self.stats.split_points += len(items) - len(pieces)
+        self.stats.compilations = self.compiler.compilations
+        self.stats.compile_cache_loads = getattr(self.compiler, "loads", 0)
+        self.stats.compile_seconds += time.perf_counter() - start
+        self.state.num_pieces = len(pieces)
+        self.split_module, self.items = split, items
+        return split.forward
+
+    @staticmethod
+    def _piece_inputs(gm: fx.GraphModule, split: fx.GraphModule, items: list[SplitItem]) -> dict[str, tuple]:
+        """Fake example inputs of every piece (symbolic sizes included), by running the split
+        module on the traced graph's fake inputs."""
+        fake_inputs = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_mode = torch._guards.detect_fake_mode(fake_inputs)
+        names = {item.name for item in items if not item.is_split}
+        seen: dict[str, tuple] = {}
+
+        class Recorder(fx.Interpreter):
+            def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+                if target in names:
+                    seen[target] = tuple(args)
+                return super().call_module(target, args, kwargs)
+
+        with fake_mode:
+            Recorder(split).run(*fake_inputs)
+        return seen
+
+
+class _PieceModule(torch.nn.Module):
+    """Holds a PieceRunner where the stitching module expects a submodule."""
+
+    def __init__(self, runner: PieceRunner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def forward(self, *args: Any) -> Any:
+        return self.runner(*args)

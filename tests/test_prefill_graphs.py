@@ -1,0 +1,263 @@
+"""The piecewise prefill runner on the CPU: the schedule and bisection, the split of the traced
+forward (one attention split point per layer, the expected pieces), the split and compiled forward
+equal to the plain one, padding that touches nothing, and (with CUDA graphs simulated: a replay
+runs the piece again and writes the tensors its capture returned) the whole engine giving the same
+tokens with piecewise graphs on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmpipe import GraphConfig, GraphMode, Pipeline, SamplingParams
+from mmpipe.language.attention import AttentionMetadata
+from mmpipe.language.attention.op import rope_attention
+from mmpipe.language.kv_cache import KVCache
+from mmpipe.language.prefill_graphs import PrefillRunner, default_prefill_schedule
+from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
+from mmpipe.runtime import graph_cache as graph_cache_module
+from mmpipe.runtime import piecewise as piecewise_module
+from mmpipe.runtime.graph_cache import bucket_for
+from tests.helpers import random_image
+
+CPU = torch.device("cpu")
+LAYERS = 3
+
+
+def test_default_schedule_follows_the_source_notes_and_is_capped():
+    sizes = default_prefill_schedule(8192)
+    assert sizes[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 48]
+    assert sizes[sizes.index(256) + 1] == 288 and sizes[sizes.index(512) + 1] == 576
+    assert sizes[sizes.index(1024) + 1] == 1280 and sizes[sizes.index(4096) + 1] == 4608
+    assert sizes[-2:] == [7680, 8192] and len(sizes) == len(set(sizes)) == sorted(sizes).__len__()
+    steps = {b - a for a, b in zip(sizes, sizes[1:])}
+    assert steps == {4, 16, 32, 64, 256, 512}
+    assert default_prefill_schedule(100) == [4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96, 100]
+    assert default_prefill_schedule(3) == [3]
+    assert [bucket_for(sizes, n) for n in (1, 4, 5, 32, 33, 257, 8192, 8193)] == \
+        [4, 4, 8, 32, 48, 288, 8192, None]
+
+
+def tiny_lm(dtype=torch.float32) -> Qwen2LanguageModel:
+    torch.manual_seed(0)
+    cfg = TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=LAYERS, num_heads=4,
+                     num_kv_heads=2, mrope_section=(2, 3, 3))
+    lm = Qwen2LanguageModel(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for p in lm.parameters():  # every weight random, norms included (nothing is a no-op)
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    return lm
+
+
+def extend_meta(lengths: list[tuple[int, int]], page_size: int, first_page: int = 1) -> AttentionMetadata:
+    """Sequences given as (cached, new) token counts, each on its own consecutive pages."""
+    slots, table, page = [], [], first_page
+    per_seq = max(-(-(c + n) // page_size) for c, n in lengths)
+    for cached, new in lengths:
+        pages = list(range(page, page + per_seq))
+        page += per_seq
+        slots += [pages[i // page_size] * page_size + i % page_size for i in range(cached, cached + new)]
+        table.append(pages)
+    cu = [0]
+    for _, new in lengths:
+        cu.append(cu[-1] + new)
+    return AttentionMetadata(
+        is_decode=False, num_tokens=cu[-1], slot_mapping=torch.tensor(slots),
+        seq_lens=torch.tensor([c + n for c, n in lengths], dtype=torch.int32),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32), page_table=torch.tensor(table, dtype=torch.int32),
+        seq_lens_host=[c + n for c, n in lengths], query_lens_host=[n for _, n in lengths],
+        max_query_len=max(n for _, n in lengths), max_seq_len=max(c + n for c, n in lengths))
+
+
+def make_runner(lm, piecewise: bool, graphs: GraphConfig | None = None, max_tokens: int = 64) -> PrefillRunner:
+    kv = KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, lm.embed_tokens.weight.dtype, CPU)
+    return PrefillRunner(lm, kv, CPU, max_tokens, piecewise, graphs, cache_dir=None)
+
+
+def run(runner: PrefillRunner, lengths: list[tuple[int, int]], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(new for _, new in lengths)
+    ids = torch.randint(0, runner.lm.vocab_size, (n,), generator=gen)
+    positions = torch.cat([torch.arange(c, c + new) for c, new in lengths]).expand(3, n).contiguous()
+    positions[1] += torch.randint(0, 3, (n,), generator=gen)  # M-RoPE: the three axes differ
+    return runner.forward(ids, positions, [], extend_meta(lengths, runner.kv.page_size))[:n].clone()
+
+
+def test_the_traced_forward_splits_at_attention_once_per_layer():
+    lm = tiny_lm()
+    runner = make_runner(lm, piecewise=True)
+    run(runner, [(0, 10)], seed=1)
+    backend = runner.backend
+    assert backend is not None and backend.stats.graphs_seen == 1
+    items = backend.items
+    splits = [item for item in items if item.is_split]
+    pieces = [item for item in items if not item.is_split]
+    assert len(splits) == LAYERS and len(pieces) == LAYERS + 1
+    assert [item.is_split for item in items] == [False, True] * LAYERS + [False]  # alternating, in order
+
+    def calls(module, target):
+        return sum(1 for n in module.graph.nodes if n.op == "call_function" and n.target is target)
+
+    for item in splits:  # the split point calls the attention function directly (not the custom op)
+        assert calls(item.module, rope_attention) == 1
+        assert calls(item.module, torch.ops.mmpipe.lm_attention.default) == 0
+    linear = torch._C._nn.linear
+    # piece 0: rotary tables, first norm, qkv; middle: o, gate_up, down, next qkv; last: o, gate_up, down
+    assert [calls(p.module, linear) for p in pieces] == [1] + [4] * (LAYERS - 1) + [3]
+    layer_of_split = [next(n.args[4] for n in s.module.graph.nodes if n.target is rope_attention) for s in splits]
+    assert layer_of_split == list(range(LAYERS))
+    stats = runner.graph_stats()
+    assert stats["pieces"] == LAYERS + 1 and stats["split_points"] == LAYERS and stats["compiled"]
+
+
+@pytest.mark.parametrize("lengths", [[(0, 10)], [(0, 3), (5, 4), (0, 1)], [(0, 64)], [(6, 7), (0, 9)]])
+def test_the_split_compiled_forward_equals_the_plain_forward(lengths):
+    """Float32, random weights: hidden states and every byte of the KV cache are equal, for one
+    and several sequences, with and without a cached prefix, on and between schedule sizes."""
+    lm = tiny_lm()
+    plain, split = make_runner(lm, piecewise=False), make_runner(lm, piecewise=True)
+    for runner in (plain, split):  # a cached prefix where the lengths say so
+        prefix = [(0, c) for c, _ in lengths if c]
+        if prefix:
+            runner.forward(torch.arange(sum(c for _, c in prefix)) % 97,
+                           torch.arange(sum(c for _, c in prefix)).expand(3, -1).contiguous(), [],
+                           extend_meta([(0, c) if c else (0, 0) for c, _ in lengths if c], 8))
+    a, b = run(plain, lengths, seed=3), run(split, lengths, seed=3)
+    if split.stats.padded_tokens == 0 and split.size_for(a.shape[0]) == a.shape[0] and \
+            split.size_for(sum(c for c, _ in lengths)) == sum(c for c, _ in lengths):
+        assert torch.equal(a, b)
+        assert torch.equal(plain.kv.storage, split.kv.storage)
+    else:  # padded rows change the matmul blocking: rounding only
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(split.kv.storage, plain.kv.storage, rtol=1e-5, atol=1e-5)
+    assert split.stats.compiled_forwards >= 1 and plain.stats.eager_forwards >= 1
+
+
+# ---------------------------------------------------------------------------- simulated graphs
+
+class ReplayingPiece:
+    """Stands in for a piece's CUDA graph on the CPU: a replay runs the captured body again (on
+    the tensors it captured) and writes the results into the tensors the capture returned."""
+
+    captured: list = []
+
+    def __init__(self, body, output):
+        self.body, self.output = body, output
+        ReplayingPiece.captured.append(self)
+
+    def replay(self):
+        fresh = self.body()
+        outs = self.output if isinstance(self.output, (tuple, list)) else (self.output,)
+        news = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
+        for out, new in zip(outs, news):
+            if isinstance(out, torch.Tensor):
+                out.copy_(new)
+
+    def reset(self):
+        pass
+
+
+class NoMemory:
+    name = "fake"
+
+    def open(self):
+        return object()
+
+    def release(self, memory):
+        pass
+
+    def physical_bytes(self):
+        return None
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def simulated_piece_graphs(monkeypatch):
+    from mmpipe.engine import model_runner
+
+    def fake_capture(body, memory, device, warmups=1, shared=None):
+        for _ in range(warmups):
+            body()
+        output = body()
+        return ReplayingPiece(body, output), output, shared
+
+    monkeypatch.setattr(graph_cache_module, "capture", fake_capture)
+    monkeypatch.setattr(piecewise_module, "weak_refs", lambda outputs: outputs)  # CPU memory is not pooled
+    monkeypatch.setattr(GraphConfig, "wanted", lambda self, device: self.enabled is not False)
+    monkeypatch.setattr(model_runner, "parse_graph_mode",
+                        lambda mode, device: GraphMode.PIECEWISE if mode is None else GraphMode(mode))
+    monkeypatch.setattr(model_runner, "SharedPool", NoMemory)
+    monkeypatch.setenv(piecewise_module.CHECK_INPUTS_ENV, "1")  # replays must see their capture's addresses
+    from mmpipe.language.attention.torch_backend import TorchLMAttention
+    monkeypatch.setattr(TorchLMAttention, "graph_safe", True)
+    ReplayingPiece.captured = []
+
+
+def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simulated_piece_graphs):
+    lm = tiny_lm()
+    schedule = (8, 16, 32)
+    plain = make_runner(lm, piecewise=False)
+    compiled = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU,
+                             64, True, GraphConfig(buckets=schedule, enabled=False))
+    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
+                           True, GraphConfig(buckets=schedule), memory=NoMemory())
+    graphs.capture_all(progress=False)
+    assert graphs.cache is not None and len(graphs.cache.graphs) == len(schedule) * (LAYERS + 1)
+    for seed, lengths in enumerate([[(0, 5)], [(0, 8)], [(0, 3), (0, 10)], [(0, 40)], [(0, 2)], [(0, 16)]]):
+        a, b, c = run(plain, lengths, seed), run(graphs, lengths, seed), run(compiled, lengths, seed)
+        assert torch.equal(b, c), lengths  # the same padded size without graphs: exactly equal
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)  # the plain forward: rounding only
+    real = slice(1, None)  # pages after the dummy page (the captures' dummy forwards wrote there)
+    assert torch.equal(compiled.kv.storage[:, :, real], graphs.kv.storage[:, :, real])  # padding wrote nothing
+    torch.testing.assert_close(graphs.kv.storage[:, :, real], plain.kv.storage[:, :, real], rtol=1e-5, atol=1e-5)
+    stats = graphs.graph_stats()
+    assert stats["graph_forwards"] == 5 and stats["compiled_forwards"] == 1  # 40 tokens: above 32
+    assert stats["padded_tokens"] == (8 - 5) + 0 + (16 - 13) + (8 - 2) + 0
+    assert stats["replays"] == 5 * (LAYERS + 1) and stats["captures"] == len(schedule) * (LAYERS + 1)
+
+
+def test_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_piece_graphs, monkeypatch):
+    lm = tiny_lm()
+    order = []
+    real = graph_cache_module.capture
+
+    def capture(body, memory, device, warmups=1, shared=None):
+        order.append(graphs.state.size)
+        if graphs.state.size == 16 and len(order) > 1 and order[-2] == 16:  # the second piece of size 16
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return real(body, memory, device, warmups, shared)
+
+    monkeypatch.setattr(graph_cache_module, "capture", capture)
+    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
+                           True, GraphConfig(buckets=(8, 16, 32)), memory=NoMemory())
+    graphs.capture_all(progress=False)
+    sizes_in_order = [s for i, s in enumerate(order) if i == 0 or order[i - 1] != s]
+    assert sizes_in_order == [32, 16, 8]
+    assert graphs.state.failed_sizes == {16}
+    plain = make_runner(lm, piecewise=False)
+    assert torch.equal(run(plain, [(0, 12)], 4), run(graphs, [(0, 12)], 4))  # 12 -> 16: failed, compiled
+    assert graphs.stats.compiled_forwards == 1 and graphs.stats.graph_forwards == 0
+
+
+def test_engine_tokens_equal_with_piecewise_graphs_on_and_off(checkpoint, simulated_piece_graphs):
+    """Prompts with and without images, chunked prefill (a small token budget) mixed with decode:
+    greedy tokens identical; the piecewise pipeline really replays graphs."""
+    kw = dict(device="cpu", max_prefill_tokens=48, max_running_requests=4)
+    graphs = Pipeline.from_pretrained(checkpoint, prefill_graph=GraphConfig(buckets=(8, 16, 32, 48)), **kw)
+    eager = Pipeline.from_pretrained(checkpoint, prefill_graph=GraphConfig(enabled=False), graph_mode="none", **kw)
+    assert graphs.stats()["prefill"]["graphs"] > 0
+    conversations = [
+        [{"role": "user", "content": [{"type": "image", "image": random_image(60 + 20 * i, 50, seed=i)},
+                                      {"type": "text", "text": "what is in the picture?"}]}] for i in range(3)
+    ] + [[{"role": "user", "content": "count to five " * 6}]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
+    ours = graphs.chat(conversations, params)
+    reference = eager.chat(conversations, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    stats = graphs.stats()["prefill"]
+    assert stats["graph_forwards"] > 0 and stats["replays"] > 0
+    assert eager.stats()["prefill"]["graphs"] == 0 and eager.stats()["prefill"]["eager_forwards"] > 0
+    graphs.close()
+    eager.close()
