@@ -510,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
 
     decode_bench.add_arguments(sub.add_parser("decode", help="LM decode speed: transformers (dynamic, static + "
                                               "compile) vs mmpipe (eager, graphs), with the bandwidth floor"))
+    from mmpipe.app import bench_prefill
+
+    bench_prefill.add_arguments(sub.add_parser("prefill", help="time to first token: transformers vs mmpipe "
+                                               "eager vs piecewise prefill graphs, with kernel sums"))
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -517,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
     result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit,
-              "decode": decode_bench.run_decode}[args.what](args)
+              "decode": decode_bench.run_decode, "prefill": bench_prefill.run_prefill}[args.what](args)
     write_json(args.json, result)
     return 0
 

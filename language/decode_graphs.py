@@ -230,7 +230,7 @@ class DecodeGraphRunner:
                 seq_len_bound=self.max_model_len, split_rows=split_rows or n)
             positions = (last + delta).unsqueeze(0).expand(3, n)
             with forward_context(ForwardContext(meta, self.kv.layers, lm.attention)):
-                hidden = lm(lm.embed(ids), positions)
+                hidden = lm(lm.embed(ids), positions, self.kv.layers, slots)
             result = sample(lm.compute_logits(hidden), sampler, variant)
             # Advance active rows for the next step, on the device.
             ids.copy_(torch.where(active, result.tokens, ids))

@@ -7,11 +7,12 @@ copy per image span, no concatenation).
 
 Piecewise mode (graph modes `piecewise`, `full_and_piecewise`): the forward over the buffers is
 traced once by `torch.compile` with `mmpipe.runtime.piecewise.PiecewiseBackend`, the token
-dimension dynamic, split at the attention op (`mmpipe::lm_attention`: rotary + KV write +
-attention, run eagerly on the real tokens with the step's metadata), and each piece captured as a
-CUDA graph for every size of the schedule, largest first, into the language model's shared pool.
-A step of T tokens runs at the smallest schedule size >= T (bisection); rows past T are padding:
-the split points neither write their K/V nor attend for them, and their outputs are dropped.
+dimension dynamic, split at the attention op (`mmpipe::lm_attention`, run eagerly on the real
+tokens with the step's metadata), and each piece (norms, projections, rotary + KV write, MLP,
+residuals) captured as a CUDA graph for every size of the schedule, largest first, into the
+language model's shared pool. A step of T tokens runs at the smallest schedule size >= T
+(bisection); rows past T are padding: their K/V go to the dummy page (the slots buffer holds the
+dummy slot past the step's rows), attention is not computed for them, their outputs are dropped.
 Above the largest size the compiled pieces run without graphs.
 """
 
@@ -28,7 +29,7 @@ import torch
 
 from mmpipe.config import GraphConfig
 from mmpipe.language.attention import AttentionMetadata
-from mmpipe.language.attention.op import rope_attention
+from mmpipe.language.attention.op import attention
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
 from mmpipe.runtime.capture import capture_session, capture_stream
 from mmpipe.runtime.context import ForwardContext, forward_context
@@ -70,6 +71,8 @@ class PrefillRunnerStats:
     compiled_forwards: int = 0  # piecewise mode without a graph (above the schedule, a failed size)
     eager_forwards: int = 0  # not compiled (graph modes without piecewise, the CPU)
     padded_tokens: int = 0  # rows added to reach schedule sizes
+    schedule_seconds: float = 0.0  # start-up: compiling, warming up and capturing every size
+    schedule_memory_bytes: int = 0  # GPU memory the captured schedule holds (driver's view)
 
 
 class PrefillRunner:
@@ -83,6 +86,9 @@ class PrefillRunner:
         # Token-major, so a slice of the first rows is contiguous at every size (a [3, T] slice of
         # a [3, max] buffer is contiguous only at T = max, and the tracer would see two layouts).
         self.positions = torch.zeros(max_tokens, 3, dtype=torch.int64, device=device)
+        # KV slots of the rows; rows past the step's tokens (padding) always hold the dummy slot.
+        self.dummy_slot = DUMMY_PAGE * kv.page_size
+        self.slots = torch.full((max_tokens,), self.dummy_slot, dtype=torch.int64, device=device)
         self.stats = PrefillRunnerStats()
         graphs = graphs or GraphConfig(enabled=False)
         schedule = graphs.buckets or default_prefill_schedule(max_tokens)
@@ -103,8 +109,8 @@ class PrefillRunner:
                                    "device": device.type})
             root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "compile"
             # Dynamo records the op packet; other tracers the overload.
-            attention_ops = {torch.ops.mmpipe.lm_attention: rope_attention,
-                             torch.ops.mmpipe.lm_attention.default: rope_attention}
+            attention_ops = {torch.ops.mmpipe.lm_attention: attention,
+                             torch.ops.mmpipe.lm_attention.default: attention}
             self.backend = PiecewiseBackend(attention_ops,
                                             make_piece_compiler(compiler, root, env), self.state)
             self.compiled = torch.compile(_fresh_forward(lm), backend=self.backend, fullgraph=True)
@@ -135,7 +141,8 @@ class PrefillRunner:
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             if self.compiled is None:
                 self.stats.eager_forwards += 1
-                return self.lm(self.input_embeds[:n], self.positions[:n].t())
+                return self.lm(self.input_embeds[:n], self.positions[:n].t(), self.kv.layers, meta.slot_mapping)
+            self.slots[:n].copy_(meta.slot_mapping)
             graphed = self.cache is not None and size not in self.state.failed_sizes \
                 and (self.state.generation, size, 0) in self.cache
             self.state.size = size if graphed else None
@@ -144,14 +151,18 @@ class PrefillRunner:
                 self.stats.padded_tokens += size - n
             else:
                 self.stats.compiled_forwards += 1
-            return self._run_compiled(size)
+            hidden = self._run_compiled(size)
+        self.slots[:n].fill_(self.dummy_slot)  # the next, smaller step's padding must not write here
+        return hidden
 
     def _run_compiled(self, size: int) -> torch.Tensor:
         embeds, positions = self.input_embeds[:size], self.positions[:size]
         bound = max(self.max_tokens, 3)
         torch._dynamo.mark_dynamic(embeds, 0, min=2, max=bound)
         torch._dynamo.mark_dynamic(positions, 0, min=2, max=bound)
-        return self.compiled(embeds, positions)
+        slots = self.slots[:size]
+        torch._dynamo.mark_dynamic(slots, 0, min=2, max=bound)
+        return self.compiled(embeds, positions, self.kv.layers, slots)
 
     # ------------------------------------------------------------------ capture
 
@@ -183,6 +194,8 @@ class PrefillRunner:
         self.state.size = None
         seconds = time.perf_counter() - start
         after = device_memory_in_use(self.device) if on_cuda else 0
+        self.stats.schedule_seconds = seconds
+        self.stats.schedule_memory_bytes = max(0, after - before)
         captured = [s for s in sizes if s not in self.state.failed_sizes]
         b = self.backend
         assert b is not None
@@ -253,8 +266,9 @@ def _fresh_forward(lm: Any) -> Any:
     """`lm.forward` as a function with its own code object. torch.compile keeps compiled code per
     code object: runners of different models (or two Pipelines of one model) would otherwise share
     one cache and count against one recompile limit."""
-    def forward(input_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return lm(input_embeds, positions.t())  # positions [T, 3] -> the model's [3, T]
+    def forward(input_embeds: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
+        return lm(input_embeds, positions.t(), kv_cache, slot_mapping)  # positions [T, 3] -> [3, T]
 
     code = forward.__code__.replace(co_name=f"prefill_forward_{id(lm):x}")
     return types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)

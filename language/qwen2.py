@@ -1,18 +1,19 @@
 """Qwen2 decoder (the language model of Qwen2-VL and Qwen2.5-VL) with M-RoPE, over flat tokens.
 
 Tokens of all sequences in a step are concatenated: hidden states are [T, hidden], positions
-[3, T]. Per-step metadata and the paged KV cache come from the forward context, so `forward`
-has only tensor inputs and no data-dependent control flow: it can be traced, split and captured.
+[3, T]. Attention's per-step metadata comes from the forward context, so `forward` has only
+tensor inputs and no data-dependent control flow: it can be traced, split and captured.
 The rotary tables are computed once per step; each layer rotates q and k and writes K/V into the
-cache in one fused op. Attention is the backend given at construction, called directly in eager
-code and through the `mmpipe::lm_attention` custom op under `torch.compile` (the op is opaque to
-the compiler, which is where the piecewise prefill runner splits the model).
+cache (passed in, with the rows' slots) in one fused op. Attention is the backend given at
+construction, called directly in eager code and through the `mmpipe::lm_attention` custom op under
+`torch.compile` (the op is opaque to the compiler: the piecewise prefill runner splits the model
+there; the rotary + KV write, `mmpipe::rope_kv_write`, stays inside the captured pieces).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,8 @@ from torch import nn
 
 from mmpipe.errors import CheckpointError, UnsupportedModelError
 from mmpipe.language.attention import AttentionMetadata, TorchLMAttention
-from mmpipe.language.attention.op import rope_attention  # also registers torch.ops.mmpipe.lm_attention
+from mmpipe.language.attention.op import attention  # also registers the mmpipe:: custom ops
+from mmpipe.language.rope_kv import rope_qk_write_kv
 from mmpipe.runtime.attention import AttentionBackend
 from mmpipe.runtime.fused import add_rms_norm
 from mmpipe.runtime.layers import GatedMLP, RMSNorm
@@ -124,14 +126,21 @@ class Qwen2Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        k_cache, v_cache = kv_cache
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-        if torch.compiler.is_compiling():  # the split point of the piecewise prefill runner
-            torch.ops.mmpipe.lm_attention(qkv, cos, sin, out, self.layer)
-        else:  # the custom op's dispatch costs more host time than the kernels take
-            rope_attention(qkv, cos, sin, out, self.layer, self.attention)
+        v = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)[:, self.num_heads + self.num_kv_heads:]
+        if torch.compiler.is_compiling():  # rotary + KV write stay in the pieces; attention is the split point
+            q, k = torch.ops.mmpipe.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
+                                                  self.num_kv_heads, self.head_dim)
+            torch.ops.mmpipe.lm_attention(q, k, v, out, self.layer)
+        else:  # a custom op's dispatch costs more host time than the kernels take
+            q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
+                                       self.num_kv_heads, self.head_dim)
+            attention(q, k, v, out, self.layer, self.attention)
         return self.o_proj(out.view(n, self.q_size))
 
 
@@ -144,12 +153,14 @@ class Qwen2DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
 
     def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
                 next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """x + attn(input_norm(x)), then + mlp(post_norm(.)); takes input_norm(x) precomputed and
         returns the new residual with `next_norm` of it, so every residual add is fused with the
         norm after it (one kernel, transformers' rounding: the sum rounded, then normed)."""
         post = self.post_attention_layernorm
-        residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin), post.weight, post.eps)
+        residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin, kv_cache, slot_mapping),
+                                        post.weight, post.eps)
         return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
 
 
@@ -191,14 +202,19 @@ class Qwen2LanguageModel(nn.Module):
             return self.embed_tokens(token_ids)
         return torch.index_select(self.embed_tokens.weight, 0, token_ids, out=out)
 
-    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_embeds [T, hidden], positions [3, T] -> final-normed hidden states [T, hidden]."""
+    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor,
+                kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor) -> torch.Tensor:
+        """input_embeds [T, hidden], positions [3, T] -> final-normed hidden states [T, hidden].
+        `kv_caches`: each layer's paged (K, V) [pages, page_size, kv_heads, head_dim]; row t's new
+        K/V go to flat slot `slot_mapping[t]` (padded rows: the dummy page). Per-layer tensors (not
+        one cache indexed by layer) keep the layers' traced pieces identical, so a compiler
+        compiles one for all."""
         cos, sin = self.rotary(positions, input_embeds.dtype)
         first = self.layers[0].input_layernorm
         residual, normed = add_rms_norm(input_embeds, None, first.weight, first.eps)
         for index, layer in enumerate(self.layers):
             following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
-            residual, normed = layer(residual, normed, cos, sin, following)
+            residual, normed = layer(residual, normed, cos, sin, kv_caches[index], slot_mapping, following)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,18 @@
-"""The language model's attention step as one function and one custom op.
+"""The language model's per-layer ops around attention, as functions and as custom ops.
 
-`rope_attention(qkv, cos, sin, out, layer)` rotates q and k, writes the new K/V into the paged
-cache (one fused kernel) and computes attention into `out`, for the step's real tokens only
-(`meta.num_tokens` rows; rows past them, the padding of a captured prefill size, are neither
-written to the cache nor computed). Metadata, the cache and the backend come from the forward
-context, so the call has only tensor and int arguments.
+- `rope_kv_write` (`torch.ops.mmpipe.rope_kv_write`): rotates q and k and writes the new K/V into
+  the paged cache at `slot_mapping` (one fused kernel). It is graph-safe (shapes depend only on the
+  row count; padded rows' slots point at the dummy page), so the piecewise prefill runner keeps it
+  inside its captured pieces. As a custom op that declares the cache mutation, compilers keep the
+  write in place.
+- `attention` (`torch.ops.mmpipe.lm_attention`): attention of the new queries over the cache,
+  into `out`, for the step's real tokens only (`meta.num_tokens` rows; rows past them, the padding
+  of a captured prefill size, are not computed). Metadata and the backend come from the forward
+  context. The op is opaque to `torch.compile`: the piecewise prefill runner splits the traced
+  model there and runs it eagerly, with the batch's real metadata, between captured pieces.
 
-Under `torch.compile` the model calls it as the custom op `torch.ops.mmpipe.lm_attention`, which
-is opaque to the compiler: the piecewise prefill runner splits the traced model at this op and
-runs it eagerly, with the batch's real metadata, between captured pieces. Everywhere else
-(eager forwards, decode graphs, and the split points of the piecewise runner) the plain function
-is called: the custom op's dispatch costs a few hundred microseconds of host time per call.
+Eager code (eager forwards, decode graphs, and the split points of the piecewise runner) calls the
+plain functions: a custom op's dispatch costs tens to hundreds of microseconds of host time.
 """
 
 from __future__ import annotations
@@ -23,27 +25,38 @@ from mmpipe.language.rope_kv import rope_qk_write_kv
 from mmpipe.runtime.context import get_forward_context
 
 
-def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, layer: int,
-                   backend: Any = None) -> None:
-    """qkv [T', (H + 2*Hkv) * D] (fused projection), cos/sin [T', D], out [T', H, D] with T' >= the
-    step's real token count T: rows [0, T) are computed, the rest left as they are. `backend`:
-    the model's attention backend (None: the forward context's, as the custom op must)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
+              backend: Any = None) -> None:
+    """q/out [T', H, D], k/v [T', Hkv, D] with T' >= the step's real token count T: rows [0, T) of
+    `out` are computed, the rest left as they are. `backend`: the model's attention backend (None:
+    the forward context's, as the custom op must)."""
     context = get_forward_context()
     meta = context.attn_metadata
     n = meta.num_tokens
-    heads, dim = out.shape[1], out.shape[2]
-    kv_heads = (qkv.shape[1] - heads * dim) // (2 * dim)
-    k_cache, v_cache = context.kv_caches[layer]
-    q, k, v = rope_qk_write_kv(qkv[:n], cos[:n], sin[:n], k_cache, v_cache, meta.slot_mapping, heads, kv_heads,
-                               dim)
-    (backend or context.attention).forward(q, k, v, meta, out[:n], (k_cache, v_cache))
+    (backend or context.attention).forward(q[:n], k[:n], v[:n], meta, out[:n], context.kv_caches[layer])
 
 
 @torch.library.custom_op("mmpipe::lm_attention", mutates_args=("out",))
-def lm_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, layer: int) -> None:
-    rope_attention(qkv, cos, sin, out, layer)
+def lm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    attention(q, k, v, out, layer)
 
 
 @lm_attention.register_fake
-def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
     return None
+
+
+@torch.library.custom_op("mmpipe::rope_kv_write", mutates_args=("k_cache", "v_cache"))
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+    return q, k
+
+
+@rope_kv_write.register_fake
+def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+      slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    n = qkv.shape[0]
+    return (qkv.new_empty(n, num_heads, head_dim), qkv.new_empty(n, num_kv_heads, head_dim))

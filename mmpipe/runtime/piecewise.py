@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,15 +144,20 @@ def default_cache_dir() -> Path:
 
 
 def _canonical_code(module: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    """The piece's code with placeholder names replaced by their position, plus its inputs'
-    dtypes and shapes: equal for the same piece of different layers."""
-    code = module.code
-    names = [n.name for n in module.graph.nodes if n.op == "placeholder"]
-    for i, name in enumerate(sorted(names, key=len, reverse=True)):
-        code = re.sub(rf"\b{re.escape(name)}\b", f"__in{names.index(name)}", code)
+    """The piece's graph with every node named by its position, plus its inputs' dtypes and shapes:
+    equal for the same piece of different layers (whose node names differ)."""
+    index = {node: i for i, node in enumerate(module.graph.nodes)}
+
+    def arg(value: Any) -> str:
+        return repr(fx.node.map_arg(value, lambda n: f"%{index[n]}"))
+
+    def target(node: fx.Node) -> str:
+        return "" if node.op == "placeholder" else str(getattr(node.target, "__name__", node.target))
+
+    lines = [f"{node.op} {target(node)} {arg(node.args)} {arg(node.kwargs)}" for node in module.graph.nodes]
     meta = [(str(x.dtype), [str(s) for s in x.shape], [str(s) for s in x.stride()]) if isinstance(x, torch.Tensor)
             else type(x).__name__ for x in example_inputs]
-    return code + json.dumps(meta)
+    return "\n".join(lines) + json.dumps(meta)
 
 
 class PieceCompiler:
@@ -207,8 +211,24 @@ class InductorCompiler(PieceCompiler):
                     os.replace(tmp, path)
                 except OSError as exc:
                     log.warning("could not write the compile cache at %s (%s)", path, exc)
+        compiled = _same_output_structure(module, compiled)
         self.memo[key] = compiled
         return compiled
+
+
+def _same_output_structure(module: fx.GraphModule, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """A compiled artifact may return its outputs as a flat list (loaded ones do); the stitching
+    module expects what the piece returned: one value, or a tuple."""
+    output = next(n for n in module.graph.nodes if n.op == "output").args[0]
+    single = not isinstance(output, (tuple, list))
+
+    def call(*args: Any) -> Any:
+        result = compiled(*args)
+        if isinstance(result, (tuple, list)):
+            return result[0] if single else tuple(result)
+        return result
+
+    return call
 
 
 def make_piece_compiler(name: str, cache_dir: Path | None, env_key: str) -> PieceCompiler:
@@ -340,22 +360,10 @@ class PiecewiseBackend:
 
     @staticmethod
     def _piece_inputs(gm: fx.GraphModule, split: fx.GraphModule, items: list[SplitItem]) -> dict[str, tuple]:
-        """Fake example inputs of every piece (symbolic sizes included), by running the split
-        module on the traced graph's fake inputs."""
-        fake_inputs = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-        fake_mode = torch._guards.detect_fake_mode(fake_inputs)
-        names = {item.name for item in items if not item.is_split}
-        seen: dict[str, tuple] = {}
-
-        class Recorder(fx.Interpreter):
-            def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-                if target in names:
-                    seen[target] = tuple(args)
-                return super().call_module(target, args, kwargs)
-
-        with fake_mode:
-            Recorder(split).run(*fake_inputs)
-        return seen
+        """Fake example inputs of every piece (symbolic sizes included): `split_module` keeps the
+        tracer's example values on the pieces' placeholders."""
+        return {item.name: tuple(n.meta["example_value"] for n in item.module.graph.nodes if n.op == "placeholder")
+                for item in items if not item.is_split}
 
 
 class _PieceModule(torch.nn.Module):
