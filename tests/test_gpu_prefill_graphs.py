@@ -81,9 +81,8 @@ def test_inductor_pieces_and_a_warm_compile_cache_give_the_same_tokens(checkpoin
     options = dict(prefill_compiler="inductor", compile_cache_dir=str(tmp_path), max_prefill_tokens=256)
     cold = make(checkpoint, "full_and_piecewise", **options)
     cold_stats = cold.stats()["prefill"]
-    assert cold_stats["compiler"] == "inductor" and cold_stats["compilations"] >= 2
-    # the same piece of different layers compiles once
-    assert cold_stats["compilations"] < cold_stats["pieces"]
+    # first piece, one for all the middle layers' pieces, last piece
+    assert cold_stats["compiler"] == "inductor" and cold_stats["compilations"] == min(3, cold_stats["pieces"])
     assert tokens(cold.chat(CONVERSATIONS, PARAMS)) == tokens(together)
     cold.close()
     warm = make(checkpoint, "full_and_piecewise", **options)
