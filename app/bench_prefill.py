@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed requests per row (median)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--skip-startup", action="store_true", help="leave out the start-up and memory runs")
+    parser.add_argument("--compilers", default="eager,inductor", help="piece compilers of the start-up runs")
 
 
 def median(values: list[float]) -> float:
@@ -180,17 +181,23 @@ def measure(system: Any, path: str, lengths: list[int], repeats: int, kernels: b
     return rows
 
 
-def startup_runs(path: str) -> dict[str, Any]:
+def startup_runs(path: str, compilers: list[str]) -> dict[str, Any]:
     """Capture time and graph memory of the whole schedule vs its largest size alone; start-up with
     a cold and a warm compile cache for both piece compilers."""
     from mmpipe import GraphConfig
 
     out: dict[str, Any] = {}
-    for compiler in ("eager", "inductor"):
+    for compiler in compilers:
         cache = tempfile.mkdtemp(prefix="mmpipe-compile-")
         try:
             for phase in ("cold", "warm"):
-                system = MmpipeTTFT(path, "full_and_piecewise", prefill_compiler=compiler, compile_cache_dir=cache)
+                try:
+                    system = MmpipeTTFT(path, "full_and_piecewise", prefill_compiler=compiler,
+                                        compile_cache_dir=cache)
+                except Exception as exc:  # report it; the other measurements stand
+                    out[f"{compiler}_{phase}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    print(f"  start-up {compiler} {phase} failed: {exc!r}"[:400], file=sys.stderr, flush=True)
+                    break
                 stats = system.pipe.stats()
                 out[f"{compiler}_{phase}"] = {"startup_s": system.startup_s, "prefill": _pick(stats["prefill"]),
                                               "decode_capture_s": stats["decode"].get("capture_seconds")}
@@ -229,7 +236,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
             result["piecewise_startup_s"] = system.startup_s
         system.close()
     if not args.skip_startup:
-        result["startup"] = startup_runs(path)
+        result["startup"] = startup_runs(path, [c for c in str(args.compilers).split(",") if c])
     print(report(result))
     return result
 
@@ -259,6 +266,7 @@ def report(result: dict[str, Any]) -> str:
                   f"{(v['prefill'].get('schedule_memory_bytes') or 0) / 2**20:.0f}",
                   v["prefill"].get("compilations"), v["prefill"].get("compile_cache_loads")]
                  for k, v in start.items() if "startup_s" in v]
+        srows += [[k, "failed", v["error"][:60], "-", "-", "-"] for k, v in start.items() if "error" in v]
         alone = start["largest_alone"]["prefill"]
         srows.append(["largest size alone", "-", f"{alone.get('capture_seconds', 0):.1f}",
                       f"{(alone.get('schedule_memory_bytes') or 0) / 2**20:.0f}", "-", "-"])

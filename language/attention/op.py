@@ -33,7 +33,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     context = get_forward_context()
     meta = context.attn_metadata
     n = meta.num_tokens
-    (backend or context.attention).forward(q[:n], k[:n], v[:n], meta, out[:n], context.kv_caches[layer])
+    if n != q.shape[0]:  # a padded prefill size
+        q, k, v, out = q[:n], k[:n], v[:n], out[:n]
+    (backend or context.attention).forward(q, k, v, meta, out, context.kv_caches[layer])
 
 
 @torch.library.custom_op("mmpipe::lm_attention", mutates_args=("out",))
