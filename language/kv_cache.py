@@ -15,7 +15,10 @@ DUMMY_PAGE = 0
 
 
 class KVCache:
-    """One allocation holding K and V for every layer: [layers, 2, pages, page_size, kv_heads, head_dim].
+    """K and V of every layer, each its own [pages, page_size, kv_heads, head_dim] allocation
+    (`layers[i] = (k, v)`). Separate allocations, not views of one: a compiler that functionalises
+    the in-place KV write (Inductor) must see inputs that do not alias each other, or it rebuilds
+    and copies their common base.
 
     CUDA graphs (decode steps, prefill pieces) bake in the addresses of these pages: the cache is
     allocated once, before any capture, and must never be reallocated or resized while graphs
@@ -26,9 +29,17 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.storage = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
-                                   dtype=dtype, device=device)
-        self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+
+    def stacked(self) -> torch.Tensor:
+        """A copy of the whole cache as [layers, 2, pages, page_size, kv_heads, head_dim] (tests)."""
+        return torch.stack([torch.stack(pair) for pair in self.layers])
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

@@ -131,10 +131,10 @@ def test_the_split_compiled_forward_equals_the_plain_forward(lengths):
     if split.stats.padded_tokens == 0 and split.size_for(a.shape[0]) == a.shape[0] and \
             split.size_for(sum(c for c, _ in lengths)) == sum(c for c, _ in lengths):
         assert torch.equal(a, b)
-        assert torch.equal(plain.kv.storage, split.kv.storage)
+        assert torch.equal(plain.kv.stacked(), split.kv.stacked())
     else:  # padded rows change the matmul blocking (rounding only) and write the dummy page
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(split.kv.storage[:, :, 1:], plain.kv.storage[:, :, 1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(split.kv.stacked()[:, :, 1:], plain.kv.stacked()[:, :, 1:], rtol=1e-5, atol=1e-5)
     assert split.stats.compiled_forwards >= 1 and plain.stats.eager_forwards >= 1
 
 
@@ -215,8 +215,8 @@ def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simul
         assert torch.equal(b, c), lengths  # the same padded size without graphs: exactly equal
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)  # the plain forward: rounding only
     real = slice(1, None)  # pages after the dummy page (padded rows and the captures write there)
-    assert torch.equal(compiled.kv.storage[:, :, real], graphs.kv.storage[:, :, real])  # padding wrote nothing
-    torch.testing.assert_close(graphs.kv.storage[:, :, real], plain.kv.storage[:, :, real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(compiled.kv.stacked()[:, :, real], graphs.kv.stacked()[:, :, real])  # padding wrote nothing
+    torch.testing.assert_close(graphs.kv.stacked()[:, :, real], plain.kv.stacked()[:, :, real], rtol=1e-5, atol=1e-5)
     stats = graphs.graph_stats()
     assert stats["graph_forwards"] == 5 and stats["compiled_forwards"] == 1  # 40 tokens: above 32
     assert stats["padded_tokens"] == (8 - 5) + 0 + (16 - 13) + (8 - 2) + 0

@@ -140,7 +140,7 @@ class ModelRunner:
         self.stats = RunnerStats()
         log.info("KV cache: %d pages of %d tokens (%d tokens, %.1f MiB); max_model_len %d; graph mode %s",
                  num_pages, self.page_size, capacity,
-                 self.kv.storage.numel() * self.kv.storage.element_size() / 2**20, self.max_model_len,
+                 self.kv.nbytes / 2**20, self.max_model_len,
                  self.graph_mode.value)
         # One graph pool for the language model: prefill pieces (largest sizes) captured first,
         # then the decode buckets reuse its blocks.
