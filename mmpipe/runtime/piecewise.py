@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +158,9 @@ def _canonical_code(module: fx.GraphModule, example_inputs: Sequence[Any]) -> st
     lines = [f"{node.op} {target(node)} {arg(node.args)} {arg(node.kwargs)}" for node in module.graph.nodes]
     meta = [(str(x.dtype), [str(s) for s in x.shape], [str(s) for s in x.stride()]) if isinstance(x, torch.Tensor)
             else type(x).__name__ for x in example_inputs]
-    return "\n".join(lines) + json.dumps(meta)
+    text = "\n".join(lines) + json.dumps(meta)
+    symbols: dict[str, str] = {}  # the tracer numbers size symbols per trace: rename by first use
+    return re.sub(r"\bs\d+\b", lambda m: symbols.setdefault(m.group(0), f"s{len(symbols)}"), text)
 
 
 class PieceCompiler:
