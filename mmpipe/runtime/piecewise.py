@@ -155,7 +155,18 @@ def _canonical_code(module: fx.GraphModule, example_inputs: Sequence[Any]) -> st
     def target(node: fx.Node) -> str:
         return "" if node.op == "placeholder" else str(getattr(node.target, "__name__", node.target))
 
-    lines = [f"{node.op} {target(node)} {arg(node.args)} {arg(node.kwargs)}" for node in module.graph.nodes]
+    def kwargs(node: fx.Node) -> str:
+        values = dict(node.kwargs)
+        if "kernel_idx" in values:  # a user Triton kernel: side-table indices differ per trace
+            from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+            kernel = kernel_side_table.get_kernel(values.pop("kernel_idx"))
+            values["kernel"] = getattr(getattr(kernel, "fn", kernel), "__qualname__", repr(kernel))
+            if "constant_args_idx" in values:
+                values["constants"] = repr(kernel_side_table.get_constant_args(values.pop("constant_args_idx")))
+        return arg(values)
+
+    lines = [f"{node.op} {target(node)} {arg(node.args)} {kwargs(node)}" for node in module.graph.nodes]
     meta = [(str(x.dtype), [str(s) for s in x.shape], [str(s) for s in x.stride()]) if isinstance(x, torch.Tensor)
             else type(x).__name__ for x in example_inputs]
     text = "\n".join(lines) + json.dumps(meta)
