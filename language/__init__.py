@@ -1,7 +1,8 @@
 """The language model side (`mmpipe.language`): the Qwen2 decoder with M-RoPE over flat tokens,
 the paged KV cache, the fused rotary + KV-cache write, attention backends and kernels, the
-graph-safe sampler, and the decode graph runner (the persistent device-side decode batch whose
-steps run as CUDA graphs with sampling inside).
+graph-safe sampler, the decode graph runner (the persistent device-side decode batch whose
+steps run as CUDA graphs with sampling inside), and the prefill runner (fixed input buffers;
+piecewise CUDA graphs of the compiled forward, split at attention).
 
 Imports `mmpipe.runtime` and `mmpipe.config`, never `mmpipe.vision` or the engine.
 """

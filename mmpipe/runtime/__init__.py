@@ -5,6 +5,8 @@
 - `graph_cache`: the one graph cache every CUDA graph runner uses (capture with eager fallback,
   LRU eviction, teardown order, statistics); `capture`: capturing safely; `graph_memory` and
   `vmm_arena`: where graph memory comes from (one pool, a pool per graph, or the VMM arena).
+- `piecewise`: the `torch.compile` backend that splits a traced forward at chosen ops and runs
+  every piece as a per-size CUDA graph (compilers `eager`/`inductor`, the compile cache).
 - `fused`, `layers`, `weight_copy`: fused Triton kernels, small shared layers, weight loading.
 
 Imports nothing from `mmpipe.vision`, `mmpipe.language` or `mmpipe.engine`.
