@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from mmpipe.app.bench import _kernel_ms, build_3b_checkpoint, table
+from mmpipe.app.bench import _kernel_ms, _wall_ms, build_3b_checkpoint, table
 from mmpipe.app.bench_decode import make_prompts
 
 LENGTHS = (64, 256, 1024, 4096)
@@ -39,24 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--skip-startup", action="store_true", help="leave out the start-up and memory runs")
     parser.add_argument("--compilers", default="eager,inductor", help="piece compilers of the start-up runs")
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
-def timed(fn: Callable[[], Any], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1000)
-    return median(times)
 
 
 def image_448() -> Any:
@@ -178,7 +160,7 @@ def cases_of(path: str, lengths: list[int]) -> list[tuple[str, dict[str, Any]]]:
 def measure(system: Any, cases: list[tuple[str, dict[str, Any]]], repeats: int) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for name, kwargs in cases:
-        rows[name] = {"ttft_ms": timed(system.request_fn(**kwargs), repeats)}
+        rows[name] = {"ttft_ms": _wall_ms(system.request_fn(**kwargs), warmup=3, reps=repeats)}
         print(f"  {name}: {rows[name]}", file=sys.stderr, flush=True)
     return rows
 
