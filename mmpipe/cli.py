@@ -1,6 +1,7 @@
 """The `mmpipe` command.
 
     mmpipe caption IMAGES...     caption images (files, directories, globs) with a model
+    mmpipe demo                  the browser chat demo (app/demo.py; needs `pip install mmpipe[app]`)
     mmpipe info [--model PATH]   versions, device, and a summary of a model
     mmpipe bench WHAT            side-by-side GPU benchmarks (app/bench.py: kernels, throughput)
 """
@@ -99,12 +100,13 @@ def _graph_summary(stats: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mmpipe.app import caption
+    from mmpipe.app import caption, demo
     from mmpipe.config import GraphMode
 
     parser = argparse.ArgumentParser(prog="mmpipe", description="Fast vision-language model inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     caption.build_parser(sub.add_parser("caption", help="caption images"))
+    demo.build_parser(sub.add_parser("demo", help="the browser chat demo (Gradio)"))
     info = sub.add_parser("info", help="versions, device and a model summary")
     info.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     info.add_argument("--device", default=None)
@@ -120,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "caption":
         return caption.run(args)
+    if args.command == "demo":
+        return demo.run(args)
     return _info(args)
 
 

@@ -35,7 +35,7 @@ from mmpipe.engine.processor import InputProcessor, Prepared
 from mmpipe.engine.request import Request, failed_output
 from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, load_model
-from mmpipe.outputs import RequestOutput
+from mmpipe.outputs import RequestMetrics, RequestOutput
 from mmpipe.weights import read_json
 
 log = logging.getLogger("mmpipe")
@@ -148,9 +148,11 @@ class Pipeline:
         outputs = self.chat([caption_conversation(image, prompt) for image in image_list], sampling, errors, progress)
         return [o.text.strip() if o.ok else None for o in outputs]
 
-    def stream(self, conversation: Sequence[dict[str, Any]], sampling: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, conversation: Sequence[dict[str, Any]], sampling: SamplingParams | None = None) -> "TextStream":
         """Yield the answer's text as it is generated. Deltas never split a character and never
-        include text a stop string later removes; closing the iterator aborts the request."""
+        include text a stop string later removes; closing the iterator aborts the request and
+        frees its KV pages. The returned `TextStream` also reports the request's live counts and
+        timings (prompt and image tokens, tokens so far, time to first token)."""
         with self._text_lock:
             prepared = self.processor.prepare(0, *self.processor.render_chat(conversation, "conversation"),
                                               sampling or SamplingParams(), "conversation", stream=True)
@@ -158,37 +160,12 @@ class Pipeline:
                   for k, src in enumerate(prepared.image_sources)]
         with self._text_lock:
             request = self.processor.assemble(prepared, loaded)
-        return self._stream(request)
-
-    def _stream(self, request: Request) -> Iterator[str]:
-        engine = self.engine
-        with engine.lock:
-            engine.add(request)
-        try:
-            while True:
-                if request.finished:
-                    with engine.lock:
-                        request.detokenizer.finish()
-                        tail = request.detokenizer.pop_delta(final=True)
-                    if tail:
-                        yield tail
-                    return
-                with engine.lock:  # another thread's step may be extending this text right now
-                    delta = request.detokenizer.pop_delta()
-                if delta:
-                    yield delta
-                with engine.lock:
-                    if not request.finished:
-                        engine.step()
-        finally:
-            if not request.finished:
-                with engine.lock:
-                    engine.abort(request)
+        return TextStream(self.engine, request)
 
     def stats(self) -> dict[str, Any]:
         """Engine statistics: graph mode; ViT, decode and prefill graphs (graphs, captures, capture
         seconds, bytes held, replays, eager fallbacks); step counters and decode host time; KV
-        pages and requests."""
+        pages, requests and the encoder cache."""
         with self.engine.lock:
             scheduler = self.engine.scheduler
             return {
@@ -198,6 +175,8 @@ class Pipeline:
                              "page_size": self.runner.page_size},
                 "requests": {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                              "preemptions": scheduler.preemptions},
+                "encoder_cache": {"entries": len(self.engine.cache), "bytes": self.engine.cache.used,
+                                  "hits": self.engine.cache.hits, "misses": self.engine.cache.misses},
                 "steps": self.engine.steps,
             }
 
@@ -304,6 +283,86 @@ class Pipeline:
         if missing:  # a bug, never a silently shorter list
             raise RuntimeError(f"no output for request(s) {missing[:10]}")
         return outputs  # type: ignore[return-value]
+
+
+class TextStream(Iterator[str]):
+    """One streamed request: iterate for text deltas; read its counts and timings at any time.
+
+    The request joins the engine on the first `next()`. Whichever thread iterates steps the
+    shared engine, so streams from several threads are batched together. `close()` (or leaving a
+    `with` block, or garbage collection of an unfinished stream) aborts the request.
+    """
+
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self._engine = engine
+        self._request = request
+        self._deltas = self._run()
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+
+    def __enter__(self) -> "TextStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._request.prompt_len
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(image.num_tokens for image in self._request.images)
+
+    @property
+    def num_images(self) -> int:
+        return len(self._request.images)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self._request.output_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None while running; then "stop", "length" or "abort" (`RequestOutput`)."""
+        return self._request.finish_reason
+
+    def metrics(self) -> RequestMetrics:
+        """Timings so far (time to first token, decode tokens/s, ...), final once finished."""
+        with self._engine.lock:
+            return self._request.metrics()
+
+    def _run(self) -> Iterator[str]:
+        engine, request = self._engine, self._request
+        with engine.lock:
+            engine.add(request)
+        try:
+            while True:
+                if request.finished:
+                    with engine.lock:
+                        request.detokenizer.finish()
+                        tail = request.detokenizer.pop_delta(final=True)
+                    if tail:
+                        yield tail
+                    return
+                with engine.lock:  # another thread's step may be extending this text right now
+                    delta = request.detokenizer.pop_delta()
+                if delta:
+                    yield delta
+                with engine.lock:
+                    if not request.finished:
+                        engine.step()
+        finally:
+            if not request.finished:
+                with engine.lock:
+                    engine.abort(request)
 
 
 def caption_conversation(image: Any, prompt: str | None = None) -> list[dict[str, Any]]:

@@ -126,7 +126,8 @@ class Request:
         self.detokenizer.finish()
         return self.detokenizer.text
 
-    def to_output(self) -> RequestOutput:
+    def metrics(self) -> RequestMetrics:
+        """Timings as of now (final once the request has finished)."""
         end = self.finished_at or time.monotonic()
         metrics = RequestMetrics()
         if self.first_scheduled is not None:
@@ -136,6 +137,10 @@ class Request:
             if len(self.output_ids) > 1 and end > self.first_token:
                 metrics.decode_tokens_per_s = (len(self.output_ids) - 1) / (end - self.first_token)
         metrics.total_s = end - self.arrival
+        return metrics
+
+    def to_output(self) -> RequestOutput:
+        metrics = self.metrics()
         text = "" if self.error else self.final_text()
         return RequestOutput(index=self.index, text=text, token_ids=list(self.output_ids),
                              finish_reason=self.finish_reason, num_prompt_tokens=self.prompt_len,
