@@ -292,10 +292,11 @@ def build_ui(backend: ChatBackend, concurrency: int = 4, title: str | None = Non
                 gr.ChatInterface(
                     backend.respond, multimodal=True,
                     textbox=gr.MultimodalTextbox(file_types=["image"], file_count="multiple", sources=["upload"],
-                                                 placeholder="Ask about an image, or drop images here"),
-                    chatbot=gr.Chatbot(label=name, height=520, elem_id="mmpipe-chat"),
+                                                 placeholder="Ask about an image, or drop images here",
+                                                 stop_btn=True),
+                    chatbot=gr.Chatbot(label=name, height=520, elem_id="mmpipe-chat", buttons=["copy", "copy_all"]),
                     additional_inputs=settings, additional_outputs=[answer_md, engine_md],
-                    additional_inputs_accordion="Generation settings",
+                    additional_inputs_accordion=gr.Accordion("Generation settings", open=False, render=False),
                     examples=[[example] for example in sample_examples()] or None, cache_examples=False, stop_btn=True,
                     concurrency_limit=concurrency, api_name="chat", fill_height=True, autofocus=False)
             with gr.Column(scale=1, min_width=320):

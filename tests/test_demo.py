@@ -215,3 +215,43 @@ def test_demo_command_starts_a_server_and_rejects_bad_flags():
     bad = subprocess.run([sys.executable, "-m", "mmpipe.cli", "demo", "--concurrency", "0"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--concurrency" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def drive_from_pool(gen, pool):
+    """Gradio calls a sync generator's next() from whichever worker thread is free: do the same."""
+    updates = []
+    while True:
+        item = pool.submit(next, gen, None).result()
+        if item is None:
+            return updates
+        updates.append(item)
+
+
+@pytest.mark.gpu
+def test_gpu_demo_answers_with_graphs_from_many_threads_and_stops_cleanly():
+    import concurrent.futures as futures
+
+    cuda = Pipeline.from_pretrained(device="cuda", dtype="float32", num_kv_pages=2048)
+    try:
+        backend = ChatBackend(cuda, update_interval_s=0.0)
+        names = ["scene_0.png", "scene_1.png", "scene_5.png"]
+        recorder = StepRecorder(delay_s=0.0).install(cuda)
+        gens = [backend.respond({"text": "Describe this image.", "files": [sample(n)]}, []) for n in names]
+        with futures.ThreadPoolExecutor(8) as steps, futures.ThreadPoolExecutor(len(gens)) as drivers:
+            results = list(drivers.map(lambda g: drive_from_pool(g, steps), gens))
+        assert [r[-1][0] for r in results] == [EXPECTED[n] for n in names]
+        assert recorder.max_running >= 2
+        engine = results[-1][-1][2]
+        for part in ("ViT graphs", "Prefill graphs", "Decode graphs"):
+            live = int(re.search(part + r" \| (\d+) live", engine).group(1))
+            assert live > 0, engine
+        assert "LM graph mode | full_and_piecewise" in engine
+        gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_2.png")]}, [],
+                              max_new_tokens=200)
+        next(gen)
+        assert cuda.stats()["requests"]["running"] == 1
+        gen.close()
+        stats = cuda.stats()
+        assert stats["requests"]["running"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
+    finally:
+        cuda.close()
