@@ -1,140 +1,382 @@
 """Batch image captioning: files, directories or globs in; one caption per image out.
 
-    python -m mmpipe.app.caption assets/images                       # print "path<TAB>caption"
-    python -m mmpipe.app.caption photos/ --output captions.jsonl     # JSON lines; re-running resumes
+    mmpipe caption assets/images                                  # print "path<TAB>caption"
+    mmpipe caption photos/ --format txt                           # photos/a.jpg -> photos/a.txt
+    mmpipe caption photos/ --format txt --output-dir captions/    # mirrored under captions/
+    mmpipe caption photos/ --format jsonl --output captions.jsonl
+    mmpipe caption photos/ --format metadata                      # photos/metadata.jsonl (imagefolder)
+    mmpipe caption photos/ --format csv --output captions.csv
+    mmpipe caption photos/ --format txt --gpus 2                  # data parallel, one process per GPU
 
-Images are processed in batches; an image that cannot be read is reported on stderr and
-skipped, and every other image is still captioned. With --output, finished captions are
-appended as they complete and images already in the file are skipped, so an interrupted run
-resumes where it stopped.
+Every image goes through one continuous stream of engine requests (images decoded on
+`--workers` threads a bounded distance ahead), and each caption is written the moment it
+completes. Existing captions are skipped (`--skip-existing`, the default), replaced
+(`--overwrite`) or extended (`--append`). A run killed at any moment and started again with
+the same command captions every image exactly once (see `caption_io`). An unreadable image is
+reported once on stderr (and in `--errors-file`) and skipped; the exit code is 1 if any image
+or input failed, 2 for a usage error.
+
+Several processes (`--gpus N`, `accelerate launch -m mmpipe.app.caption ...` or `torchrun`)
+each caption a deterministic shard of the sorted images with their own Pipeline; sidecars need
+no merge, record files are written per process and merged by the first process at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import logging
+import dataclasses
 import os
+import re
+import subprocess
 import sys
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
+from mmpipe.app.caption_io import (FORMATS, ErrorLog, ImageItem, PromptResolver, RecordSink, SidecarSink, Sink,
+                                   StdoutSink, collect_images, read_prompt_file, remove_stale_temporaries, shard)
 from mmpipe.config import GraphMode
+from mmpipe.errors import InputError
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
-
-
-def find_images(inputs: Iterable[str]) -> list[str]:
-    """Expand directories (recursively, image suffixes only) and globs; keep explicit files as given."""
-    found: list[str] = []
-    for item in inputs:
-        if os.path.isdir(item):
-            for root, _, files in sorted(os.walk(item)):
-                found += [os.path.join(root, f) for f in sorted(files) if os.path.splitext(f)[1].lower() in IMAGE_SUFFIXES]
-        elif any(ch in item for ch in "*?["):
-            found += sorted(glob.glob(item, recursive=True))
-        else:
-            found.append(item)
-    return found
+FORMAT_NAMES = ["txt", *FORMATS]
 
 
-def _batches(items: Sequence[str], size: int) -> Iterator[list[str]]:
-    for start in range(0, len(items), size):
-        yield list(items[start:start + size])
-
-
-def _done_paths(output: str) -> set[str]:
-    done: set[str] = set()
-    if not os.path.isfile(output):
-        return done
-    with open(output) as handle:
-        for line in handle:
-            try:
-                done.add(json.loads(line)["image"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by an interruption
-    return done
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="mmpipe caption", description=__doc__.split("\n\n")[0])
-    parser.add_argument("images", nargs="+", help="image files, directories or glob patterns")
+    from mmpipe.cli import CommandParser
+
+    parser = parser or CommandParser(prog="mmpipe caption", description=__doc__.split("\n\n")[0])
+    parser.add_argument("images", nargs="+", help="image files, directories (recursive) or glob patterns")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
-    parser.add_argument("--prompt", default=None, help="instruction (default: 'Describe this image.')")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=64, help="images per engine call")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
-    parser.add_argument("--output", default=None, help="write JSON lines here (appends; resumes)")
-    parser.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
-                        help="CUDA graphs for the vision encoder (default: on with CUDA)")
-    parser.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
-                        help="CUDA graphs for the language model (default: full_and_piecewise on CUDA)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    out = parser.add_argument_group("outputs")
+    out.add_argument("--format", choices=FORMAT_NAMES, default=None,
+                     help="txt: a sidecar name.txt per image; jsonl: one line per image in --output; metadata: "
+                          "metadata.jsonl for Hugging Face imagefolder; csv (default: jsonl with --output, else "
+                          "print to stdout)")
+    out.add_argument("--output", default=None, help="the jsonl / csv / metadata.jsonl file")
+    out.add_argument("--output-dir", default=None, help="txt: write sidecars here, mirroring the input tree")
+    policy = out.add_mutually_exclusive_group()
+    policy.add_argument("--skip-existing", dest="policy", action="store_const", const="skip",
+                        help="images that already have a caption are skipped (default)")
+    policy.add_argument("--overwrite", dest="policy", action="store_const", const="overwrite",
+                        help="replace existing captions")
+    policy.add_argument("--append", dest="policy", action="store_const", const="append",
+                        help="add the new caption after an existing one (see --separator)")
+    out.add_argument("--separator", default="\n", help="between an existing caption and an appended one")
+    out.add_argument("--prefix", default="", help="text put before every caption (e.g. a trigger word)")
+    out.add_argument("--suffix", default="", help="text put after every caption")
+    out.add_argument("--errors-file", default=None, help="JSON lines (image, error) for every image that failed")
+    prompts = parser.add_argument_group("prompt and sampling")
+    group = prompts.add_mutually_exclusive_group()
+    group.add_argument("--prompt", default=None, help="instruction (default: 'Describe this image.')")
+    group.add_argument("--prompt-file", default=None, help="read the instruction from this file")
+    prompts.add_argument("--dir-prompts", action="store_true",
+                         help="a prompt.txt in an image's folder (or the nearest parent within its input "
+                              "directory) overrides the prompt for the images below it")
+    prompts.add_argument("--max-new-tokens", type=_positive, default=64)
+    prompts.add_argument("--min-new-tokens", type=int, default=0)
+    prompts.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    prompts.add_argument("--top-p", type=float, default=None)
+    prompts.add_argument("--top-k", type=int, default=None)
+    prompts.add_argument("--repetition-penalty", type=float, default=None)
+    prompts.add_argument("--seed", type=int, default=None, help="makes sampled captions reproducible")
+    run_group = parser.add_argument_group("running")
+    run_group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    run_group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+    run_group.add_argument("--workers", type=_positive, default=4, help="threads decoding images ahead")
+    run_group.add_argument("--batch-size", type=_positive, default=None,
+                           help="most requests decoding together (default: the engine's 256)")
+    run_group.add_argument("--gpus", type=_positive, default=None,
+                           help="data parallel: start this many processes, one per GPU (via accelerate)")
+    run_group.add_argument("--fail-fast", action="store_true", help="stop at the first image that fails")
+    run_group.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
+                           help="CUDA graphs for the vision encoder (default: on with CUDA)")
+    run_group.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
+                           help="CUDA graphs for the language model (default: full_and_piecewise on CUDA)")
+    run_group.add_argument("--quiet", action="store_true", help="no progress bars and no summary")
     return parser
 
 
+@dataclasses.dataclass
+class Tally:
+    captioned: int = 0
+    already: int = 0
+    failed: int = 0
+    unmatched_inputs: int = 0
+    tokens: int = 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Command-line combinations that cannot work, as one clear message."""
+    fmt = args.format or ("jsonl" if args.output else None)
+    args.format = fmt
+    args.policy = args.policy or "skip"
+    if fmt in ("jsonl", "csv") and not args.output:
+        raise InputError(f"--format {fmt} needs --output FILE")
+    if fmt == "txt" and args.output:
+        raise InputError("--format txt writes one file per image: use --output-dir DIR, not --output")
+    if args.output_dir and fmt != "txt":
+        raise InputError("--output-dir is for --format txt")
+    if fmt is None and args.policy != "skip":
+        raise InputError("--overwrite / --append need an output (--format or --output)")
+    if args.min_new_tokens < 0 or args.min_new_tokens > args.max_new_tokens:
+        raise InputError(f"--min-new-tokens must be between 0 and --max-new-tokens ({args.max_new_tokens})")
+    if args.output and os.path.isdir(args.output):
+        raise InputError(f"--output {args.output} is a directory")
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from mmpipe import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _make_sink(args: argparse.Namespace, part: str = "") -> Sink:
+    if args.format is None:
+        return StdoutSink(sys.stdout)
+    if args.format == "txt":
+        return SidecarSink(args.policy, args.output_dir, args.separator, _run_id(args))
+    output = args.output + part if args.output else None
+    return RecordSink(args.format, args.policy, output, args.separator, part=part)
+
+
+def _run_id(args: argparse.Namespace) -> str:
+    """Names the sidecar journal: the same command finds the same journal when it resumes."""
+    import hashlib
+
+    return hashlib.sha256(repr((args.policy, args.prefix, args.suffix, args.separator)).encode()).hexdigest()[:12]
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.gpus and args.gpus > 1 and "WORLD_SIZE" not in os.environ and "ACCELERATE_PROCESS_INDEX" not in os.environ:
+        return _launch_processes(args.gpus)
+    try:
+        _check(args)
+        prompt = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
+        sampling = _sampling(args)
+    except (InputError, ValueError) as exc:
+        print(f"mmpipe caption: {exc}", file=sys.stderr)
+        return 2
+    state = _process_state(cpu=args.device == "cpu")
+    items, problems = collect_images(args.images)
+    if state.is_main_process:
+        for problem in problems:
+            print(f"mmpipe caption: {problem}", file=sys.stderr)
+    if not items:
+        print("mmpipe caption: no images to caption", file=sys.stderr)
+        return 2
+    if args.format == "metadata" and args.output:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        outside = [i.path for i in items if os.path.relpath(i.path, folder).startswith("..")]
+        if outside:
+            print(f"mmpipe caption: metadata file {args.output}: {outside[0]} is not under its folder "
+                  "(imagefolder's file_name must be relative)", file=sys.stderr)
+            return 2
+    world, rank = state.num_processes, state.process_index
+    mine = shard(items, rank, world) if world > 1 else items
+    if world > 1 and args.format in FORMATS and args.policy != "skip":
+        print("mmpipe caption: --overwrite / --append with a record file need one process", file=sys.stderr)
+        return 2
+    part = f".part{rank}of{world}" if world > 1 and args.format in FORMATS else ""
+    sink = _make_sink(args, part)
+    errors = ErrorLog(args.errors_file + (f".part{rank}of{world}" if world > 1 else "") if args.errors_file else None)
+    tally = Tally(unmatched_inputs=len(problems) if state.is_main_process else 0)
+    try:
+        code = _caption(args, state, mine, prompt, sampling, sink, errors, tally)
+    finally:
+        errors.close()
+        sink.close()
+    if world > 1:
+        state.wait_for_everyone()
+        if state.is_main_process:
+            _merge_parts(args, items, world)
+    return code
+
+
+def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], prompt: str | None, sampling: Any,
+             sink: Sink, errors: ErrorLog, tally: Tally) -> int:
     from tqdm import tqdm
 
-    from mmpipe import Pipeline, SamplingParams
+    from mmpipe import Pipeline
+    from mmpipe.errors import MmpipeError
     from mmpipe.pipeline import caption_conversation
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    paths = find_images(args.images)
-    if not paths:
-        print("no images found", file=sys.stderr)
-        return 2
-    done = _done_paths(args.output) if args.output else set()
-    todo = [p for p in paths if p not in done]
-    import dataclasses
+    if isinstance(sink, SidecarSink):
+        remove_stale_temporaries(os.path.dirname(sink.target(i)) for i in items)
+        targets: dict[str, ImageItem] = {}
+        clashes = []
+        for item in items:
+            other = targets.setdefault(sink.target(item), item)
+            if other is not item:
+                clashes.append((item, other))
+        for item, other in clashes:
+            message = f"its caption file {sink.target(item)} is also {other.path}'s"
+            _report(item, message, errors, None)
+            tally.failed += 1
+        clashing = {item.key for item, _ in clashes}
+        items = [i for i in items if i.key not in clashing]
+    todo = [i for i in items if not sink.done(i)]
+    tally.already = len(items) - len(todo)
+    resolve = PromptResolver(prompt or "Describe this image.", args.dir_prompts)
+    options: dict[str, Any] = {"preprocess_workers": args.workers, "startup_progress": not args.quiet}
+    if args.batch_size:
+        options["max_running_requests"] = args.batch_size
+    if args.vit_graphs is not None:
+        from mmpipe import EngineConfig
 
-    from mmpipe import EngineConfig
-
-    options = {} if args.vit_graphs is None else {
-        "vit_graph": dataclasses.replace(EngineConfig().vit_graph, enabled=args.vit_graphs)}
-    pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
-                                    **options)
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    sink = open(args.output, "a") if args.output else None
-    failed = captioned = 0
-    start = time.monotonic()
-    bar = tqdm(total=len(todo), unit="img", disable=args.quiet or len(todo) < 2, file=sys.stderr)
+        options["vit_graph"] = dataclasses.replace(EngineConfig().vit_graph, enabled=args.vit_graphs)
+    if not todo:
+        sink.finish()
+        if not args.quiet:
+            _summary(tally, 0.0, sink, args, state)
+        return 1 if tally.failed or tally.unmatched_inputs else 0
+    device = args.device if args.device or state.num_processes == 1 else str(state.device)
     try:
-        for batch in _batches(todo, args.batch_size):
-            outputs = pipe.chat([caption_conversation(path, args.prompt) for path in batch], sampling,
-                                errors="return")
-            for path, output in zip(batch, outputs):
-                if not output.ok:
-                    failed += 1
-                    bar.clear()
-                    print(f"skipped {path}: {output.error}", file=sys.stderr, flush=True)
-                    continue
-                captioned += 1
-                caption = output.text.strip()
-                if sink:
-                    sink.write(json.dumps({"image": path, "caption": caption}) + "\n")
-                else:
-                    bar.clear()
-                    print(f"{path}\t{caption}", flush=True)
-            if sink:
-                sink.flush()
-            bar.update(len(batch))
+        pipe = Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, graph_mode=args.graph_mode,
+                                        **options)
+    except MmpipeError as exc:
+        print(f"mmpipe caption: {exc}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    bar = tqdm(total=len(todo), unit="img", disable=args.quiet or not todo, file=sys.stderr, dynamic_ncols=True,
+               position=state.process_index, desc=f"rank {state.process_index}" if state.num_processes > 1 else None)
+    stopped = False
+    conversations = (caption_conversation(item.path, resolve(item)) for item in todo)
+    stream = pipe.chat_stream(conversations, sampling)
+    try:
+        for output in stream:
+            item = todo[output.index]
+            bar.update(1)
+            tally.tokens += len(output.token_ids)
+            text = output.text.strip() if output.ok else ""
+            reason = output.error if not output.ok else (None if text else "the model returned an empty caption")
+            if reason is not None:
+                tally.failed += 1
+                _report(item, reason, errors, bar)
+                if args.fail_fast:
+                    stopped = True
+                    break
+                continue
+            if isinstance(sink, StdoutSink):
+                bar.clear()
+            sink.write(item, f"{args.prefix}{text}{args.suffix}")
+            tally.captioned += 1
     finally:
+        stream.close()
         bar.close()
-        if sink:
-            sink.close()
+        pipe.close()
+    if not stopped:
+        sink.finish()
     seconds = time.monotonic() - start
-    already = len(done & set(paths))
-    skipped = f", {already} already done" if already else ""
-    print(f"captioned {captioned} image(s) in {seconds:.1f} s, {failed} failed{skipped}", file=sys.stderr)
-    # Unreadable images are reported and skipped; the run fails only if nothing could be captioned.
-    return 1 if failed and not (captioned or already) else 0
+    if not args.quiet:
+        _summary(tally, seconds, sink, args, state)
+    if stopped:
+        print("mmpipe caption: stopped at the first failure (--fail-fast)", file=sys.stderr)
+    return 1 if tally.failed or tally.unmatched_inputs else 0
+
+
+def _report(item: ImageItem, reason: str, errors: ErrorLog, bar: Any) -> None:
+    # The pipeline names the request and the image; here the path says both.
+    reason = re.sub(r"^conversation \d+, image \d+: image '.*?': ", "", reason)
+    line = f"failed {item.path}: {reason}"
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr)
+    errors.add(item, reason)
+
+
+def _summary(tally: Tally, seconds: float, sink: Sink, args: argparse.Namespace, state: Any) -> None:
+    who = f"rank {state.process_index}: " if state.num_processes > 1 else ""
+    parts = [f"{who}captioned {tally.captioned} image(s)"]
+    if seconds > 0:
+        parts[0] += (f" in {seconds:.1f} s ({tally.captioned / seconds:.1f} images/s, "
+                     f"{tally.tokens / seconds:.0f} generated tokens/s)")
+    if tally.already:
+        parts.append(f"{tally.already} already captioned")
+    parts.append(f"{tally.failed} failed")
+    if tally.unmatched_inputs:
+        parts.append(f"{tally.unmatched_inputs} input(s) matched no image")
+    where = f"; outputs: {sink.where}" if not isinstance(sink, StdoutSink) else ""
+    errs = f"; errors: {args.errors_file}" if args.errors_file and tally.failed else ""
+    print(", ".join(parts) + where + errs, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- several processes
+
+
+def _process_state(cpu: bool) -> Any:
+    """Rank, world size and device from accelerate (set by `accelerate launch` or `torchrun`);
+    without CUDA (or with --device cpu) the processes meet over gloo on the CPU."""
+    import torch
+    from accelerate import PartialState
+
+    return PartialState(cpu=cpu or not torch.cuda.is_available())
+
+
+def _launch_processes(count: int) -> int:
+    """`--gpus N`: the same command again under `accelerate launch` with N processes."""
+    argv = [a for a in _strip_gpus(sys.argv[1:])]
+    if argv[:1] == ["caption"]:  # started as `mmpipe caption ...`
+        argv = argv[1:]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(count),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < count:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        print(f"mmpipe caption: --gpus {count} but this machine has {have} CUDA GPU(s)", file=sys.stderr)
+        return 2
+    command += ["--multi_gpu", "-m", "mmpipe.app.caption", *argv]
+    return subprocess.call(command)
+
+
+def _strip_gpus(argv: Sequence[str]) -> Iterator[str]:
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--gpus":
+            skip = True
+            continue
+        if arg.startswith("--gpus="):
+            continue
+        yield arg
+
+
+def _merge_parts(args: argparse.Namespace, items: list[ImageItem], world: int) -> None:
+    """The first process folds every process's record-file and errors-file parts into the outputs."""
+    from mmpipe.app.caption_io import merge_record_parts
+
+    if args.format in FORMATS:
+        paths = {args.output} if args.output else {os.path.join(i.root, "metadata.jsonl") for i in items}
+        for path in sorted(paths):
+            merge_record_parts(path, FORMATS[args.format], [f"{path}.part{r}of{world}" for r in range(world)])
+    if args.errors_file:
+        with open(args.errors_file, "w", encoding="utf-8") as out:
+            for r in range(world):
+                part = f"{args.errors_file}.part{r}of{world}"
+                if os.path.exists(part):
+                    with open(part, encoding="utf-8") as handle:
+                        out.write(handle.read())
+                    os.remove(part)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    from mmpipe.cli import guarded
+
+    return guarded("mmpipe caption", lambda: run(build_parser().parse_args(argv)))
 
 
 if __name__ == "__main__":

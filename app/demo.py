@@ -368,7 +368,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(argparse.ArgumentParser(prog="mmpipe demo", description=__doc__.split("\n")[0]))
+    from mmpipe.cli import CommandParser
+
+    parser = build_parser(CommandParser(prog="mmpipe demo", description=__doc__.split("\n")[0]))
     return run(parser.parse_args(argv))
 
 

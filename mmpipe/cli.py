@@ -1,6 +1,6 @@
 """The `mmpipe` command.
 
-    mmpipe caption IMAGES...     caption images (files, directories, globs) with a model
+    mmpipe caption IMAGES...     caption images (files, directories, globs): txt, jsonl, metadata, csv
     mmpipe demo                  the browser chat demo (app/demo.py; needs `pip install mmpipe[app]`)
     mmpipe info [--model PATH]   versions, device, and a summary of a model
     mmpipe bench WHAT            side-by-side GPU benchmarks (app/bench.py: kernels, throughput)
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -53,6 +54,9 @@ def _info(args: argparse.Namespace) -> int:
                     print(f"  {k:<{width}} {v}")
             else:
                 print(f"{key:<{width}} {value}")
+    if "error" in info["model"]:  # versions are printed either way; the exit code says the model failed
+        print(f"mmpipe info: {info['model']['error']}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -99,12 +103,41 @@ def _graph_summary(stats: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A usage mistake is one line (and a pointer to -h), not the whole usage text."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} -h)\n")
+
+
+def guarded(prog: str, command: Callable[[], int]) -> int:
+    """Run a subcommand so that no expected failure ends in a traceback: mmpipe's own errors
+    (bad model, device, dtype, input) and a closed stdout (`| head`) give one line and a
+    non-zero exit code."""
+    from mmpipe.errors import MmpipeError
+
+    try:
+        return command()
+    except MmpipeError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # Whoever read our output stopped reading; keep the interpreter from failing again at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        print(f"{prog}: output closed early (broken pipe)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from mmpipe.app import caption, demo
     from mmpipe.config import GraphMode
 
-    parser = argparse.ArgumentParser(prog="mmpipe", description="Fast vision-language model inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = CommandParser(prog="mmpipe", description="Fast vision-language model inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     caption.build_parser(sub.add_parser("caption", help="caption images"))
     demo.build_parser(sub.add_parser("demo", help="the browser chat demo (Gradio)"))
     info = sub.add_parser("info", help="versions, device and a model summary")
@@ -118,13 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         from mmpipe.app import bench
 
-        return bench.main(argv[1:])
+        return guarded("mmpipe bench", lambda: bench.main(argv[1:]))
     args = parser.parse_args(argv)
     if args.command == "caption":
-        return caption.run(args)
+        return guarded("mmpipe caption", lambda: caption.run(args))
     if args.command == "demo":
-        return demo.run(args)
-    return _info(args)
+        return guarded("mmpipe demo", lambda: demo.run(args))
+    return guarded("mmpipe info", lambda: _info(args))
 
 
 if __name__ == "__main__":

@@ -153,6 +153,8 @@ class EngineConfig:
     encoder_cache_bytes: int = 1 << 30
     # Threads decoding and preprocessing images ahead of the engine.
     preprocess_workers: int = 4
+    # Progress bars while graphs are captured at start-up (the log line is written either way).
+    startup_progress: bool = True
     # Which parts of the language model run as CUDA graphs (GraphMode or its name); None:
     # full_and_piecewise on CUDA, none on the CPU.
     graph_mode: GraphMode | str | None = None

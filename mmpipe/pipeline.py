@@ -121,6 +121,24 @@ class Pipeline:
 
         return self._execute(((i, spec(i)) for i in range(len(convs))), len(convs), errors, progress)
 
+    def chat_stream(self, conversations: Iterable[Any], sampling: SamplingParams | None = None,
+                    errors: str = "return") -> Iterator[RequestOutput]:
+        """Answer conversations from an iterable of any length (a generator is read lazily, a
+        bounded distance ahead), yielding each `RequestOutput` as soon as it finishes; `.index`
+        is the conversation's position in the iterable. All of them share one continuous stream
+        of engine steps (no batch boundaries), and memory stays flat however many there are.
+        Closing the iterator aborts the requests still running."""
+        params = sampling or SamplingParams()
+
+        def specs() -> Iterator[tuple[int, Callable[[], Prepared]]]:
+            for i, conversation in enumerate(conversations):
+                def prepare(i: int = i, conversation: Any = conversation) -> Prepared:
+                    where = f"conversation {i}"
+                    return self.processor.prepare(i, *self.processor.render_chat(conversation, where), params, where)
+                yield i, prepare
+
+        return self._outputs_as_completed(specs(), errors)
+
     def generate(self, prompts: str | Sequence[str], images: Sequence[Sequence[Any]] | None = None,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, errors: str = "return",
                  progress: bool | None = None) -> list[RequestOutput]:
@@ -202,24 +220,41 @@ class Pipeline:
 
     def _execute(self, specs: Iterable[tuple[int, Callable[[], Prepared]]], count: int, errors: str,
                  progress: bool | None) -> list[RequestOutput]:
+        """Run every request; results in input order."""
+        outputs: list[RequestOutput | None] = [None] * count
+        bar = _progress_bar(count, progress)
+        try:
+            for output in self._outputs_as_completed(specs, errors, log_failures=True):
+                outputs[output.index] = output
+                bar.update(1)
+        finally:
+            bar.close()
+        missing = [i for i, o in enumerate(outputs) if o is None]
+        if missing:  # a bug, never a silently shorter list
+            raise RuntimeError(f"no output for request(s) {missing[:10]}")
+        return outputs  # type: ignore[return-value]
+
+    def _outputs_as_completed(self, specs: Iterable[tuple[int, Callable[[], Prepared]]], errors: str,
+                              log_failures: bool = False) -> Iterator[RequestOutput]:
         """Prepare requests a bounded distance ahead of the engine, add them in order as their
-        images become ready, and step the engine until all of them are done."""
+        images become ready, step the engine, and yield each output as its request finishes (a
+        request that cannot be built is yielded at once). Memory is flat in the number of specs:
+        finished requests are dropped once yielded. Closing the generator aborts what is running."""
         if errors not in ("raise", "return"):
             raise InputError(f"errors={errors!r}: use 'raise' or 'return'")
-        outputs: list[RequestOutput | None] = [None] * count
         window: deque[_Pending] = deque()
-        mine: list[Request] = []
+        running: set[Request] = set()
         done: deque[Request] = deque()
+        failed: deque[RequestOutput] = deque()
         lookahead = max(8, 2 * self.engine_config.max_running_requests)
         it = iter(specs)
-        bar = _progress_bar(count, progress)
 
         def fail(index: int, exc: InputError) -> None:
             if errors == "raise":
                 raise exc
-            log.warning("request %d failed: %s", index, exc)
-            outputs[index] = failed_output(index, str(exc))
-            bar.update(1)
+            if log_failures:
+                log.warning("request %d failed: %s", index, exc)
+            failed.append(failed_output(index, str(exc)))
 
         def refill() -> None:
             while len(window) < lookahead:
@@ -250,40 +285,36 @@ class Pipeline:
                         fail(pending.prepared.index, exc)
                         continue
                     request.on_finish = done.append
-                    mine.append(request)
+                    running.add(request)
                     with self.engine.lock:
                         self.engine.add(request)
                     refill()
-                while done:  # for the progress bar; outputs are collected from `mine` below
-                    done.popleft()
-                    bar.update(1)
+                while failed:
+                    yield failed.popleft()
+                while done:
+                    request = done.popleft()
+                    running.discard(request)
+                    with self.engine.lock:
+                        output = request.to_output()
+                    yield output
                 # Checked under the lock: another thread's step may be finishing our requests.
                 with self.engine.lock:
-                    pending = any(not r.finished for r in mine)
-                    if pending:
+                    pending_work = any(not r.finished for r in running)
+                    if pending_work:
                         self.engine.step()
-                if not pending:
+                if not pending_work and not done:
                     if not window:
-                        break
+                        if not failed:
+                            break
+                        continue
                     futures.wait(window[0].images, return_when=futures.ALL_COMPLETED)
-        except BaseException:
+        finally:  # an exception, or the consumer closed the generator early
             with self.engine.lock:
-                for request in mine:
+                for request in running:
                     self.engine.abort(request)
             for pending in window:
                 for future in pending.images:
                     future.cancel()
-            raise
-        finally:
-            bar.close()
-        with self.engine.lock:
-            for request in mine:
-                outputs[request.index] = request.to_output()
-        missing = [i for i, o in enumerate(outputs) if o is None]
-        if missing:  # a bug, never a silently shorter list
-            raise RuntimeError(f"no output for request(s) {missing[:10]}")
-        return outputs  # type: ignore[return-value]
-
 
 class TextStream(Iterator[str]):
     """One streamed request: iterate for text deltas; read its counts and timings at any time.

@@ -37,13 +37,13 @@ def test_caption_skips_a_corrupt_image_and_resumes(checkpoint, tmp_path, capsys)
     out = tmp_path / "captions.jsonl"
     args = ["caption", str(folder), "--model", checkpoint, "--device", "cpu", "--max-new-tokens", "4",
             "--output", str(out), "--batch-size", "2", "--quiet"]
-    assert main(args) == 0
+    assert main(args) == 1  # the exit code says an image failed
     err = capsys.readouterr().err
-    assert "broken.png" in err and "captioned 3 image(s)" in err and "1 failed" in err
+    assert "broken.png" in err and "not a recognised image format" in err
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["image"].rsplit("/", 1)[1] for line in lines) == ["img0.png", "img1.png", "img2.png"]
-    assert main(args) == 0  # second run: everything already done except the broken file
-    assert "captioned 0 image(s)" in capsys.readouterr().err
+    assert main(args) == 1  # second run: everything already done; the broken file fails again
+    assert "broken.png" in capsys.readouterr().err
     assert len(out.read_text().splitlines()) == 3
 
 

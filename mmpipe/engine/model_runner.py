@@ -149,11 +149,11 @@ class ModelRunner:
         self.prefiller = PrefillRunner(lm, self.kv, self.device, cfg.max_prefill_tokens,
                                        prefill_graphs_on(self.graph_mode), cfg.prefill_graph, cfg.prefill_compiler,
                                        cfg.compile_cache_dir, memory=pool)
-        self.prefiller.capture_all()
+        self.prefiller.capture_all(progress=cfg.startup_progress)
         decode_graphs = cfg.decode_graph if decode_graphs_on(self.graph_mode) else GraphConfig(enabled=False)
         self.decoder = DecodeGraphRunner(lm, self.kv, cfg.max_running_requests, self.max_model_len, self.device,
                                          decode_graphs, ban_width=cfg.max_banned_tokens, memory=pool)
-        self.decoder.capture_all()
+        self.decoder.capture_all(progress=cfg.startup_progress)
 
     def _make_vit_graphs(self) -> "ViTGraphRunner | None":
         cfg, vit = self.cfg, self.model.vision
