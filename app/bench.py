@@ -514,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_prefill.add_arguments(sub.add_parser("prefill", help="time to first token: transformers vs mmpipe "
                                                "eager vs piecewise prefill graphs, with kernel sums"))
+    from mmpipe.app import bench_caption
+
+    bench_caption.add_arguments(sub.add_parser("caption", help="captioning files: continuous stream vs batches "
+                                               "of 64; mmpipe caption --gpus N"))
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -521,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
     result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit,
-              "decode": decode_bench.run_decode, "prefill": bench_prefill.run_prefill}[args.what](args)
+              "decode": decode_bench.run_decode, "prefill": bench_prefill.run_prefill,
+              "caption": bench_caption.run_caption}[args.what](args)
     write_json(args.json, result)
     return 0
 
