@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import threading
 import re
 import sys
 import time
@@ -55,11 +57,15 @@ class Settings:
                     repetition_penalty: Any, seed: Any) -> "Settings":
         def number(name: str, value: Any, kind: type) -> Any:
             try:
-                out = kind(value)
-            except (TypeError, ValueError):
+                out = float(value)
+            except (TypeError, ValueError, OverflowError):
                 raise InputError(f"{name}: {value!r} is not a number") from None
-            if kind is int and out != float(value):
-                raise InputError(f"{name}: {value!r} is not a whole number")
+            if not math.isfinite(out):
+                raise InputError(f"{name}: {value!r} is not a finite number")
+            if kind is int:
+                if out != int(out):
+                    raise InputError(f"{name}: {value!r} is not a whole number")
+                return int(out)
             return out
 
         return cls(system_prompt=str(system_prompt or "").strip(),
@@ -106,6 +112,9 @@ def to_conversation(message: Any, history: Sequence[dict[str, Any]], system_prom
             turns[-1]["content"].extend(items)
         else:
             turns.append({"role": role, "content": items})
+    for turn in turns:  # a turn of images alone was answered as the caption question: replay it so
+        if turn["role"] == "user" and all(i["type"] == "image" for i in turn["content"]):
+            turn["content"].append({"type": "text", "text": IMAGE_ONLY_PROMPT})
     new = _new_message_items(message)
     if not new:
         raise InputError("the message is empty: type a question or attach an image")
@@ -155,16 +164,43 @@ def _content_items(content: Any) -> list[dict[str, Any]]:
 class ChatBackend:
     """Answers chat turns on one shared Pipeline and renders the statistics panels."""
 
-    def __init__(self, pipe: Any, update_interval_s: float = UPDATE_INTERVAL_S) -> None:
+    def __init__(self, pipe: Any, update_interval_s: float = UPDATE_INTERVAL_S, concurrency: int = 4) -> None:
         self.pipe = pipe
         self.update_interval_s = update_interval_s
+        # Gradio gives the page's events and the API endpoint separate limits; this one holds for all.
+        self.concurrency = concurrency
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._last: dict[str, Any] = {}  # session -> its latest stream, for the panel after a stop
 
     def respond(self, message: Any, history: Sequence[dict[str, Any]], system_prompt: Any = "",
                 max_new_tokens: Any = None, temperature: Any = None, top_p: Any = None, top_k: Any = None,
-                repetition_penalty: Any = None, seed: Any = None) -> Iterator[tuple[Any, str, str]]:
+                repetition_penalty: Any = None, seed: Any = None, session: str = "") -> Iterator[tuple[Any, str, str]]:
         """Yield (answer so far, answer statistics, engine statistics), at most every
         `update_interval_s` while streaming and once at the end. Closing the generator (Gradio's
-        stop button) aborts the request."""
+        stop button) aborts the request. At most `concurrency` answers run at once; the others
+        wait here (and can be stopped while they wait)."""
+        while not self._slots.acquire(timeout=0.25):
+            yield "", _table("This answer", [("Status", "waiting for a free slot")]), self.engine_panel()
+        try:
+            yield from self._respond(message, history, system_prompt, max_new_tokens, temperature, top_p, top_k,
+                                     repetition_penalty, seed, session)
+        finally:
+            self._slots.release()
+
+    def final_answer_panel(self, session: str, wait_s: float = 2.0) -> str | None:
+        """The statistics of a session's latest answer once it has ended (after a stop, the abort
+        lands a moment later)."""
+        stream = self._last.get(session)
+        if stream is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while stream.finish_reason is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return answer_panel(stream)
+
+    def _respond(self, message: Any, history: Sequence[dict[str, Any]], system_prompt: Any, max_new_tokens: Any,
+                 temperature: Any, top_p: Any, top_k: Any, repetition_penalty: Any, seed: Any,
+                 session: str) -> Iterator[tuple[Any, str, str]]:
         d = self.pipe.defaults
         try:
             settings = Settings.from_inputs(
@@ -178,6 +214,11 @@ class ChatBackend:
             reason = _short_paths(str(exc))
             yield error_reply(reason), answer_panel(None, error=reason), self.engine_panel()
             return
+        if session:
+            self._last.pop(session, None)
+            self._last[session] = stream
+            while len(self._last) > 1024:  # oldest sessions first
+                self._last.pop(next(iter(self._last)))
         text = ""
         last_push = time.monotonic()
         try:
@@ -190,7 +231,8 @@ class ChatBackend:
                         yield text, answer_panel(stream), self.engine_panel()
         except Exception as exc:  # a bug, not the user's input: say so in this chat, keep serving
             log.exception("answer failed")
-            yield error_reply(f"internal error: {exc}"), answer_panel(None, error=str(exc)), self.engine_panel()
+            reason = _short_paths(f"internal error: {exc}")
+            yield error_reply(reason), answer_panel(None, error=reason), self.engine_panel()
             return
         yield text, answer_panel(stream), self.engine_panel()
 
@@ -266,8 +308,9 @@ def sample_examples(folder: str = SAMPLE_IMAGES) -> list[dict[str, Any]]:
     return examples
 
 
-def build_ui(backend: ChatBackend, concurrency: int = 4, title: str | None = None) -> Any:
+def build_ui(backend: ChatBackend, title: str | None = None) -> Any:
     """The Gradio page around `backend` (imports gradio)."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version check at launch
     import gradio as gr
 
     pipe, d = backend.pipe, backend.pipe.defaults
@@ -276,21 +319,37 @@ def build_ui(backend: ChatBackend, concurrency: int = 4, title: str | None = Non
     settings = [
         gr.Textbox("", label="System prompt", lines=2, placeholder="optional", render=False),
         gr.Slider(1, longest, value=min(d.max_new_tokens, longest), step=1, label="Max new tokens", render=False),
-        gr.Slider(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)", render=False),
-        gr.Slider(0.05, 1.0, value=d.top_p, step=0.05, label="Top-p", render=False),
-        gr.Slider(0, 200, value=d.top_k, step=1, label="Top-k (0 = off)", render=False),
-        gr.Slider(0.5, 2.0, value=d.repetition_penalty, step=0.05, label="Repetition penalty", render=False),
+        # Ranges always hold the checkpoint's defaults (Instruct checkpoints ship e.g. top_p=0.001).
+        gr.Slider(0.0, max(2.0, d.temperature), value=d.temperature, step=0.01, label="Temperature (0 = greedy)",
+                  render=False),
+        gr.Slider(min(0.01, d.top_p), 1.0, value=d.top_p, step=0.001, label="Top-p", render=False),
+        gr.Slider(0, max(200, d.top_k), value=d.top_k, step=1, label="Top-k (0 = off)", render=False),
+        gr.Slider(min(0.5, d.repetition_penalty), max(2.0, d.repetition_penalty), value=d.repetition_penalty,
+                  step=0.01, label="Repetition penalty", render=False),
         gr.Number(value=None, precision=0, label="Seed (empty = random)", render=False),
     ]
     answer_md = gr.Markdown(answer_panel(None), elem_id="mmpipe-answer-stats", render=False)
     engine_md = gr.Markdown(backend.engine_panel(), elem_id="mmpipe-engine-stats", render=False)
+    def respond(message: Any, history: list[dict[str, Any]], system_prompt: Any = "", max_new_tokens: Any = None,
+                temperature: Any = None, top_p: Any = None, top_k: Any = None, repetition_penalty: Any = None,
+                seed: Any = None, request: gr.Request = None) -> Iterator[Any]:
+        yield from backend.respond(message, history, system_prompt, max_new_tokens, temperature, top_p, top_k,
+                                   repetition_penalty, seed, session=getattr(request, "session_hash", "") or "")
+
+    def after_stop(request: gr.Request) -> Any:
+        panel = backend.final_answer_panel(getattr(request, "session_hash", "") or "")
+        return gr.skip() if panel is None else panel
+
+    # Gradio finds the request parameter by its type; this module's annotations are strings.
+    respond.__annotations__["request"] = after_stop.__annotations__["request"] = gr.Request
+
     with gr.Blocks(title=f"mmpipe: {name}", analytics_enabled=False, fill_height=True) as demo:
         gr.Markdown(f"## mmpipe demo: {name}\nDrop images, ask about them, watch the answer stream. "
                     f"Running on {pipe.device} ({str(pipe.dtype).removeprefix('torch.')}).")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
-                gr.ChatInterface(
-                    backend.respond, multimodal=True,
+                chat = gr.ChatInterface(
+                    respond, multimodal=True, analytics_enabled=False,
                     textbox=gr.MultimodalTextbox(file_types=["image"], file_count="multiple", sources=["upload"],
                                                  placeholder="Ask about an image, or drop images here",
                                                  stop_btn=True),
@@ -298,21 +357,24 @@ def build_ui(backend: ChatBackend, concurrency: int = 4, title: str | None = Non
                     additional_inputs=settings, additional_outputs=[answer_md, engine_md],
                     additional_inputs_accordion=gr.Accordion("Generation settings", open=False, render=False),
                     examples=[[example] for example in sample_examples()] or None, cache_examples=False, stop_btn=True,
-                    concurrency_limit=concurrency, api_name="chat", fill_height=True, autofocus=False)
+                    concurrency_limit=backend.concurrency, api_name="chat", fill_height=True, autofocus=False)
             with gr.Column(scale=1, min_width=320):
                 answer_md.render()
                 engine_md.render()
+        # After a stop the answer panel shows how the aborted answer ended.
+        chat.textbox.stop(after_stop, None, answer_md, queue=False, show_progress="hidden", api_visibility="private")
         # The engine panel also follows other users' requests and the state after a stop.
         gr.Timer(2.0).tick(backend.engine_panel, None, engine_md, queue=False, show_progress="hidden",
                            api_visibility="private")
-    demo.queue(default_concurrency_limit=concurrency)
+    demo.queue(default_concurrency_limit=backend.concurrency)
     return demo
 
 
-def launch(backend: ChatBackend, host: str = "127.0.0.1", port: int = 7860, concurrency: int = 4,
-           block: bool = True, quiet: bool = False) -> tuple[Any, str]:
-    """Start the server; with block=False return (demo, url) while it serves on a thread."""
-    demo = build_ui(backend, concurrency)
+def launch(backend: ChatBackend, host: str = "127.0.0.1", port: int = 7860, block: bool = True,
+           quiet: bool = False) -> tuple[Any, str]:
+    """Start the server; with block=False return (demo, url) while it serves on a thread.
+    `backend.concurrency` answers run at once."""
+    demo = build_ui(backend)
     _, url, _ = demo.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet,
                             ssr_mode=False, share=False, allowed_paths=[SAMPLE_IMAGES], show_error=True)
     return demo, url
@@ -356,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mmpipe demo: {exc}", file=sys.stderr)
         return 2
     try:
-        launch(ChatBackend(pipe), args.host, args.port, args.concurrency)
+        launch(ChatBackend(pipe, concurrency=args.concurrency), args.host, args.port)
     except OSError as exc:  # the port is taken, or the address is not ours
         print(f"mmpipe demo: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -30,22 +30,28 @@ class StepRecorder:
     a test can act mid-answer) and records how many requests ran together."""
 
     delay_s: float
-    max_running: int = 0
+    max_running: int = 0  # most requests stepped together (running after a step, or finished in it)
     steps: int = 0
+    aborts: int = 0  # requests aborted while still running
     _original: Any = field(default=None, repr=False)
 
     def install(self, pipe: Any) -> "StepRecorder":
         engine = pipe.engine
-        self._original = engine.step
+        step_once, abort_once = engine.step, engine.abort
 
         def step() -> Any:
-            self.max_running = max(self.max_running, len(engine.scheduler.running) + len(engine.scheduler.waiting))
-            finished = self._original()
+            finished = step_once()
+            self.max_running = max(self.max_running, len(engine.scheduler.running) + len(finished))
             self.steps += 1
             time.sleep(self.delay_s)
             return finished
 
-        engine.step = step
+        def abort(request: Any) -> None:
+            if not request.finished:
+                self.aborts += 1
+            abort_once(request)
+
+        engine.step, engine.abort = step, abort
         return self
 
 

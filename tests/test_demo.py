@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -148,7 +149,7 @@ def server(pipe):
     from mmpipe.app.demo import launch
 
     recorder = StepRecorder(delay_s=0.02).install(pipe)
-    demo, url = launch(ChatBackend(pipe), port=free_port(), concurrency=4, block=False, quiet=True)
+    demo, url = launch(ChatBackend(pipe, concurrency=4), port=free_port(), block=False, quiet=True)
     yield url, recorder, pipe.processor.load_image(sample("scene_1.png"), "test").num_tokens
     demo.close()
 
@@ -179,6 +180,63 @@ def test_two_clients_at_once_get_their_own_answers_batched_together(server):
     replies = [job.result(timeout=120)[0] for job in jobs]
     assert replies == [EXPECTED["scene_0.png"], EXPECTED["scene_5.png"]]
     assert recorder.max_running >= 2, "the two answers never shared an engine step"
+
+
+def test_concurrency_holds_for_the_page_and_the_api_together(pipe):
+    backend = ChatBackend(pipe, update_interval_s=0.0, concurrency=1)
+    message = {"text": "Describe this image.", "files": [sample("scene_0.png")]}
+    first = backend.respond(message, [])
+    next(first)  # the first answer holds the only slot
+    second = backend.respond(message, [])
+    waiting = next(second)
+    assert "waiting for a free slot" in waiting[1] and pipe.stats()["requests"]["running"] <= 1
+    list(first)  # the first answer ends and frees its slot
+    assert list(second)[-1][0] == EXPECTED["scene_0.png"]
+
+
+def test_settings_outside_the_usual_ranges_and_odd_numbers(pipe):
+    backend = ChatBackend(pipe)
+    message = {"text": "Describe this image.", "files": [sample("scene_0.png")]}
+    for bad in ({"seed": float("inf")}, {"max_new_tokens": float("nan")}, {"top_k": "x"}):
+        (reply, _, _), = respond_all(backend, message, **bad)
+        assert reply["metadata"]["title"] == ERROR_TITLE, bad
+    assert Settings.from_inputs("", "5.0", 0, 1, 0, 1, None).max_new_tokens == 5
+
+
+def test_defaults_outside_the_slider_ranges_still_answer(pipe):
+    """Instruct checkpoints ship top_p=0.001, top_k=1: the sliders must accept them."""
+    import dataclasses
+
+    pytest.importorskip("gradio")
+    from mmpipe.app.demo import launch
+
+    saved = pipe.defaults
+    pipe.defaults = dataclasses.replace(saved, temperature=0.1, top_p=0.001, top_k=1, repetition_penalty=1.05)
+    try:
+        demo, url = launch(ChatBackend(pipe), port=free_port(), block=False, quiet=True)
+        try:
+            reply = ask(gradio_client.Client(url, verbose=False), "Describe this image.", sample("scene_3.png"))[0]
+            assert reply == EXPECTED["scene_3.png"]  # top_k=1 is greedy
+        finally:
+            demo.close()
+    finally:
+        pipe.defaults = saved
+
+
+def test_the_server_contacts_no_other_host(pipe):
+    """Gradio's analytics and version check stay off: no name lookup but localhost's."""
+    pytest.importorskip("gradio")
+    from mmpipe.app.demo import launch
+
+    lookups: list[str] = []
+    sys.addaudithook(lambda event, args: lookups.append(str(args[0])) if event == "socket.getaddrinfo" else None)
+    demo, url = launch(ChatBackend(pipe), port=free_port(), block=False, quiet=True)
+    try:
+        ask(gradio_client.Client(url, verbose=False), "Describe this image.", sample("scene_1.png"))
+        time.sleep(1.0)  # analytics run on background threads
+    finally:
+        demo.close()
+    assert not [host for host in lookups if host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0")], lookups
 
 
 def test_corrupt_upload_gets_an_error_reply_and_the_server_keeps_serving(server, tmp_path):

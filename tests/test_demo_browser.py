@@ -31,22 +31,23 @@ def demo_url():
     from mmpipe.app.demo import ChatBackend, launch
 
     pipe = Pipeline.from_pretrained(device="cpu")
-    StepRecorder(STEP_DELAY_S).install(pipe)
-    demo, url = launch(ChatBackend(pipe), port=free_port(), concurrency=2, block=False, quiet=True)
-    yield url
+    recorder = StepRecorder(STEP_DELAY_S).install(pipe)
+    demo, url = launch(ChatBackend(pipe, concurrency=2), port=free_port(), block=False, quiet=True)
+    yield url, recorder
     demo.close()
     pipe.close()
 
 
 @pytest.fixture()
 def page(demo_url):
+    url, _ = demo_url
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.requests = []
         page.on("request", lambda r: page.requests.append(r.url))
-        page.goto(demo_url)
+        page.goto(url)
         page.wait_for_selector("#mmpipe-engine-stats", timeout=60_000)
         yield page
         browser.close()
@@ -61,7 +62,8 @@ def panel(page, elem_id: str) -> str:
     return page.locator(f"#{elem_id}").inner_text()
 
 
-def test_upload_ask_stream_stop_retry_and_statistics(page, tmp_path):
+def test_upload_ask_stream_stop_retry_and_statistics(demo_url, page, tmp_path):
+    _, recorder = demo_url
     expected = EXPECTED["scene_5.png"]
     page.locator("input[type=file]").first.set_input_files(sample("scene_5.png"))
     page.wait_for_selector("[data-testid='multimodal-textbox'] img, .thumbnail-item img", timeout=30_000)
@@ -79,13 +81,17 @@ def test_upload_ask_stream_stop_retry_and_statistics(page, tmp_path):
 
     wait_for(grew, 60, "the answer to stream")
     assert all(expected.startswith(t) for t in seen), seen
+    aborts = recorder.aborts
     page.get_by_role("button", name="Stop").click()
+    # Aborted at once (the answer would need seconds more to end by itself).
+    wait_for(lambda: recorder.aborts == aborts + 1, 8 * STEP_DELAY_S, "the request to be aborted")
     time.sleep(6 * STEP_DELAY_S)
     stopped = bot_text(page)
     time.sleep(10 * STEP_DELAY_S)
     assert bot_text(page) == stopped, "the answer kept growing after stop"
     assert expected.startswith(stopped) and len(stopped) < len(expected), stopped
 
+    wait_for(lambda: "(abort)" in panel(page, "mmpipe-answer-stats"), 10, "the panel to show the abort")
     answer = panel(page, "mmpipe-answer-stats")
     assert re.search(r"Time to first token\s+\d+ ms", answer), answer
     assert re.search(r"Decode speed\s+[\d.]+ tokens/s", answer), answer
