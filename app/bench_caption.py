@@ -70,12 +70,17 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         def batches() -> int:
             return sum(len(pipe.chat(convs[i:i + 64], params, progress=False)) for i in range(0, len(convs), 64))
 
-        for name, fn in (("continuous stream (mmpipe caption)", stream), ("batches of 64, drained", batches)):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            done = fn()
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
+        best: dict[str, tuple[int, float]] = {}
+        for _ in range(2):  # twice, alternating: the first pass of each also meets new shapes (JIT, autotune)
+            for name, fn in (("continuous stream (mmpipe caption)", stream), ("batches of 64, drained", batches)):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                done = fn()
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+                if name not in best or seconds < best[name][1]:
+                    best[name] = (done, seconds)
+        for name, (done, seconds) in best.items():
             rows.append([name, done, round(seconds, 2), round(done / seconds, 1),
                          round(done * args.new_tokens / seconds)])
     print(f"{args.images} JPEG files of 448x448, {args.new_tokens} new tokens each, Qwen2.5-VL-3B-shaped random "
@@ -92,9 +97,11 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         proc = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - start
-        shares = [(int(n), float(s)) for n, s in re.findall(r"captioned (\d+) image\(s\) in ([\d.]+) s",
-                                                              proc.stderr)]
-        if proc.returncode != 0 or len(shares) != count:
+        # Random weights often decode to an empty caption, which mmpipe caption reports as failed:
+        # those images were still fully processed, so they count for throughput.
+        shares = [(int(n) + int(f), float(s)) for n, s, f in re.findall(
+            r"captioned (\d+) image\(s\) in ([\d.]+) s.*?(\d+) failed", proc.stderr)]
+        if proc.returncode not in (0, 1) or len(shares) != count:
             print(proc.stderr[-3000:], file=sys.stderr)
             raise RuntimeError(f"mmpipe caption --gpus {count} failed")
         images = sum(n for n, _ in shares)
@@ -103,7 +110,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         cli_rows.append([count, images, lines, round(slowest, 2), round(images / slowest, 1), round(wall, 1)])
     if cli_rows:
         print(table(f"mmpipe caption --gpus N, {args.cli_images} files", [
-            "GPUs", "images", "output lines", "captioning s (slowest process)", "images/s", "wall s (with start-up)"],
+            "GPUs", "images processed", "captions written", "captioning s (slowest process)", "images/s", "wall s (with start-up)"],
             cli_rows))
     return {"device": device, "images": args.images, "new_tokens": args.new_tokens, "rows": rows,
             "cli_rows": cli_rows}
