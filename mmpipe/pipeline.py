@@ -11,7 +11,8 @@ flat however many requests a call holds. A request whose input is bad (unreadabl
 too-long prompt, rejected chat) comes back with `finish_reason="error"` and a message naming
 the input, and every other request completes; pass errors="raise" to raise instead (requests
 already running are then aborted). Several threads may call one Pipeline at once: their
-requests are batched together.
+requests are batched together. `chat_stream` yields outputs as they finish, from an iterable of
+any length; `stream` yields one answer's text as it is generated (a `TextStream`).
 """
 
 from __future__ import annotations
