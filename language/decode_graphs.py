@@ -39,8 +39,8 @@ import torch
 from mmpipe.config import GraphConfig
 from mmpipe.language.attention.metadata import AttentionMetadata
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
-from mmpipe.language.sampler import (RowSampling, SampleResult, SamplerTensors, SamplerVariant, advance,
-                                     logprobs_bucket, sample)
+from mmpipe.language.sampler import (HostTokens, RowSampling, SampleResult, SamplerTensors, SamplerVariant,
+                                     advance, logprobs_bucket, sample)
 from mmpipe.runtime.context import ForwardContext, forward_context
 from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
 from mmpipe.runtime.graph_memory import GraphMemory, make_graph_memory
@@ -65,12 +65,15 @@ def default_decode_buckets(max_batch: int) -> list[int]:
 class DecodeSource(Protocol):
     """What a decode row needs from a request (the engine's Request has these)."""
 
-    output_ids: list[int]  # the last one is fed this step
+    output_ids: list[int]  # the last one is fed this step (when none is in flight)
     mrope_delta: int
     pages: list[int]
 
     @property
-    def total_len(self) -> int: ...
+    def total_len(self) -> int: ...  # prompt + tokens on the host
+
+    @property
+    def seq_len(self) -> int: ...  # total_len + tokens still in flight from launched steps
 
     def row_sampling(self) -> RowSampling: ...
 
@@ -83,6 +86,12 @@ class DecodeOutput:
     token_logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+
+    def select(self, indices: list[int]) -> "DecodeOutput":
+        """The results of these requests only, in this order."""
+        pick = lambda values: [values[i] for i in indices] if values is not None else None  # noqa: E731
+        return DecodeOutput(pick(self.tokens), pick(self.token_logprobs), pick(self.top_ids),  # type: ignore[arg-type]
+                            pick(self.top_logprobs))
 
 
 @dataclass
@@ -243,6 +252,14 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def step(self, requests: Sequence[DecodeSource]) -> DecodeOutput:
         """Decode one token for each request (each has the pages for its new token)."""
+        return self.launch(requests).get()
+
+    @torch.inference_mode()
+    def launch(self, requests: Sequence[DecodeSource]) -> "PendingDecode":
+        """Queue one decode step for `requests` and the copy of its tokens to the host, without
+        waiting for the GPU. The rows advance on the device, so the next step may be launched
+        before this one's tokens are read (each request's `seq_len` then counts its token in
+        flight)."""
         start = time.perf_counter()
         try:
             rows = self._sync(requests)
@@ -268,15 +285,15 @@ class DecodeGraphRunner:
                 host_lens = None if graph_safe else (self.lens[:n] + 1).tolist()
                 result = self.body(n, variant, host_lens, bucket_for(self.buckets, n) or n)()
                 self.stats.eager_steps += 1
-            self.host_seconds += time.perf_counter() - start
-            output = _to_host(result, n, variant.logprobs > 0, rows)
+            pending = PendingDecode(HostTokens(result, n, variant.logprobs > 0), rows)
         except BaseException:
             self.reset()
             raise
+        self.host_seconds += time.perf_counter() - start
         self.lens[:n] += 1
         self.steps[:n] += 1
         self.stats.steps += 1
-        return output
+        return pending
 
     # ------------------------------------------------------------------ batch bookkeeping
 
@@ -285,7 +302,7 @@ class DecodeGraphRunner:
         order = [id(r) for r in requests]
         if order == self._last_order:  # the steady state: same requests, same rows, one token on
             rows = self._last_rows
-            totals = np.fromiter((r.total_len for r in requests), dtype=np.int64, count=len(requests))
+            totals = np.fromiter((r.seq_len for r in requests), dtype=np.int64, count=len(requests))
             if np.array_equal(totals, self.lens[rows] + 1):
                 self._grow_pages(requests, rows, totals)
                 return rows
@@ -316,7 +333,7 @@ class DecodeGraphRunner:
         # Rows whose request left, or went out of step with its row (recomputed), are freed.
         for row in range(old_size):
             request = self.requests[row]
-            if request is not None and (id(request) not in wanted or request.total_len != lens[row] + 1):
+            if request is not None and (id(request) not in wanted or request.seq_len != lens[row] + 1):
                 self._forget(row)
         # Rows stay dense: requests sitting past the new end move into holes, newcomers take the rest.
         holes = [row for row in range(target) if self.requests[row] is None]
@@ -337,7 +354,7 @@ class DecodeGraphRunner:
             self._reset_rows(range(target, old_size))
         # Pages gained by rows that stayed (fresh rows were written whole).
         rows = np.asarray([self.row_of[id(request)] for request in requests], dtype=np.int64)
-        totals = np.fromiter((r.total_len for r in requests), dtype=np.int64, count=len(requests))
+        totals = np.fromiter((r.seq_len for r in requests), dtype=np.int64, count=len(requests))
         self._grow_pages(requests, rows, totals)
         return rows
 
@@ -388,6 +405,8 @@ class DecodeGraphRunner:
         for i, row in enumerate(rows):
             request = self.requests[row]
             assert request is not None
+            if request.seq_len != request.total_len:
+                raise RuntimeError("a request joined the decode batch while its newest token is still in flight")
             length = request.total_len
             if length > self.max_model_len:
                 raise ValueError(f"sequence of {length} tokens exceeds max_model_len {self.max_model_len}")
@@ -468,17 +487,19 @@ def _row_flags(s: RowSampling) -> int:
     return flags
 
 
-def _to_host(result: SampleResult, n: int, logprobs: bool, rows: np.ndarray) -> DecodeOutput:
-    """One device-to-host copy of the tokens (ids and logprobs as one int and one float block when
-    asked), in request order."""
-    order = rows.tolist()
-    if not logprobs or result.top_ids is None:
-        tokens = result.tokens[:n].tolist()
-        return DecodeOutput([tokens[r] for r in order])
-    ids = torch.cat([result.tokens[:n, None], result.top_ids[:n]], dim=1).tolist()
-    lps = torch.cat([result.token_logprobs[:n, None], result.top_logprobs[:n]], dim=1).tolist()  # type: ignore[index]
-    return DecodeOutput([ids[r][0] for r in order], [lps[r][0] for r in order], [ids[r][1:] for r in order],
-                        [lps[r][1:] for r in order])
+class PendingDecode:
+    """A launched decode step; `get()` waits for its tokens and returns them in request order."""
+
+    def __init__(self, tokens: HostTokens, rows: np.ndarray) -> None:
+        self.tokens, self.rows = tokens, rows
+
+    def get(self) -> DecodeOutput:
+        ids, lps = self.tokens.get()
+        order = self.rows.tolist()
+        if lps is None:
+            return DecodeOutput([ids[r][0] for r in order])
+        return DecodeOutput([ids[r][0] for r in order], [lps[r][0] for r in order], [ids[r][1:] for r in order],
+                            [lps[r][1:] for r in order])
 
 
 def covers(have: SamplerVariant, need: SamplerVariant) -> bool:

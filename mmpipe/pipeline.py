@@ -197,6 +197,7 @@ class Pipeline:
                 "encoder_cache": {"entries": len(self.engine.cache), "bytes": self.engine.cache.used,
                                   "hits": self.engine.cache.hits, "misses": self.engine.cache.misses},
                 "steps": self.engine.steps,
+                "overlap_schedule": self.engine.overlap,
             }
 
     def close(self) -> None:
@@ -204,6 +205,11 @@ class Pipeline:
         self._pool.shutdown(wait=False, cancel_futures=True)
         engine = self.__dict__.get("engine")
         with engine.lock if engine is not None else contextlib.nullcontext():  # no step mid-teardown
+            if engine is not None:
+                try:
+                    engine.drain()  # the step in flight finishes before its graphs and cache go
+                except Exception:  # closing must not fail; a broken step has nothing left to give
+                    log.debug("draining the engine at close failed", exc_info=True)
             if "runner" in self.__dict__:
                 self.runner.close()
             for name in ("engine", "runner", "model", "processor"):

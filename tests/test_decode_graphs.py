@@ -92,17 +92,22 @@ def check_rows(decoder) -> None:
         if request is None:  # released when its request finished; reused or reset at the next step
             continue
         assert decoder.active[row].item() and not request.finished
-        assert decoder.input_ids[row].item() == request.output_ids[-1]
-        assert decoder.seq_lens[row].item() == request.total_len
-        assert decoder.sampler.steps[row].item() == len(request.output_ids)
-        pages = -(-(request.total_len - 1) // ps)  # the newest token's page comes with its step
+        if not request.pending:  # else (overlapped steps) the row feeds the token in flight
+            assert decoder.input_ids[row].item() == request.output_ids[-1]
+        assert request.pending == 0 or request.pending_decode
+        assert decoder.seq_lens[row].item() == request.seq_len
+        assert decoder.sampler.steps[row].item() == len(request.output_ids) + request.pending
+        pages = -(-(request.seq_len - 1) // ps)  # the newest token's page comes with its step
         assert decoder.page_table[row, :pages].tolist() == request.pages[:pages]
 
 
-def test_rows_follow_joins_leaves_and_page_growth(checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rows_follow_joins_leaves_and_page_growth(checkpoint, overlap):
     """Requests of different lengths join at different steps and finish at different steps, with
-    4-token pages so they gain pages while decoding; after every step the device rows match."""
-    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=4, max_prefill_tokens=40)
+    4-token pages so they gain pages while decoding; after every step the device rows match (with
+    overlapped steps: counting each request's token in flight)."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=4, max_prefill_tokens=40,
+                                    overlap_schedule=overlap)
     engine, decoder = pipe.engine, pipe.runner.decoder
     prompts = ["tell me", "tell me about the picture in a few words", "a", "please be brief about it now"]
     requests = []
@@ -127,10 +132,11 @@ def test_rows_follow_joins_leaves_and_page_growth(checkpoint):
     assert [r.output_ids for r in requests] == alone
 
 
-def test_a_steady_batch_grows_its_pages(checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_steady_batch_grows_its_pages(checkpoint, overlap):
     """The same requests step after step (the fast path): their page-table rows still gain each
     new page, and every step's tokens equal running each request alone."""
-    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=4)
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=4, overlap_schedule=overlap)
     conversations = [[{"role": "user", "content": "tell me " * (1 + i)}] for i in range(3)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.0)
     requests = [pipe.processor.build(i, *pipe.processor.render_chat(c, "t"), params, "t")
@@ -437,7 +443,7 @@ def test_a_row_out_of_step_with_its_request_is_rewritten(checkpoint):
     """The engine releases rows on every path that recomputes a request; as a safety net the
     decode batch itself rewrites a row whose request is not exactly one token past it (here: the
     request is cut back two tokens behind the runner's back, as a recompute would leave it)."""
-    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", overlap_schedule=False)  # no token in flight
     conversation = [{"role": "user", "content": "tell me about the picture"}]
     request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "t"),
                                    SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0), "t")
@@ -546,7 +552,8 @@ def test_a_request_preempted_mid_prefill_is_not_prefilled_in_the_same_step(check
     words = " ".join("tell me about the picture in a few words please and be brief about it".split() * 2)
     decode_params = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=0.0)
     prompt_params = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.0)
-    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", num_kv_pages=37, kv_page_size=4, max_prefill_tokens=16)
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", num_kv_pages=37, kv_page_size=4, max_prefill_tokens=16,
+                                    overlap_schedule=False)  # the step counts below assume tokens read at once
     build = lambda i, text, p: pipe.processor.build(  # noqa: E731
         i, *pipe.processor.render_chat([{"role": "user", "content": text}], "t"), p, "t")
     first, second = build(0, "hi", decode_params), build(1, words, prompt_params)

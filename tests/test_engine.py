@@ -68,12 +68,13 @@ def test_max_running_requests_is_respected(checkpoint, alone):
     assert max(peak) == 5
 
 
-def test_long_prompt_is_chunked_while_decoding_continues(checkpoint):
-    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_prefill_tokens=32)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_prompt_is_chunked_while_decoding_continues(checkpoint, overlap):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_prefill_tokens=32, overlap_schedule=overlap)
     short = pipe.processor.build(0, "hi", [], SamplingParams(max_new_tokens=40, ignore_eos=True), "short")
     engine = pipe.engine
     engine.add(short)
-    while not short.output_ids:
+    while len(short.output_ids) < 2:  # decoding (with overlap, a token arrives a step after its step)
         engine.step()
     long_prompt = " ".join(WORDS * 12)
     long = pipe.processor.build(1, long_prompt, [], SamplingParams(max_new_tokens=2, ignore_eos=True), "long")
@@ -195,16 +196,21 @@ def test_metrics_and_progress_bar(pipe, capsys):
     assert "8/8" not in capsys.readouterr().err
 
 
-def test_a_failed_step_leaves_the_engine_usable(checkpoint, alone):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_step_leaves_the_engine_usable(checkpoint, alone, overlap):
     """A step that raises (say, out of memory) puts its requests back in line; the next steps
-    finish every request with the same tokens."""
-    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    finish every request with the same tokens. With overlap the failing step is launched while
+    a decode step is in flight: its tokens are dropped and recomputed."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", overlap_schedule=overlap)
     convs, params = mixed_requests(8)
     requests = [pipe.processor.build(i, *pipe.processor.render_chat(c, "x"), p, "x")
                 for i, (c, p) in enumerate(zip(convs, params))]
     for request in requests:
         pipe.engine.add(request)
-    pipe.engine.step()
+    while not any(r.output_ids for r in requests):
+        pipe.engine.step()
+    pipe.engine.step()  # a decode step (with overlap: still in flight when the next one fails)
+    assert any(r.pending for r in requests) == overlap
     lm = pipe.model.language
     lm.compute_logits = lambda *a: (_ for _ in ()).throw(RuntimeError("injected failure"))  # inside the decode step
     with pytest.raises(RuntimeError, match="injected"):

@@ -3,7 +3,16 @@
 A step: the scheduler plans it; the images its prompt chunks need come from the encoder cache or
 are encoded (packed into ViT calls within the patch budget); one prefill forward runs the prompt
 chunks and samples the requests whose prompt it completes; one decode step (a CUDA graph with the
-sampler inside, where graphs are on) advances every decoding request by a token. Finished requests release their KV pages before the next step.
+sampler inside, where graphs are on) advances every decoding request by a token. The sampled
+tokens are copied to the host without waiting for the GPU.
+
+Overlapped scheduling (`EngineConfig.overlap_schedule`, on by default on CUDA): `step()` plans
+and launches step N, then reads step N-1's tokens, so the host's work for one step (planning,
+metadata, launches, stop checks, detokenising) runs while the GPU executes the step before it.
+Results are exactly those of the plain order: a request's token in flight counts in its length,
+and a request found finished when its tokens arrive has its extra row in the step already
+launched dropped, never shown. Off, every step's tokens are read before `step()` returns.
+Finished requests release their KV pages as soon as their last token is read.
 
 Not thread-safe by itself: callers that share an engine across threads hold `Engine.lock`
 around `add`, `abort` and `step` (the Pipeline does).
@@ -12,6 +21,7 @@ around `add`, `abort` and `step` (the Pipeline does).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +30,17 @@ from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
 from mmpipe.engine.scheduler import StepPlan, Scheduler
+from mmpipe.language.decode_graphs import PendingDecode
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens are still on their way to the host."""
+
+    sampled: list[Request] = field(default_factory=list)  # prompts completed: first token (or next, if recomputed)
+    prefill_tokens: PendingDecode | None = None
+    decoded: list[Request] = field(default_factory=list)
+    decode_tokens: PendingDecode | None = None
 
 
 class Engine:
@@ -29,6 +50,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, runner.pages, runner.page_size, self.cache)
         self.lock = threading.RLock()
         self.steps = 0
+        self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runner.device.type == "cuda"
+        self._in_flight: LaunchedStep | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -40,50 +63,99 @@ class Engine:
         self.scheduler.add(request)
 
     def abort(self, request: Request) -> None:
-        """Stop a request now and free its pages (no-op if it already finished)."""
+        """Stop a request now and free its pages (no-op if it already finished). A token of it
+        still in flight is dropped when it arrives."""
         if not request.finished:
             self.scheduler.abort(request)
             self.runner.release([request])
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests found finished in it (with overlap: those whose
+        last token, sampled by the step before, arrived now)."""
         plan = self.scheduler.schedule()
         if plan.preempted:
             self.runner.release(plan.preempted)
         if plan.empty:
-            if self.scheduler.running or self.scheduler.waiting:
+            if self._in_flight is None and (self.scheduler.running or self.scheduler.waiting):
                 raise RuntimeError("the scheduler could not place any request (KV cache too small for the "
                                    "oldest waiting request)")
-            return []
-        touched: list[Request] = []
+            return self.drain()  # everything planned waits for tokens in flight
+        previous, launched = self._in_flight, None
         try:
-            self._provide_images(plan)
-            if plan.prefill:
-                logits = self.runner.prefill(plan.prefill)
-                done = [c.request for c in plan.prefill if c.completes]
-                if done:
-                    self.runner.sample(done, logits)
-                touched += done
-            if plan.decode:
-                self.runner.decode(plan.decode)  # samples inside the step
-                touched += plan.decode
+            launched = self._launch(plan)
+            self._in_flight = launched
+            finished = self._resolve(previous) if previous is not None else []
+            if not self.overlap:
+                finished += self.drain()
         except BaseException:
-            # Requests that finished before the failure are done (their pages go back); every
-            # other request of the step goes back in line, to be recomputed from its tokens, so
-            # the engine stays usable for whoever steps it next. Then report the failure.
-            stepped = [c.request for c in plan.prefill] + plan.decode
-            done = [r for r in stepped if r.finished]
-            for request in done:
-                self.scheduler.finish(request)
-            self.runner.release(stepped)
-            self.scheduler.requeue([r for r in stepped if not r.finished])
+            self._recover(plan, [s for s in (previous, launched) if s is not None])
             raise
-        finished = [r for r in touched if r.finished]
+        self.steps += 1
+        return finished
+
+    def _recover(self, plan: StepPlan, unread: list[LaunchedStep]) -> None:
+        """After a failed step: tokens not yet read are dropped; requests that finished before the
+        failure are done (their pages go back); every other request of the step, or of a step
+        still in flight, goes back in line to be recomputed from the tokens it has, so the engine
+        stays usable for whoever steps it next."""
+        self._in_flight = None
+        involved: dict[int, Request] = {}
+        for request in [c.request for c in plan.prefill] + plan.decode + [
+                r for step in unread for r in step.sampled + step.decoded]:
+            involved[id(request)] = request
+            request.pending, request.pending_decode = 0, False
+        requests = list(involved.values())
+        for request in requests:
+            if request.finished:
+                self.scheduler.finish(request)
+        self.runner.release(requests)
+        self.scheduler.requeue([r for r in requests if not r.finished])
+
+    def drain(self) -> list[Request]:
+        """Read the tokens of the step in flight, if any; returns the requests they finished."""
+        launched, self._in_flight = self._in_flight, None
+        return self._resolve(launched) if launched is not None else []
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
+        launched = LaunchedStep()
+        self._provide_images(plan)
+        if plan.prefill:
+            logits = self.runner.prefill(plan.prefill)
+            launched.sampled = [c.request for c in plan.prefill if c.completes]
+            if launched.sampled:
+                launched.prefill_tokens = self.runner.launch_sample(launched.sampled, logits)
+        if plan.decode:
+            launched.decode_tokens = self.runner.launch_decode(plan.decode)  # samples inside the step
+            launched.decoded = plan.decode
+        for request in launched.sampled:
+            request.pending += 1
+            request.pending_decode = False
+        for request in launched.decoded:
+            request.pending += 1
+            request.pending_decode = True
+        return launched
+
+    def _resolve(self, launched: LaunchedStep) -> list[Request]:
+        """Append the step's tokens to requests still running (a request that finished or was
+        aborted since the launch drops its token), then release the requests they finished."""
+        finished: list[Request] = []
+        for requests, tokens in ((launched.sampled, launched.prefill_tokens),
+                                 (launched.decoded, launched.decode_tokens)):
+            if tokens is None:
+                continue
+            out = tokens.get()
+            for request in requests:
+                request.pending -= 1
+            live = [i for i, r in enumerate(requests) if not r.finished]
+            if len(live) < len(requests):
+                out = out.select(live)
+                requests = [requests[i] for i in live]
+            self.runner.apply_tokens(requests, out)
+            finished += [r for r in requests if r.finished]
         for request in finished:
             self.scheduler.finish(request)
         self.runner.release(finished)
-        self.steps += 1
         return finished
 
     def _provide_images(self, plan: StepPlan) -> None:

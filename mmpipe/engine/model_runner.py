@@ -18,10 +18,10 @@ from mmpipe.config import (EngineConfig, GraphConfig, GraphMode, decode_graphs_o
                            prefill_graphs_on)
 from mmpipe.engine.request import Request, logprob_dict
 from mmpipe.language.attention import AttentionMetadata
-from mmpipe.language.decode_graphs import DecodeGraphRunner, DecodeOutput
+from mmpipe.language.decode_graphs import DecodeGraphRunner, DecodeOutput, PendingDecode
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
 from mmpipe.language.prefill_graphs import ImageSpan, PrefillRunner
-from mmpipe.language.sampler import SampleResult, SamplerTensors, SamplerVariant, sample
+from mmpipe.language.sampler import HostTokens, SampleResult, SamplerTensors, SamplerVariant, sample
 from mmpipe.models import LoadedModel
 from mmpipe.runtime.graph_memory import SharedPool
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
@@ -294,12 +294,22 @@ class ModelRunner:
     def decode(self, requests: Sequence[Request]) -> None:
         """One token for each request (its last sampled one is fed), sampled inside the step and
         appended to the request (which may finish it)."""
-        out: DecodeOutput = self.decoder.step(requests)
+        self.apply_tokens(requests, self.launch_decode(requests).get())
+
+    def launch_decode(self, requests: Sequence[Request]) -> PendingDecode:
+        """Queue one decode step (sampling inside) without waiting for its tokens."""
+        pending = self.decoder.launch(requests)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(requests)
         self.stats.decode_host_seconds = self.decoder.host_seconds
+        for request in requests:
+            request.num_computed = request.seq_len
+        return pending
+
+    @staticmethod
+    def apply_tokens(requests: Sequence[Request], out: DecodeOutput) -> None:
+        """Append each request's sampled token (and log-probabilities), which may finish it."""
         for i, request in enumerate(requests):
-            request.num_computed = request.total_len
             k = request.sampling.logprobs
             lp = None
             if k and out.top_ids is not None:
@@ -316,16 +326,13 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> None:
         """Sample one token per request from prefill logits and append it (which may finish it)."""
+        self.apply_tokens(requests, self.launch_sample(requests, logits).get())
+
+    @torch.inference_mode()
+    def launch_sample(self, requests: Sequence[Request], logits: torch.Tensor) -> PendingDecode:
+        """Queue sampling of one token per request from prefill logits, without waiting for it."""
         rows = [r.row_sampling() for r in requests]
         variant = SamplerVariant.of(rows)
         result: SampleResult = sample(logits, SamplerTensors.build(rows, logits.shape[-1], self.device), variant)
-        tokens = result.tokens.tolist()
-        if result.top_ids is None:
-            for request, token in zip(requests, tokens):
-                request.append_token(token, None)
-            return
-        chosen, top_ids, top_lps = result.token_logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist()
-        for i, (request, token) in enumerate(zip(requests, tokens)):
-            k = request.sampling.logprobs
-            lp = logprob_dict(token, chosen[i], top_ids[i], top_lps[i], k) if k else None
-            request.append_token(token, lp)
+        return PendingDecode(HostTokens(result, len(requests), variant.logprobs > 0),
+                             np.arange(len(requests), dtype=np.int64))

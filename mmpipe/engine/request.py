@@ -33,6 +33,11 @@ class Request:
     image_embeds: list[torch.Tensor | None] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # Tokens sampled by launched steps and not yet on the host (overlapped scheduling: at most
+    # one at planning time), and whether the newest came from a decode step, whose row then
+    # feeds it on the device (a token sampled after a prefill must reach the host first).
+    pending: int = 0
+    pending_decode: bool = False
     finish_reason: str | None = None
     error: str | None = None
     preemptions: int = 0
@@ -55,6 +60,11 @@ class Request:
     @property
     def total_len(self) -> int:
         return self._prompt_len + len(self.output_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence, counting those still in flight."""
+        return self._prompt_len + len(self.output_ids) + self.pending
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,14 @@ for pages. Decoding grows a request one page at a time; when no page is free the
 request is preempted: its pages are freed, it goes back to the front of the waiting queue, and
 it is recomputed from its prompt and the tokens it had generated, so nothing is lost or
 duplicated. Finished and aborted requests free their pages at once.
+
+Overlapped scheduling (the engine plans step N+1 before step N's tokens reach the host): a
+request's token in flight (`Request.pending`) counts in its length. A decoding request is
+planned again at once, since its decode row feeds that token on the device; a request whose
+first token comes from its prefill joins the decode batch once the token is on the host; a
+preempted request is readmitted only when its token in flight has arrived. Freeing pages that
+the in-flight step still writes is safe: every later use of them is queued after it on the
+same stream.
 """
 
 from __future__ import annotations
@@ -54,9 +62,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish(self, request: Request) -> None:
-        """Release a finished request's pages and forget it."""
+        """Release a finished request's pages and forget it (it may be waiting: a preempted
+        request whose token in flight finished it)."""
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self._release(request)
 
     def abort(self, request: Request) -> None:
@@ -85,7 +96,7 @@ class Scheduler:
             prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
         while self.waiting and prefill_budget > 0 and len(self.running) < self.cfg.max_running_requests:
             request = self.waiting[0]
-            if not self._admit(request):
+            if request.pending or not self._admit(request):  # pending: recompute once its token is in
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -100,13 +111,16 @@ class Scheduler:
         ready: list[Request] = []
         prefilling: list[Request] = []
         for request in self.running:  # one pass: hundreds of requests run at once
-            (ready if _decode_ready(request) else prefilling).append(request)
+            if _decode_ready(request):
+                ready.append(request)
+            elif not request.pending:  # else its prompt is done and its first token is in flight
+                prefilling.append(request)
         for request in ready:
             # Preempted to make room for an older request? (A list scan only after a preemption:
             # with hundreds of running requests a scan per request would cost milliseconds.)
             if len(plan.preempted) > preempted_before and any(p is request for p in plan.preempted):
                 continue
-            while not self._grow(request, request.total_len):
+            while not self._grow(request, request.seq_len):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is request:
@@ -161,6 +175,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.num_computed = 0
+        request.pending_decode = False  # its row is gone: a token in flight must reach the host first
         request.image_embeds = [None] * len(request.images)
         request.preemptions += 1
         self.preemptions += 1
@@ -176,5 +191,10 @@ class Scheduler:
 
 
 def _decode_ready(request: Request) -> bool:
-    """Its prompt is in the cache and its newest token was sampled but not yet fed."""
-    return bool(request.output_ids) and request.num_computed == request.total_len - 1
+    """Its prompt is in the cache and its newest token was sampled but not yet fed: on the host,
+    or in flight from a decode step (whose row feeds it on the device). A request whose tokens,
+    in flight included, reach max_new_tokens is done and waits only for them."""
+    if request.pending and not request.pending_decode:
+        return False
+    return (bool(request.output_ids) and request.num_computed == request.seq_len - 1
+            and len(request.output_ids) + request.pending < request.sampling.max_new_tokens)
