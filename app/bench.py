@@ -257,6 +257,8 @@ def build_3b_checkpoint(path: str) -> str:
 
 def hf_generate_batched(model: Any, path: str, images: list[Any], prompt: str, new_tokens: int,
                         batch_size: int) -> float:
+    """Seconds for `transformers` `generate` over `images` (PIL images or file paths) in batches."""
+    from PIL import Image
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -269,7 +271,8 @@ def hf_generate_batched(model: Any, path: str, images: list[Any], prompt: str, n
     torch.cuda.synchronize()
     start = time.perf_counter()
     for first in range(0, len(images), batch_size):
-        batch = images[first:first + batch_size]
+        batch = [Image.open(im).convert("RGB") if isinstance(im, str) else im  # files: decoding is timed
+                 for im in images[first:first + batch_size]]
         pixels = processor(images=batch, return_tensors="pt")
         counts = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
         ids = [tokenizer(text.replace("<|image_pad|>", "<|image_pad|>" * c), add_special_tokens=False)["input_ids"]
@@ -516,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "eager vs piecewise prefill graphs, with kernel sums"))
     from mmpipe.app import bench_caption
 
-    bench_caption.add_arguments(sub.add_parser("caption", help="captioning files: continuous stream vs batches "
-                                               "of 64; mmpipe caption --gpus N"))
+    bench_caption.add_arguments(sub.add_parser("caption", help="captioning files: mmpipe (overlap on/off) vs "
+                                               "transformers; timeline PNG; mmpipe caption --gpus N"))
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)

@@ -1,11 +1,13 @@
-"""`mmpipe bench caption`: captioning image files end to end.
+"""`mmpipe bench caption`: captioning image files end to end, and where the time goes.
 
-1. One Pipeline, the same files, same run: the continuous stream (`Pipeline.chat_stream`, what
-   `mmpipe caption` uses) against the old loop of `pipe.chat` over batches of 64 that drain
-   before the next batch starts.
-2. `mmpipe caption --gpus N` as a user runs it, for each N asked (data parallel, one process per
-   GPU); throughput counts from the moment every process is captioning (model load and graph
-   capture excluded), read from each process's summary line.
+1. `transformers` `generate` in batches of `--hf-batch` against mmpipe's continuous stream
+   (`Pipeline.chat_stream`, what `mmpipe caption` uses) with overlapped scheduling on and off,
+   same process, the same files (`--images`, e.g. 256 and 1024), file decoding included.
+2. A timeline of one mmpipe run under torch.profiler (`--timeline PNG`): GPU busy fraction, GPU
+   time in the ViT, prefill and decode, host-only gaps, host time per engine phase; one PNG for
+   overlap on and one for off.
+3. Optionally `mmpipe caption --gpus N` as a user runs it (`--gpus 1,2`): data parallel, one
+   process per GPU; throughput counts from the moment every process is captioning.
 
 Qwen2.5-VL-3B-shaped random weights (app/bench.py), 448x448 JPEG files, `--new-tokens` tokens
 per image (min_new_tokens = max_new_tokens, greedy).
@@ -14,6 +16,7 @@ per image (min_new_tokens = max_new_tokens, greedy).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -26,14 +29,20 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmpipe.app.bench import build_3b_checkpoint, table
+from mmpipe.app.bench import build_3b_checkpoint, hf_generate_batched, table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--images", type=int, default=256, help="JPEG files for the stream vs batches part")
-    parser.add_argument("--cli-images", type=int, default=512, help="JPEG files for the --gpus part")
+    parser.add_argument("--images", default="256,1024", help="comma-separated file counts")
+    parser.add_argument("--hf-images", default=None, help="file counts for transformers (default: --images)")
+    parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--gpus", default="1", help="comma-separated process counts for `mmpipe caption --gpus`")
+    parser.add_argument("--timeline", default=None, help="write the profiled timeline here (PNG; needs matplotlib)")
+    parser.add_argument("--timeline-images", type=int, default=256)
+    parser.add_argument("--engine", default=None, help="EngineConfig overrides as JSON")
+    parser.add_argument("--gpus", default="", help="comma-separated process counts for `mmpipe caption --gpus`")
+    parser.add_argument("--cli-images", type=int, default=512, help="at least this many files in the folder that "
+                        "--gpus captions (all of it)")
     parser.add_argument("--checkpoint", default=None, help="reuse (or create) the 3B-shaped checkpoint here")
     parser.add_argument("--workdir", default=None, help="where the JPEG files go (default: a temporary folder)")
 
@@ -50,42 +59,86 @@ def write_jpegs(folder: str, count: int, size: int = 448) -> list[str]:
     return paths
 
 
+def _sizes(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def run_caption(args: argparse.Namespace) -> dict[str, Any]:
     from mmpipe import Pipeline, SamplingParams
     from mmpipe.pipeline import caption_conversation
 
     work = args.workdir or tempfile.mkdtemp(prefix="mmpipe-bench-caption-")
     ckpt = build_3b_checkpoint(args.checkpoint or os.path.join(tempfile.gettempdir(), "mmpipe-3b-random"))
-    paths = write_jpegs(os.path.join(work, "images"), max(args.images, args.cli_images))
+    sizes = _sizes(args.images)
+    hf_sizes = _sizes(args.hf_images) if args.hf_images is not None else sizes
+    paths = write_jpegs(os.path.join(work, "images"), max(sizes + hf_sizes + [args.cli_images if args.gpus else 0]))
     params = SamplingParams(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, temperature=0.0)
+    prompt = "Describe this image."
     device = torch.cuda.get_device_name()
+    seconds: dict[tuple[str, int], float] = {}
+
+    if hf_sizes:
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        with torch.inference_mode():
+            hf_generate_batched(model, ckpt, paths[:4], prompt, 4, 4)  # warm-up
+            for n in hf_sizes:
+                seconds[(f"transformers generate, batches of {args.hf_batch}", n)] = hf_generate_batched(
+                    model, ckpt, paths[:n], prompt, args.new_tokens, args.hf_batch)
+        del model
+        torch.cuda.empty_cache()
+
+    summaries: dict[str, dict[str, float]] = {}
+    with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16", **json.loads(args.engine or "{}")) as pipe:
+        convs = [caption_conversation(p, prompt) for p in paths]
+        engine = pipe.engine
+
+        def stream(n: int, overlap: bool) -> float:
+            engine.drain()
+            engine.overlap = overlap  # switchable between runs, with no step in flight
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            done = sum(1 for _ in pipe.chat_stream(iter(convs[:n]), params))
+            torch.cuda.synchronize()
+            assert done == n
+            return time.perf_counter() - start
+
+        stream(64, True)  # warm-up: Triton JIT, cuBLAS, ViT graphs, allocator
+        stream(64, False)
+        for n in sizes:
+            for _ in range(2):  # best of two, alternating
+                for overlap in (True, False):
+                    name = f"mmpipe chat_stream, overlap {'on' if overlap else 'off'}"
+                    sec = stream(n, overlap)
+                    seconds[(name, n)] = min(sec, seconds.get((name, n), float("inf")))
+        if args.timeline:
+            for overlap in (True, False):
+                summaries["on" if overlap else "off"] = profile_run(
+                    pipe, convs[:args.timeline_images], params, overlap, _timeline_path(args.timeline, overlap),
+                    f"mmpipe captioning {args.timeline_images} JPEG files (3B shape, bf16, {args.new_tokens} tokens), "
+                    f"overlap {'on' if overlap else 'off'}, {device}")
+        stats = pipe.stats()
+
     rows = []
-    with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16") as pipe:
-        convs = [caption_conversation(p) for p in paths[: args.images]]
-        pipe.chat(convs[:16], params, progress=False)  # warm-up: Triton JIT, cuBLAS, allocator
-
-        def stream() -> int:
-            return sum(1 for _ in pipe.chat_stream(iter(convs), params))
-
-        def batches() -> int:
-            return sum(len(pipe.chat(convs[i:i + 64], params, progress=False)) for i in range(0, len(convs), 64))
-
-        best: dict[str, tuple[int, float]] = {}
-        for _ in range(2):  # twice, alternating: the first pass of each also meets new shapes (JIT, autotune)
-            for name, fn in (("continuous stream (mmpipe caption)", stream), ("batches of 64, drained", batches)):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                done = fn()
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
-                if name not in best or seconds < best[name][1]:
-                    best[name] = (done, seconds)
-        for name, (done, seconds) in best.items():
-            rows.append([name, done, round(seconds, 2), round(done / seconds, 1),
-                         round(done * args.new_tokens / seconds)])
-    print(f"{args.images} JPEG files of 448x448, {args.new_tokens} new tokens each, Qwen2.5-VL-3B-shaped random "
-          f"weights, bfloat16, {device}\n")
-    print(table("One Pipeline, same run", ["loop", "images", "seconds", "images/s", "generated tok/s"], rows))
+    for n in sorted(set(sizes) | set(hf_sizes)):
+        base = seconds.get((f"transformers generate, batches of {args.hf_batch}", n))
+        for (name, count), sec in seconds.items():
+            if count == n:
+                rows.append([name, n, round(sec, 2), round(n / sec, 1), round(n * args.new_tokens / sec),
+                             f"{base / sec:.1f}x" if base else "-"])
+    print(f"448x448 JPEG files, {args.new_tokens} new tokens each, Qwen2.5-VL-3B-shaped random weights, bfloat16, "
+          f"{device}; file decoding included\n")
+    print(table("Captioning files, same process", ["system", "files", "seconds", "images/s", "generated tok/s",
+                                                     "vs transformers"], rows))
+    if summaries:
+        keys = ["seconds", "gpu_busy", "gpu_vision", "gpu_prefill", "gpu_decode", "gpu_other", "host_only_gaps",
+                "host_schedule_s", "host_vision_s", "host_prefill_s", "host_decode_s", "host_read_s", "host_wait_s"]
+        print(table(f"Timeline of one profiled run ({args.timeline_images} files; fractions of wall time, host "
+                    "seconds per engine phase)", ["overlap"] + keys,
+                    [[k] + [round(v[key], 3) for key in keys] for k, v in summaries.items()]))
+    result: dict[str, Any] = {"device": device, "new_tokens": args.new_tokens, "rows": rows, "timeline": summaries,
+                              "engine": {k: stats[k] for k in ("graph_mode", "runner", "overlap_schedule")}}
     cli_rows = []
     for count in [int(g) for g in args.gpus.split(",") if g]:
         out = os.path.join(work, f"captions-{count}gpu.jsonl")
@@ -109,8 +162,40 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         lines = sum(1 for _ in open(out))
         cli_rows.append([count, images, lines, round(slowest, 2), round(images / slowest, 1), round(wall, 1)])
     if cli_rows:
-        print(table(f"mmpipe caption --gpus N, {args.cli_images} files", [
+        print(table(f"mmpipe caption --gpus N, the folder of {len(paths)} files", [
             "GPUs", "images processed", "captions written", "captioning s (slowest process)", "images/s", "wall s (with start-up)"],
             cli_rows))
-    return {"device": device, "images": args.images, "new_tokens": args.new_tokens, "rows": rows,
-            "cli_rows": cli_rows}
+    result["cli_rows"] = cli_rows
+    return result
+
+
+def _timeline_path(path: str, overlap: bool) -> str:
+    stem, ext = os.path.splitext(path)
+    return path if overlap else f"{stem}_no_overlap{ext or '.png'}"
+
+
+def profile_run(pipe: Any, convs: list[Any], params: Any, overlap: bool, png: str, title: str) -> dict[str, float]:
+    """One captioning run under torch.profiler; writes the timeline PNG, returns its summary."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from mmpipe.app import timeline
+
+    pipe.engine.drain()
+    pipe.engine.overlap = overlap
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("mmpipe.run"):
+            for _ in pipe.chat_stream(iter(convs), params):
+                pass
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        run = timeline.from_trace_events(timeline.load_trace(trace))
+    summary = run.summary()
+    summary["images_per_s_profiled"] = len(convs) / run.seconds
+    try:
+        timeline.plot(run, png, title)
+        print(f"timeline written to {png}")
+    except ImportError:
+        print("matplotlib is not installed: no timeline PNG", file=sys.stderr)
+    return summary

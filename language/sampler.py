@@ -37,6 +37,8 @@ from typing import Sequence
 
 import torch
 
+from mmpipe.runtime.trace import phase
+
 _MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x045D9F3B  # < 2**31, so products of 32-bit values fit in int64 without overflow
 _GOLDEN = 0x9E3779B1
@@ -222,7 +224,8 @@ class HostTokens:
     def get(self) -> tuple[list[list[int]], list[list[float]] | None]:
         """Per row: [token, top ids...] and [token logprob, top logprobs...] (None without them)."""
         if self._event is not None:
-            self._event.synchronize()
+            with phase("wait"):  # the host idles until the GPU reaches the copy
+                self._event.synchronize()
         return self._ids.tolist(), self._lps.tolist() if self._lps is not None else None
 
 

@@ -31,6 +31,7 @@ from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
 from mmpipe.engine.scheduler import StepPlan, Scheduler
 from mmpipe.language.decode_graphs import PendingDecode
+from mmpipe.runtime.trace import phase
 
 
 @dataclass
@@ -73,7 +74,8 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one step; returns the requests found finished in it (with overlap: those whose
         last token, sampled by the step before, arrived now)."""
-        plan = self.scheduler.schedule()
+        with phase("schedule"):
+            plan = self.scheduler.schedule()
         if plan.preempted:
             self.runner.release(plan.preempted)
         if plan.empty:
@@ -119,14 +121,18 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         launched = LaunchedStep()
-        self._provide_images(plan)
+        if plan.images:
+            with phase("vision"):
+                self._provide_images(plan)
         if plan.prefill:
-            logits = self.runner.prefill(plan.prefill)
-            launched.sampled = [c.request for c in plan.prefill if c.completes]
-            if launched.sampled:
-                launched.prefill_tokens = self.runner.launch_sample(launched.sampled, logits)
+            with phase("prefill"):
+                logits = self.runner.prefill(plan.prefill)
+                launched.sampled = [c.request for c in plan.prefill if c.completes]
+                if launched.sampled:
+                    launched.prefill_tokens = self.runner.launch_sample(launched.sampled, logits)
         if plan.decode:
-            launched.decode_tokens = self.runner.launch_decode(plan.decode)  # samples inside the step
+            with phase("decode"):
+                launched.decode_tokens = self.runner.launch_decode(plan.decode)  # samples inside the step
             launched.decoded = plan.decode
         for request in launched.sampled:
             request.pending += 1
@@ -139,6 +145,10 @@ class Engine:
     def _resolve(self, launched: LaunchedStep) -> list[Request]:
         """Append the step's tokens to requests still running (a request that finished or was
         aborted since the launch drops its token), then release the requests they finished."""
+        with phase("read"):
+            return self._read(launched)
+
+    def _read(self, launched: LaunchedStep) -> list[Request]:
         finished: list[Request] = []
         for requests, tokens in ((launched.sampled, launched.prefill_tokens),
                                  (launched.decoded, launched.decode_tokens)):

@@ -1,0 +1,157 @@
+"""Where a run's time goes, from a torch.profiler trace: GPU busy fraction, GPU time per engine
+phase (ViT, prefill, decode), host-only gaps, host time per phase; and a PNG of it.
+
+The engine marks its phases with `mmpipe.runtime.trace.phase` (`mmpipe.schedule`, `.vision`,
+`.prefill`, `.decode`, `.read`, and `.wait` where the host blocks on the GPU). The profiler
+projects those ranges onto the GPU timeline (`gpu_user_annotation`); a kernel belongs to the
+phase whose projected range holds it. Busy time is the union of kernel and copy intervals, so
+overlapping kernels (the ViT on its own stream) are not counted twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from mmpipe.runtime.trace import PREFIX
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+GPU_PHASES = ("vision", "prefill", "decode")
+HOST_PHASES = ("schedule", "vision", "prefill", "decode", "read", "wait")
+COLORS = {"vision": "#2a9d8f", "prefill": "#e9c46a", "decode": "#e76f51", "other": "#8d99ae",
+          "schedule": "#457b9d", "read": "#6d597a", "wait": "#dddddd"}
+
+
+@dataclass
+class Interval:
+    start: float  # microseconds, trace clock
+    end: float
+    name: str = ""
+
+
+@dataclass
+class Timeline:
+    """A run's trace, reduced to what the summary and the plot need."""
+
+    start: float
+    end: float
+    kernels: list[Interval] = field(default_factory=list)  # name = phase ("other" if none)
+    host: list[Interval] = field(default_factory=list)  # engine phases on the host, name = phase
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start) / 1e6
+
+    def summary(self) -> dict[str, float]:
+        """Fractions of the run's wall time: GPU busy (any kernel), GPU busy per phase, host-only
+        gaps; host seconds per phase (`wait`: blocked on the GPU)."""
+        wall = max(self.end - self.start, 1e-9)
+        out: dict[str, float] = {"seconds": self.seconds, "gpu_busy": union_length(self.kernels) / wall}
+        for name in GPU_PHASES + ("other",):
+            out[f"gpu_{name}"] = union_length([k for k in self.kernels if k.name == name]) / wall
+        out["host_only_gaps"] = 1.0 - out["gpu_busy"]
+        for name in HOST_PHASES:
+            out[f"host_{name}_s"] = sum(h.end - h.start for h in self.host if h.name == name) / 1e6
+        out["kernels"] = float(len(self.kernels))
+        return out
+
+
+def union_length(intervals: Iterable[Interval]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for iv in sorted(intervals, key=lambda i: i.start):
+        if iv.end <= reach:
+            continue
+        total += iv.end - max(iv.start, reach)
+        reach = iv.end
+    return total
+
+
+def from_trace_events(events: list[dict[str, Any]], run_range: str = PREFIX + "run") -> Timeline:
+    """Build the timeline from chrome-trace events, limited to the host range `run_range` (the
+    whole trace if there is none)."""
+    def span(e: dict[str, Any]) -> Interval:
+        start = float(e["ts"])
+        return Interval(start, start + float(e.get("dur", 0.0)), e.get("name", ""))
+
+    complete = [e for e in events if e.get("ph") == "X"]
+    runs = [span(e) for e in complete if e.get("cat") == "user_annotation" and e.get("name") == run_range]
+    kernels = [span(e) for e in complete if e.get("cat") in GPU_CATEGORIES]
+    if runs:
+        lo, hi = min(r.start for r in runs), max(r.end for r in runs)
+    elif kernels:
+        lo, hi = min(k.start for k in kernels), max(k.end for k in kernels)
+    else:
+        raise ValueError("the trace has neither a run range nor GPU kernels")
+    kernels = [k for k in kernels if k.end > lo and k.start < hi]
+    gpu_ranges = sorted((span(e) for e in complete if e.get("cat") == "gpu_user_annotation"
+                         and e.get("name", "").startswith(PREFIX)), key=lambda r: r.start)
+    for kernel in kernels:
+        kernel.name = phase_of(kernel, gpu_ranges)
+    host = [Interval(h.start, h.end, h.name[len(PREFIX):]) for h in (
+        span(e) for e in complete if e.get("cat") == "user_annotation" and e.get("name", "").startswith(PREFIX))
+        if h.name[len(PREFIX):] in HOST_PHASES and h.end > lo and h.start < hi]
+    return Timeline(lo, hi, kernels, host)
+
+
+def phase_of(kernel: Interval, ranges: list[Interval]) -> str:
+    """The GPU phase whose projected range holds the kernel (ranges sorted by start; where two
+    hold it, as when the ViT runs on its own stream during a decode step, the later-starting)."""
+    starts = [r.start for r in ranges]
+    i = bisect.bisect_right(starts, kernel.start) - 1
+    for r in ranges[max(0, i - 8):i + 1][::-1]:
+        name = r.name[len(PREFIX):]
+        if r.start <= kernel.start and kernel.end <= r.end and name in GPU_PHASES:
+            return name
+    return "other"
+
+
+def load_trace(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def plot(timeline: Timeline, path: str, title: str, window_ms: float = 80.0) -> None:
+    """Two panels: a zoomed window from the middle of the run (host phases above, GPU kernels by
+    phase below), and one bar of the whole run's wall time split into GPU phases and idle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = timeline.summary()
+    fig, (ax, bar) = plt.subplots(2, 1, figsize=(12, 4.8), gridspec_kw={"height_ratios": [3, 1]})
+    mid = (timeline.start + timeline.end) / 2
+    lo, hi = mid - window_ms * 500, mid + window_ms * 500
+    lanes = {"host": 1.0, "GPU": 0.0}
+    for lane, items in (("host", timeline.host), ("GPU", timeline.kernels)):
+        for item in items:
+            if item.end < lo or item.start > hi:
+                continue
+            ax.broken_barh([((item.start - lo) / 1000, max((item.end - item.start) / 1000, 0.004))],
+                           (lanes[lane] - 0.35, 0.7), color=COLORS.get(item.name, "#999999"), linewidth=0)
+    ax.set_yticks(list(lanes.values()), list(lanes.keys()))
+    ax.set_xlim(0, (hi - lo) / 1000)
+    ax.set_xlabel(f"ms (a {window_ms:.0f} ms window from the middle of the run)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[n]) for n in COLORS]
+    ax.legend(handles, list(COLORS), ncol=len(COLORS), loc="upper center", bbox_to_anchor=(0.5, 1.22),
+              fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10, pad=28)
+    left = 0.0
+    parts = [(n, summary[f"gpu_{n}"]) for n in GPU_PHASES + ("other",)]
+    busy_sum = sum(v for _, v in parts)
+    scale = summary["gpu_busy"] / busy_sum if busy_sum else 0.0  # phases may overlap (two streams)
+    for name, width in [(n, v * scale) for n, v in parts] + [("idle", summary["host_only_gaps"])]:
+        bar.barh(0, width, left=left, color=COLORS.get(name, "white"), edgecolor="black", linewidth=0.5)
+        if width > 0.04:
+            bar.text(left + width / 2, 0, f"{name}\n{width:.0%}", ha="center", va="center", fontsize=8)
+        left += width
+    bar.set_xlim(0, 1)
+    bar.set_yticks([])
+    bar.set_xlabel(f"whole run: {summary['seconds']:.2f} s, GPU busy {summary['gpu_busy']:.0%}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
