@@ -16,6 +16,7 @@ per image (min_new_tokens = max_new_tokens, greedy).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", default=None, help="write the profiled timeline here (PNG; needs matplotlib)")
     parser.add_argument("--timeline-images", type=int, default=256)
     parser.add_argument("--engine", default=None, help="EngineConfig overrides as JSON")
+    parser.add_argument("--prefill-budgets", default="", help="also run the largest --images count with these "
+                        "max_prefill_tokens (at most the engine's), lowered at run time")
     parser.add_argument("--gpus", default="", help="comma-separated process counts for `mmpipe caption --gpus`")
     parser.add_argument("--cli-images", type=int, default=512, help="at least this many files in the folder that "
                         "--gpus captions (all of it)")
@@ -97,6 +100,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         def stream(n: int, overlap: bool) -> float:
             engine.drain()
             engine.overlap = overlap  # switchable between runs, with no step in flight
+            engine.cache.clear()  # every run encodes its images, as a run over new files does
             torch.cuda.synchronize()
             start = time.perf_counter()
             done = sum(1 for _ in pipe.chat_stream(iter(convs[:n]), params))
@@ -106,6 +110,14 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
 
         stream(64, True)  # warm-up: Triton JIT, cuBLAS, ViT graphs, allocator
         stream(64, False)
+        base_cfg = engine.scheduler.cfg
+        for budget in _sizes(args.prefill_budgets):
+            # Lowered at run time on the same Pipeline (graphs and buffers are sized for the
+            # larger default, so a smaller budget is safe): what each budget gives, measured.
+            engine.scheduler.cfg = dataclasses.replace(base_cfg, max_prefill_tokens=min(budget, base_cfg.max_prefill_tokens))
+            n = max(sizes)
+            seconds[(f"mmpipe chat_stream, overlap on, max_prefill_tokens {budget}", n)] = stream(n, True)
+        engine.scheduler.cfg = base_cfg
         for n in sizes:
             for _ in range(2):  # best of two, alternating
                 for overlap in (True, False):
@@ -138,7 +150,9 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
                     "seconds per engine phase)", ["overlap"] + keys,
                     [[k] + [round(v[key], 3) for key in keys] for k, v in summaries.items()]))
     result: dict[str, Any] = {"device": device, "new_tokens": args.new_tokens, "rows": rows, "timeline": summaries,
-                              "engine": {k: stats[k] for k in ("graph_mode", "runner", "overlap_schedule")}}
+                              "engine": {k: stats[k] for k in ("graph_mode", "runner", "overlap_schedule",
+                                                               "encoder_cache")}}
+    print("engine:", json.dumps(result["engine"]))
     cli_rows = []
     for count in [int(g) for g in args.gpus.split(",") if g]:
         out = os.path.join(work, f"captions-{count}gpu.jsonl")
@@ -182,6 +196,7 @@ def profile_run(pipe: Any, convs: list[Any], params: Any, overlap: bool, png: st
 
     pipe.engine.drain()
     pipe.engine.overlap = overlap
+    pipe.engine.cache.clear()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("mmpipe.run"):
             for _ in pipe.chat_stream(iter(convs), params):

@@ -44,6 +44,7 @@ from mmpipe.language.sampler import (HostTokens, RowSampling, SampleResult, Samp
 from mmpipe.runtime.context import ForwardContext, forward_context
 from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
 from mmpipe.runtime.graph_memory import GraphMemory, make_graph_memory
+from mmpipe.runtime.transfer import to_device
 
 log = logging.getLogger("mmpipe")
 
@@ -383,8 +384,8 @@ class DecodeGraphRunner:
             mirror[dst] = mirror[src]
 
     def _move_device(self, moves: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in moves], dtype=torch.int64).to(self.device, non_blocking=True)
-        dst = torch.tensor([d for _, d in moves], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = to_device(np.asarray([s for s, _ in moves], dtype=np.int64), self.device)
+        dst = to_device(np.asarray([d for _, d in moves], dtype=np.int64), self.device)
         for buffer in self._row_buffers():
             buffer.index_copy_(0, dst, buffer.index_select(0, src))
         self.stats.rows_moved += len(moves)
@@ -424,12 +425,12 @@ class DecodeGraphRunner:
             self.ban_until[row] = setting.ban_until if setting.ban_ids else 0
             self.flags[row] = _row_flags(setting)
             self.logprobs[row] = setting.logprobs
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        host = torch.from_numpy(scalars).to(self.device, non_blocking=True)
+        index = to_device(np.asarray(rows, dtype=np.int64), self.device)
+        host = to_device(scalars, self.device)
         self.input_ids.index_copy_(0, index, host[0])
         self.seq_lens.index_copy_(0, index, host[1].to(torch.int32))
         self.mrope_delta.index_copy_(0, index, host[2])
-        self.page_table.index_copy_(0, index, torch.from_numpy(table).to(self.device, non_blocking=True))
+        self.page_table.index_copy_(0, index, to_device(table, self.device))
         self.active.index_fill_(0, index, True)
         self.sampler.write_rows(index, settings, self.vocab)
         self.stats.rows_written += count
@@ -450,7 +451,7 @@ class DecodeGraphRunner:
                 self._forget(row)
 
     def _append_pages(self, appends: list[tuple[int, int, int]]) -> None:
-        triples = torch.from_numpy(np.asarray(appends, dtype=np.int64).T.copy()).to(self.device, non_blocking=True)
+        triples = to_device(np.asarray(appends, dtype=np.int64).T, self.device)
         self.page_table.index_put_((triples[0], triples[1]), triples[2].to(torch.int32))
         self.stats.pages_appended += len(appends)
 

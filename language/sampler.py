@@ -178,7 +178,7 @@ class _Staged:
         seen = None
         if self.with_seen:
             seen = torch.zeros(n * self.vocab, dtype=torch.bool, device=self.device)
-            seen[ints[(4 + width) * n:]] = True
+            seen.index_fill_(0, ints[(4 + width) * n:], True)  # not `seen[ids] = True`: that copies a CPU scalar and waits
             seen = seen.view(n, self.vocab)
         return SamplerTensors(
             temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], penalty=floats[3 * n:],

@@ -26,6 +26,7 @@ import torch
 from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
 from mmpipe.runtime.graph_memory import GraphMemory, make_graph_memory
 from mmpipe.vision.metadata import Segments, VisionPackMeta
+from mmpipe.runtime.transfer import copy_into, to_device
 
 log = logging.getLogger("mmpipe")
 
@@ -128,15 +129,14 @@ class ViTGraphRunner:
         slots = self.window_slots(bucket)
         if len(meta.window_lengths) + len(window_pad) > slots or len(meta.full_lengths) + 1 > self.full_slots():
             return False
-        order = torch.from_numpy(meta.patch_order).to(self.device, non_blocking=True)
-        positions = torch.from_numpy(np.ascontiguousarray(meta.positions)).to(self.device, non_blocking=True)
+        order = to_device(meta.patch_order, self.device)
+        positions = to_device(meta.positions, self.device)
         vit.embed(pixel_values, order, out=self.hidden[:n])  # straight into the static inputs
         vit.rotary_tables(positions, order, out=(self.cos[:n], self.sin[:n]))
-        self.cu_full[: self.full_slots() + 1].copy_(_boundaries(meta.full_lengths + [pad], self.full_slots()),
-                                                    non_blocking=True)
-        self.cu_window[: slots + 1].copy_(_boundaries(meta.window_lengths + window_pad, slots), non_blocking=True)
+        copy_into(self.cu_full[: self.full_slots() + 1], _boundaries(meta.full_lengths + [pad], self.full_slots()))
+        copy_into(self.cu_window[: slots + 1], _boundaries(meta.window_lengths + window_pad, slots))
         merged = meta.num_merged
-        self.inverse[:merged].copy_(torch.from_numpy(meta.merged_inverse), non_blocking=True)
+        copy_into(self.inverse[:merged], meta.merged_inverse)
         self.inverse[merged: bucket // self.unit].copy_(self.identity[merged: bucket // self.unit])
         return True
 

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from mmpipe.runtime.transfer import to_device
 
 Grid = tuple[int, int, int]
 
@@ -79,7 +80,7 @@ def build_pack_meta(grids: Sequence[Grid], merge_size: int, window_size: int, pa
 def cu_seqlens_of(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu[1:])
-    return torch.from_numpy(cu).to(device, non_blocking=True)
+    return to_device(cu, device)
 
 
 def segments_of(lengths: Sequence[int], device: torch.device, max_len: int | None = None) -> Segments:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +22,7 @@ from mmpipe.runtime.weight_copy import WeightMap
 from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
 from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
 from mmpipe.vision.rotary import rotary_tables
+from mmpipe.runtime.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -193,12 +193,12 @@ class Qwen25VisionTransformer(nn.Module):
     def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
         """Encode a pack of images eagerly: [N, patch_dim] -> [N / merge_unit, out_dim]."""
         device = pixel_values.device
-        order = torch.from_numpy(meta.patch_order).to(device)
+        order = to_device(meta.patch_order, device)
         hidden = self.embed(pixel_values, order)
-        cos, sin = self.rotary_tables(torch.from_numpy(np.ascontiguousarray(meta.positions)).to(device), order)
+        cos, sin = self.rotary_tables(to_device(meta.positions, device), order)
         full = segments_of(meta.full_lengths, device)
         windows = segments_of(meta.window_lengths, device)
-        inverse = torch.from_numpy(meta.merged_inverse).to(device)
+        inverse = to_device(meta.merged_inverse, device)
         return self.forward_blocks(hidden, cos, sin, full, windows, inverse)
 
     # ---- weights

@@ -27,6 +27,7 @@ from mmpipe.runtime.graph_memory import SharedPool
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.preprocess import PreprocessedImage
+from mmpipe.runtime.transfer import to_device
 
 log = logging.getLogger("mmpipe")
 
@@ -97,7 +98,7 @@ class PrefillInputs:
         np.cumsum(self.query_lens, out=qsl[1:])
         parts = [self.token_ids, self.positions.reshape(-1), self.slot_mapping, self.seq_lens, qsl,
                  self.page_table.reshape(-1), self.logit_rows]
-        flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
+        flat = to_device(np.concatenate(parts), device)
         ids, pos, slots, lens, cu, table, logit_rows = flat.split([p.shape[0] for p in parts])
         meta = AttentionMetadata(
             is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens.to(torch.int32),
@@ -260,7 +261,16 @@ class ModelRunner:
         vit = self.model.vision
         meta = build_pack_meta([im.grid_thw for im in images], vit.cfg.spatial_merge_size, vit.cfg.window_size,
                                vit.cfg.patch_size)
-        pixels = torch.cat([im.pixel_values for im in images]).to(self.device, non_blocking=True)
+        parts = [im.pixel_values for im in images]
+        if self.device.type == "cuda":
+            # Packed into pinned memory, the copy is queued without the host waiting for the GPU
+            # to reach it (megabytes per image: from pageable memory it would block the host
+            # until the step in flight is done, undoing overlapped scheduling).
+            pinned = torch.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), dtype=parts[0].dtype,
+                                 pin_memory=True)
+            pixels = torch.cat(parts, out=pinned).to(self.device, non_blocking=True)
+        else:
+            pixels = torch.cat(parts)
         merged = self.vit_graphs.encode(pixels, meta) if self.vit_graphs is not None else None
         in_graph_memory = merged is not None
         if merged is None:
