@@ -10,7 +10,10 @@ gained a KV page (one entry of its page-table row). Everything that advances eve
 (the fed token, lengths, positions, KV write slots, the sampler's step counter and repetition
 mask) is computed on the device inside the step itself. A steady-state step therefore needs no
 host-to-device copy at all: one replay, then one device-to-host copy of the new tokens (and of
-log-probabilities only when a request asked for them).
+log-probabilities only when a request asked for them). `launch` queues that copy into pinned
+memory and returns at once (`PendingDecode.get()` waits for it), so the engine can plan and
+launch the next step first; since the rows advance on the device, each request's `seq_len`
+then counts its token in flight.
 
 The step (`DecodeGraphRunner.body`) is embedding -> layers -> final norm -> LM head -> sampler
 -> advance. It runs eagerly with exactly the batch's rows, or as the graph of the smallest
