@@ -369,6 +369,7 @@ def vision_pair(depth: int | None = None):
 
     from mmpipe.vision.attention import make_vision_attention
     from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+    from mmpipe.weights import prepare_for_kernels
 
     shape = dict(QWEN25_VL_3B_VISION, **({"depth": depth} if depth else {}))
     hf_config = Qwen2_5_VLConfig(vision_config=shape)
@@ -382,6 +383,7 @@ def vision_pair(depth: int | None = None):
     weights = ours.weight_map()
     loaded, unexpected = weights.load(hf.state_dict().items())
     assert not unexpected and weights.expected_names() <= loaded
+    prepare_for_kernels(ours)
     ours.attention = make_vision_attention("auto", torch.device("cuda"), torch.bfloat16)
     return hf, ours
 

@@ -93,6 +93,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
 
     summaries: dict[str, dict[str, float]] = {}
+    top_kernels: dict[str, list[list[Any]]] = {}
     with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16", **json.loads(args.engine or "{}")) as pipe:
         convs = [caption_conversation(p, prompt) for p in paths]
         engine = pipe.engine
@@ -126,7 +127,8 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
                     seconds[(name, n)] = min(sec, seconds.get((name, n), float("inf")))
         if args.timeline:
             for overlap in (True, False):
-                summaries["on" if overlap else "off"] = profile_run(
+                key = "on" if overlap else "off"
+                summaries[key], top_kernels[key] = profile_run(
                     pipe, convs[:args.timeline_images], params, overlap, _timeline_path(args.timeline, overlap),
                     f"mmpipe captioning {args.timeline_images} JPEG files (3B shape, bf16, {args.new_tokens} tokens), "
                     f"overlap {'on' if overlap else 'off'}, {device}")
@@ -149,7 +151,10 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         print(table(f"Timeline of one profiled run ({args.timeline_images} files; fractions of wall time, host "
                     "seconds per engine phase)", ["overlap"] + keys,
                     [[k] + [round(v[key], 3) for key in keys] for k, v in summaries.items()]))
+        print(table("Heaviest kernels of each phase, overlap on (GPU ms and calls per image)",
+                    ["phase", "kernel", "ms per image", "calls per image"], top_kernels["on"]))
     result: dict[str, Any] = {"device": device, "new_tokens": args.new_tokens, "rows": rows, "timeline": summaries,
+                              "top_kernels": top_kernels,
                               "engine": {k: stats[k] for k in ("graph_mode", "runner", "overlap_schedule",
                                                                "encoder_cache")}}
     print("engine:", json.dumps(result["engine"]))
@@ -188,8 +193,10 @@ def _timeline_path(path: str, overlap: bool) -> str:
     return path if overlap else f"{stem}_no_overlap{ext or '.png'}"
 
 
-def profile_run(pipe: Any, convs: list[Any], params: Any, overlap: bool, png: str, title: str) -> dict[str, float]:
-    """One captioning run under torch.profiler; writes the timeline PNG, returns its summary."""
+def profile_run(pipe: Any, convs: list[Any], params: Any, overlap: bool, png: str, title: str
+                ) -> tuple[dict[str, float], list[list[Any]]]:
+    """One captioning run under torch.profiler; writes the timeline PNG, returns its summary and
+    the heaviest kernels of each phase (GPU ms per image)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from mmpipe.app import timeline
@@ -208,9 +215,11 @@ def profile_run(pipe: Any, convs: list[Any], params: Any, overlap: bool, png: st
         run = timeline.from_trace_events(timeline.load_trace(trace))
     summary = run.summary()
     summary["images_per_s_profiled"] = len(convs) / run.seconds
+    kernels = [[name, kernel[:80], round(seconds * 1000 / len(convs), 3), round(calls / len(convs), 2)]
+               for name in timeline.GPU_PHASES for kernel, seconds, calls in run.top_kernels(name)]
     try:
         timeline.plot(run, png, title)
         print(f"timeline written to {png}")
     except ImportError:
         print("matplotlib is not installed: no timeline PNG", file=sys.stderr)
-    return summary
+    return summary, kernels

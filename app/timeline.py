@@ -29,6 +29,7 @@ class Interval:
     start: float  # microseconds, trace clock
     end: float
     name: str = ""
+    kernel: str = ""  # for GPU intervals: the kernel's own name (`name` is its phase)
 
 
 @dataclass
@@ -56,6 +57,17 @@ class Timeline:
             out[f"host_{name}_s"] = sum(h.end - h.start for h in self.host if h.name == name) / 1e6
         out["kernels"] = float(len(self.kernels))
         return out
+
+    def top_kernels(self, phase: str, count: int = 6) -> list[tuple[str, float, int]]:
+        """The phase's kernels grouped by name, most GPU time first: (name, seconds, calls)."""
+        totals: dict[str, list[float]] = {}
+        for k in self.kernels:
+            if k.name == phase:
+                entry = totals.setdefault(k.kernel, [0.0, 0])
+                entry[0] += (k.end - k.start) / 1e6
+                entry[1] += 1
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
+        return [(name, seconds, int(calls)) for name, (seconds, calls) in ranked]
 
 
 def union_length(intervals: Iterable[Interval]) -> float:
@@ -89,7 +101,7 @@ def from_trace_events(events: list[dict[str, Any]], run_range: str = PREFIX + "r
     gpu_ranges = sorted((span(e) for e in complete if e.get("cat") == "gpu_user_annotation"
                          and e.get("name", "").startswith(PREFIX)), key=lambda r: r.start)
     for kernel in kernels:
-        kernel.name = phase_of(kernel, gpu_ranges)
+        kernel.kernel, kernel.name = kernel.name, phase_of(kernel, gpu_ranges)
     host = [Interval(h.start, h.end, h.name[len(PREFIX):]) for h in (
         span(e) for e in complete if e.get("cat") == "user_annotation" and e.get("name", "").startswith(PREFIX))
         if h.name[len(PREFIX):] in HOST_PHASES and h.end > lo and h.start < hi]

@@ -16,7 +16,7 @@ from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.errors import CheckpointError, InputError, UnsupportedModelError
 from mmpipe.language.attention import make_lm_attention
 from mmpipe.vision.attention import make_vision_attention
-from mmpipe.weights import load_checkpoint, materialize, read_json
+from mmpipe.weights import load_checkpoint, materialize, prepare_for_kernels, read_json
 from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 
@@ -93,6 +93,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     vision = materialize(vision, device, dtype)
     language = materialize(language, device, dtype)
     load_checkpoint(path, {"vision": vision, "language": language}, device, dtype)
+    prepare_for_kernels(vision)
+    prepare_for_kernels(language)
     if vision_cfg.out_hidden_size != text_cfg.hidden_size:
         raise CheckpointError(f"{path}: vision out_hidden_size {vision_cfg.out_hidden_size} != language "
                               f"hidden_size {text_cfg.hidden_size}")

@@ -126,6 +126,15 @@ def _list(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def prepare_for_kernels(module: nn.Module) -> nn.Module:
+    """After loading: give weights the layout the kernels run fastest with (zero padding that
+    leaves every result unchanged, see `GatedMLP.pad_width`)."""
+    for sub in module.modules():
+        if hasattr(sub, "pad_width"):
+            sub.pad_width()
+    return module
+
+
 def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Give a module built on the meta device real (uninitialised) storage, then rebuild the
     derived buffers (rotary tables) that are computed rather than loaded."""

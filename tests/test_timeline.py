@@ -44,6 +44,15 @@ def test_summary_counts_overlaps_once_and_attributes_phases():
     assert summary["kernels"] == 4
 
 
+def test_top_kernels_group_by_name_within_a_phase():
+    events = EVENTS + [x("kernel", "gemm", 590, 5), x("kernel", "norm", 596, 2), x("kernel", "gemm", 705, 3)]
+    run = from_trace_events(events)
+    assert run.top_kernels("prefill") == [("DtoH", pytest.approx(100e-6), 1), ("gemm", pytest.approx(8e-6), 2),
+                                          ("norm", pytest.approx(2e-6), 1)]
+    assert run.top_kernels("prefill", count=1) == [("DtoH", pytest.approx(100e-6), 1)]
+    assert [k for k, _, _ in run.top_kernels("vision")] == ["vit_attn"]
+
+
 def test_union_length():
     assert union_length([Interval(0, 10), Interval(5, 15), Interval(20, 30), Interval(21, 22)]) == 25
     assert union_length([]) == 0

@@ -108,3 +108,36 @@ def test_name_layouts():
     assert split_name("model.norm.weight") == ("language", "norm.weight")
     assert split_name("lm_head.weight") == ("language", "lm_head.weight")
     assert split_name("vision_tower.x") is None
+
+
+@pytest.mark.parametrize("bias,act", [(True, "silu"), (False, "silu"), (True, "gelu")])
+def test_padded_mlp_width_computes_the_same(bias, act):
+    """Widening the MLP to an aligned width (for cuBLAS's fast kernels) changes no result: the
+    padded gate/up rows and down columns are zero, and the real blocks keep their places."""
+    from mmpipe.runtime.layers import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(24, 37, act, bias=bias).eval()
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_()
+    x = torch.randn(5, 24)
+    before = mlp(x)
+    mlp.pad_width(16)
+    assert mlp.hidden == 48 and mlp.gate_up_proj.weight.shape == (96, 24) and mlp.down_proj.weight.shape == (24, 48)
+    assert not mlp.gate_up_proj.weight[37:48].any() and not mlp.gate_up_proj.weight[85:].any()
+    assert not mlp.down_proj.weight[:, 37:].any()
+    torch.testing.assert_close(mlp(x), before, rtol=1e-6, atol=1e-6)
+
+
+def test_unaligned_mlp_widths_load_padded_and_match_transformers(checkpoint_factory):
+    """Checkpoints whose MLP widths are not multiples of 64 (Qwen2.5-VL's vision tower: 3420)
+    load padded, and the model still equals transformers."""
+    from tests.test_parity import assert_matches, two_images
+    from tests.helpers import hf_model
+
+    path = checkpoint_factory(vision={"intermediate_size": 100}, text={"intermediate_size": 90}, seed=7)
+    pipe = Pipeline.from_pretrained(path, device="cpu")
+    assert pipe.model.vision.blocks[0].mlp.hidden == 128
+    assert pipe.model.language.layers[0].mlp.hidden == 128
+    assert_matches(pipe, hf_model(path), path, two_images())

@@ -23,6 +23,7 @@ from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
 from mmpipe.language.prefill_graphs import ImageSpan, PrefillRunner
 from mmpipe.language.sampler import HostTokens, SampleResult, SamplerTensors, SamplerVariant, sample
 from mmpipe.models import LoadedModel
+from mmpipe.runtime.layers import padded_width
 from mmpipe.runtime.graph_memory import SharedPool
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
@@ -226,9 +227,9 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         tokens = self.cfg.max_prefill_tokens
         qkv = (lm.cfg.num_heads + 2 * lm.num_kv_heads) * lm.head_dim
-        text = tokens * (3 * lm.cfg.intermediate_size + 6 * lm.hidden_size + qkv) * elem
+        text = tokens * (3 * padded_width(lm.cfg.intermediate_size) + 6 * lm.hidden_size + qkv) * elem
         patches = self.cfg.max_vision_patches
-        vision = patches * (3 * vit.intermediate_size + 8 * vit.hidden_size) * elem + patches * vit.head_dim * 16
+        vision = patches * (3 * padded_width(vit.intermediate_size) + 8 * vit.hidden_size) * elem + patches * vit.head_dim * 16
         decode = self.cfg.max_running_requests * lm.vocab_size * (4 * 4 + 1)
         return 2 * max(text, vision) + decode + (512 << 20)
 
