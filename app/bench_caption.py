@@ -147,7 +147,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
                                                      "vs transformers"], rows))
     if summaries:
         keys = ["seconds", "gpu_busy", "gpu_vision", "gpu_prefill", "gpu_decode", "gpu_other", "host_only_gaps",
-                "host_schedule_s", "host_vision_s", "host_prefill_s", "host_decode_s", "host_read_s", "host_wait_s"]
+                "idle_start_s", "idle_middle_s", "idle_tail_s", "host_schedule_s", "host_vision_s", "host_prefill_s", "host_decode_s", "host_read_s", "host_wait_s"]
         print(table(f"Timeline of one profiled run ({args.timeline_images} files; fractions of wall time, host "
                     "seconds per engine phase)", ["overlap"] + keys,
                     [[k] + [round(v[key], 3) for key in keys] for k, v in summaries.items()]))

@@ -53,10 +53,40 @@ class Timeline:
         for name in GPU_PHASES + ("other",):
             out[f"gpu_{name}"] = union_length([k for k in self.kernels if k.name == name]) / wall
         out["host_only_gaps"] = 1.0 - out["gpu_busy"]
+        out.update(self.idle_split())
         for name in HOST_PHASES:
             out[f"host_{name}_s"] = sum(h.end - h.start for h in self.host if h.name == name) / 1e6
         out["kernels"] = float(len(self.kernels))
         return out
+
+    def idle_split(self) -> dict[str, float]:
+        """Idle GPU seconds by where they fall: before the first kernel (start-up: nothing
+        encoded yet), after the last ViT or prefill kernel (the tail: only decoding is left),
+        and in between."""
+        busy = union_length(self.kernels)
+        idle = (self.end - self.start - busy) / 1e6
+        if not self.kernels:
+            return {"idle_start_s": idle, "idle_middle_s": 0.0, "idle_tail_s": 0.0}
+        first = min(k.start for k in self.kernels)
+        feeding = [k.end for k in self.kernels if k.name in ("vision", "prefill")]
+        last_feed = max(feeding) if feeding else first
+        tail = [Interval(max(k.start, last_feed), k.end) for k in self.kernels if k.end > last_feed]
+        idle_start = max(first - self.start, 0.0) / 1e6
+        idle_tail = (self.end - last_feed - union_length(tail)) / 1e6
+        return {"idle_start_s": idle_start, "idle_middle_s": max(idle - idle_start - idle_tail, 0.0),
+                "idle_tail_s": idle_tail}
+
+    def busy_profile(self, bins: int) -> dict[str, list[float]]:
+        """Fraction of each of `bins` equal slices of the run that each phase's kernels cover."""
+        width = max(self.end - self.start, 1e-9) / bins
+        out = {name: [0.0] * bins for name in GPU_PHASES + ("other",)}
+        for k in self.kernels:
+            first = max(int((k.start - self.start) // width), 0)
+            last = min(int((k.end - self.start) // width), bins - 1)
+            for b in range(first, last + 1):
+                lo, hi = self.start + b * width, self.start + (b + 1) * width
+                out[k.name][b] += max(min(k.end, hi) - max(k.start, lo), 0.0) / width
+        return {name: [min(v, 1.0) for v in values] for name, values in out.items()}
 
     def top_kernels(self, phase: str, count: int = 6) -> list[tuple[str, float, int]]:
         """The phase's kernels grouped by name, most GPU time first: (name, seconds, calls)."""
@@ -127,15 +157,16 @@ def load_trace(path: str) -> list[dict[str, Any]]:
 
 
 def plot(timeline: Timeline, path: str, title: str, window_ms: float = 80.0) -> None:
-    """Two panels: a zoomed window from the middle of the run (host phases above, GPU kernels by
-    phase below), and one bar of the whole run's wall time split into GPU phases and idle."""
+    """Three panels: a zoomed window from the middle of the run (host phases above, GPU kernels by
+    phase below); the whole run, GPU busy per phase over time (where the idle time falls); and
+    one bar of the whole run's wall time split into GPU phases and idle."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     summary = timeline.summary()
-    fig, (ax, bar) = plt.subplots(2, 1, figsize=(12, 4.8), gridspec_kw={"height_ratios": [3, 1]})
+    fig, (ax, over_time, bar) = plt.subplots(3, 1, figsize=(12, 7.2), gridspec_kw={"height_ratios": [3, 2, 1]})
     mid = (timeline.start + timeline.end) / 2
     lo, hi = mid - window_ms * 500, mid + window_ms * 500
     lanes = {"host": 1.0, "GPU": 0.0}
@@ -152,6 +183,17 @@ def plot(timeline: Timeline, path: str, title: str, window_ms: float = 80.0) -> 
     ax.legend(handles, list(COLORS), ncol=len(COLORS), loc="upper center", bbox_to_anchor=(0.5, 1.22),
               fontsize=8, frameon=False)
     ax.set_title(title, fontsize=10, pad=28)
+    bins = 200
+    profile = timeline.busy_profile(bins)
+    xs = [(i + 0.5) * timeline.seconds / bins for i in range(bins)]
+    names = list(GPU_PHASES) + ["other"]
+    over_time.stackplot(xs, [profile[n] for n in names], colors=[COLORS[n] for n in names], linewidth=0)
+    over_time.set_xlim(0, timeline.seconds)
+    over_time.set_ylim(0, 1.05)
+    over_time.set_ylabel("GPU busy")
+    over_time.set_xlabel(f"s, whole run (idle: {summary['idle_start_s']:.2f} s before the first kernel, "
+                         f"{summary['idle_middle_s']:.2f} s mid-run, {summary['idle_tail_s']:.2f} s in the "
+                         "decode-only tail)")
     left = 0.0
     parts = [(n, summary[f"gpu_{n}"]) for n in GPU_PHASES + ("other",)]
     busy_sum = sum(v for _, v in parts)

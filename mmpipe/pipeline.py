@@ -254,7 +254,12 @@ class Pipeline:
         done: deque[Request] = deque()
         failed: deque[RequestOutput] = deque()
         lookahead = max(8, 2 * self.engine_config.max_running_requests)
+        # Conversations are prepared (chat template, tokens) a burst per loop, not the whole window
+        # at once, so the first images start loading and the GPU gets work at once (preparing
+        # 256 captions up front kept the GPU idle for the run's first 80 ms).
+        burst = 32
         it = iter(specs)
+        exhausted = False
 
         def fail(index: int, exc: InputError) -> None:
             if errors == "raise":
@@ -264,9 +269,13 @@ class Pipeline:
             failed.append(failed_output(index, str(exc)))
 
         def refill() -> None:
-            while len(window) < lookahead:
+            nonlocal exhausted
+            for _ in range(burst):
+                if len(window) >= lookahead:
+                    return
                 item = next(it, None)
                 if item is None:
+                    exhausted = True
                     return
                 index, spec = item
                 try:
@@ -280,8 +289,8 @@ class Pipeline:
                     for k, src in enumerate(prepared.image_sources)]))
 
         try:
-            refill()
             while True:
+                refill()
                 while window and all(f.done() for f in window[0].images):
                     pending = window.popleft()
                     try:
@@ -295,7 +304,6 @@ class Pipeline:
                     running.add(request)
                     with self.engine.lock:
                         self.engine.add(request)
-                    refill()
                 while failed:
                     yield failed.popleft()
                 while done:
@@ -311,7 +319,7 @@ class Pipeline:
                         self.engine.step()
                 if not pending_work and not done:
                     if not window:
-                        if not failed:
+                        if exhausted and not failed:
                             break
                         continue
                     futures.wait(window[0].images, return_when=futures.ALL_COMPLETED)

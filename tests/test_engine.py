@@ -234,3 +234,29 @@ def test_the_same_lazily_opened_image_in_many_requests(pipe, tmp_path):
                         SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert all(o.ok for o in outputs)
     assert len({tuple(o.token_ids) for o in outputs}) == 1
+
+
+def test_the_engine_steps_before_the_whole_window_is_prepared(pipe, monkeypatch):
+    """chat_stream prepares conversations a burst at a time: the first engine step comes after a
+    few dozen are read, not after the whole look-ahead window (which kept the GPU idle at the
+    start of a run), and every conversation is still answered once."""
+    pulled = 0
+
+    def conversations():
+        nonlocal pulled
+        for i in range(100):
+            pulled += 1
+            yield [{"role": "user", "content": f"tell me {i}"}]
+
+    at_first_step: list[int] = []
+    original = pipe.engine.step
+
+    def step():
+        if not at_first_step:
+            at_first_step.append(pulled)
+        return original()
+
+    monkeypatch.setattr(pipe.engine, "step", step)
+    outputs = list(pipe.chat_stream(conversations(), SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    assert sorted(o.index for o in outputs) == list(range(100)) and all(o.ok for o in outputs)
+    assert at_first_step[0] <= 40

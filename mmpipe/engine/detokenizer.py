@@ -10,15 +10,29 @@ a stop string, so nothing emitted is ever taken back.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
+
+
+def fast_decode(tokenizer: Any) -> Callable[..., str]:
+    """`tokenizer.decode`, minus transformers' per-call conversion of its arguments (which took
+    two thirds of the time of every decode call, 15 of 22 us), where the result is the same: a
+    `tokenizers` backend and no clean-up of tokenization spaces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer.decode
+
+    def decode(ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    return decode
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
                  min_tokens: int = 0) -> None:
-        self._decode = tokenizer.decode
+        self._decode = fast_decode(tokenizer)
         self._skip = skip_special_tokens
         self.stop = tuple(stop)
         self.min_tokens = min_tokens  # stop strings are not looked for before this many tokens
@@ -43,6 +57,15 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self.tokens)
         self._append(delta)
+
+    def decode_all(self, tokens: Sequence[int]) -> None:
+        """The whole output at once, for a request that needed no text until it finished: one
+        decode instead of two per token (the same text when there are no stop strings)."""
+        if self.stop or self.tokens:
+            raise RuntimeError("decode_all is for a detokenizer without stop strings that was never fed")
+        self.tokens = [int(t) for t in tokens]
+        self.text = self._decode(self.tokens, skip_special_tokens=self._skip)
+        self._prefix = self._read = len(self.tokens)
 
     def finish(self) -> None:
         """Flush bytes still waiting for the rest of a character (they decode as U+FFFD)."""

@@ -129,9 +129,8 @@ class Request:
                 self.on_finish(self)
 
     def final_text(self) -> str:
-        if not self.incremental_text:
-            for token in self.output_ids:
-                self.detokenizer.add(token)
+        if not self.incremental_text:  # no stop strings, no streaming: decode once
+            self.detokenizer.decode_all(self.output_ids)
             self.incremental_text = True
         self.detokenizer.finish()
         return self.detokenizer.text
