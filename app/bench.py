@@ -132,7 +132,7 @@ def bench_vit_attention() -> list[list[Any]]:
     from mmpipe.vision.metadata import segments_of
 
     heads, dim, patches = 16, 80, 1024  # a 448 px image in the 3B ViT
-    varlen, batched = VarlenVisionAttention(), TorchVisionAttention()
+    varlen, flash, batched = VarlenVisionAttention(), VarlenVisionAttention(short_segments=False), TorchVisionAttention()
     rows = []
     for images in (1, 4, 16):
         for kind, lengths in (("full (per image)", [patches] * images), ("window (8x8 patches)", [64] * 16 * images)):
@@ -148,10 +148,12 @@ def bench_vit_attention() -> list[list[Any]]:
                     start += n
 
             t_var = median_ms(lambda: varlen.forward(q, k, v, seg))
+            t_flash = median_ms(lambda: flash.forward(q, k, v, seg))
             t_loop = median_ms(loop, rep=50)
             t_batched = median_ms(lambda: batched.forward(q, k, v, seg), rep=50)
-            rows.append([images, kind, round(t_var * 1000, 1), round(t_loop * 1000, 1), round(t_batched * 1000, 1),
-                         f"{t_loop / t_var:.1f}x"])
+            gbs = 4 * q.numel() * q.element_size() / t_var / 1e6  # q, k, v read, out written
+            rows.append([images, kind, round(t_var * 1000, 1), round(t_flash * 1000, 1), round(gbs),
+                         round(t_loop * 1000, 1), round(t_batched * 1000, 1), f"{t_loop / t_var:.1f}x"])
     return rows
 
 
@@ -227,8 +229,8 @@ def run_kernels(args: argparse.Namespace) -> dict[str, Any]:
                 ["case", "triton (pages)", "varlen", "SDPA + mask (reference)", "best TFLOP/s"], extend))
     print("faster: " + ", ".join(f"{r[0]}: {_faster(r)}" for r in extend) + "\n")
     print(table("ViT attention, bf16, 16 heads x 80, 1024 patches per image, us",
-                ["images", "segments", "varlen", "per-segment SDPA loop", "batched SDPA (reference)",
-                 "loop / varlen"], vit))
+                ["images", "segments", "mmpipe (varlen; windows: short-segment kernel)", "FlashAttention varlen",
+                 "mmpipe GB/s", "per-segment SDPA loop", "batched SDPA (reference)", "loop / mmpipe"], vit))
     print(table("Decode projections through cuBLAS (F.linear), bf16, in a CUDA graph over 24 distinct weights",
                 ["projection", "N x K", "rows", "us", "weight GB/s", "of copy"], gemms))
     return result

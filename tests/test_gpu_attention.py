@@ -156,11 +156,13 @@ def test_vit_varlen_matches_reference(dim):
     assert rel(out, ref) <= 1e-2
 
 
-def test_vit_attention_replays_with_new_boundaries():
-    """Captured once; replayed with other segment boundaries of the same total; equals eager."""
+@pytest.mark.parametrize("short_segments", [True, False])
+def test_vit_attention_replays_with_new_boundaries(short_segments):
+    """Captured once; replayed with other segment boundaries of the same total; equals eager
+    (segments of up to 128 tokens: the short-segment kernel, or FlashAttention)."""
     from mmpipe.vision.attention import VarlenVisionAttention
 
-    attn = VarlenVisionAttention()
+    attn = VarlenVisionAttention(short_segments=short_segments)
     total, bound = 18 * 16, 8 * 16
     layouts = [[4 * 16, 6 * 16, 8 * 16], [5 * 16, 5 * 16, 8 * 16], [8 * 16, 8 * 16, 2 * 16], [18 * 16 // 3] * 3]
     q, k, v = (torch.randn(total, 16, 80, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
@@ -445,3 +447,28 @@ def test_rope_qk_write_kv_replays_in_a_graph(dtype):
         q2, k2, v2 = rope_qk_write_kv_reference(qkv, cos, sin, kc2, vc2, slots, heads, kv_heads, dim)
         assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
         assert torch.equal(kc[1:], kc2[1:]) and torch.equal(vc[1:], vc2[1:])  # page 0: the dummy page
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 80, 128])
+def test_vit_short_segment_kernel_matches_reference(dim, dtype):
+    """The windows' kernel on segments of 1..64 tokens (and empty ones), with q/k/v as strided
+    views of one fused qkv, as the ViT passes them: equal to the float64 reference, and to
+    FlashAttention within rounding."""
+    from mmpipe.vision.attention import VarlenVisionAttention
+    from mmpipe.vision.window_kernel import short_segment_attention
+
+    lengths = [64, 64, 0, 17, 1, 64, 33, 0, 64, 5]
+    total = sum(lengths)
+    gen = torch.Generator(device=CUDA).manual_seed(dim)
+    qkv = torch.randn(total, 3, 16, dim, generator=gen, device=CUDA, dtype=dtype)
+    q, k, v = qkv.unbind(1)
+    seg = segments_of(lengths, CUDA)
+    assert seg.max_len == 64
+    out = VarlenVisionAttention().forward(q, k, v, seg)
+    ref = TorchVisionAttention().forward(q.double(), k.double(), v.double(), seg)
+    assert rel(out, ref) <= 1e-2
+    flash = VarlenVisionAttention(short_segments=False).forward(q, k, v, seg)
+    assert rel(out, flash) <= 1e-2
+    with pytest.raises(ValueError, match="at most 128"):
+        short_segment_attention(q, k, v, seg.cu_seqlens, 200)

@@ -64,3 +64,17 @@ def test_bfloat16_logits_within_tolerance(cuda_bf16, reference_bf16, checkpoint,
     with torch.no_grad():
         ref = reference_bf16(**inputs).logits[0, -1].float()
     assert rel_err(first_logits(cuda_bf16, conversation), ref) <= 2e-2
+
+
+def test_unaligned_mlp_widths_on_cuda_match_transformers(checkpoint_factory):
+    """MLP widths padded to 128 at load (checkpoint: 100 and 90) still give transformers'
+    logits and greedy tokens on CUDA, float32."""
+    path = checkpoint_factory(vision={"intermediate_size": 100}, text={"intermediate_size": 90}, seed=7)
+    pipe = cuda_pipe(path, "float32")
+    assert pipe.model.vision.blocks[0].mlp.hidden == 128 and pipe.model.language.layers[0].mlp.hidden == 128
+    conversation = CASES["two_images"]()
+    inputs = hf_inputs(path, conversation, device="cuda")
+    ref_logits, ref_tokens, _ = hf_generate(hf_model(path, device="cuda", dtype=torch.float32), inputs, 32)
+    assert rel_err(first_logits(pipe, conversation), ref_logits) <= 1e-4
+    assert pipe.chat(conversation, GREEDY_32)[0].token_ids == ref_tokens
+    pipe.close()

@@ -3,7 +3,8 @@
 `torch` is the reference and the CPU path: scaled_dot_product_attention per run of equal-length
 segments, using host-side lengths (not capturable). `varlen` uses FlashAttention shipped inside
 PyTorch (`torch.nn.attention.varlen.varlen_attn`), reads boundaries from a device tensor and so
-can be captured once and replayed with other boundaries, as long as `max_len` bounds them.
+can be captured once and replayed with other boundaries, as long as `max_len` bounds them;
+its windows (short segments) run in mmpipe's own kernel (`vision/window_kernel.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from mmpipe.runtime.attention import AttentionBackend
 from mmpipe.vision.metadata import Segments
+from mmpipe.vision.window_kernel import MAX_SHORT_SEGMENT, short_segment_attention
 
 VisionAttention = AttentionBackend[Segments]
 
@@ -41,17 +43,23 @@ class TorchVisionAttention:
 
 
 class VarlenVisionAttention:
+    """FlashAttention's varlen kernel; segments bounded by MAX_SHORT_SEGMENT tokens (the
+    windows) go to mmpipe's short-segment kernel instead, unless `short_segments` is False."""
+
     name = "varlen"
     graph_safe = True
 
-    def __init__(self) -> None:
+    def __init__(self, short_segments: bool = True) -> None:
         from torch.nn.attention.varlen import varlen_attn
 
         self._attn = varlen_attn
+        self.short_segments = short_segments
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
                 out: torch.Tensor | None = None, cache: None = None) -> torch.Tensor:
         cu = seg.cu_seqlens
+        if self.short_segments and seg.max_len <= MAX_SHORT_SEGMENT:
+            return short_segment_attention(q, k, v, cu, seg.max_len, out)
         result = self._attn(q, k, v, cu, cu, seg.max_len, seg.max_len)
         if out is not None:
             out.copy_(result)
