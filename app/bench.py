@@ -456,6 +456,7 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
             floor = _kernel_ms(graph_run) or _kernel_ms(eager_run)  # graph kernels may be invisible
             rows.append([f"{side} px", processed.num_patches, round(t_hf, 2), round(t_eager, 2), round(t_graph, 2),
                          round(floor, 2), f"{t_hf / t_graph:.1f}x", f"{t_graph / floor:.2f}x", f"{agree:.1e}"])
+        beside = vit_beside_decode(runner, image_cfg)
     stats = runner.stats.as_dict()
     runner.close()
     print(f"{torch.cuda.get_device_name()}, Qwen2.5-VL-3B vision tower (random weights), bfloat16, one image "
@@ -463,8 +464,69 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
     print(table("ViT latency per image", ["image", "patches", "transformers eager", "mmpipe eager", "mmpipe graph",
                                           "graph kernel sum", "transformers / graph", "graph / kernel sum",
                                           "max rel diff vs transformers"], rows))
+    print(table("A ViT pack (16 x 448 px, graph) beside decode-shaped work (the 3B LM's projections and head at "
+                "batch 256, one graph per step), ms: run one after the other, or the ViT on a second stream",
+                ["decode steps", "ViT alone", "decode alone", "one after the other", "ViT on its own stream",
+                 "gain"], beside))
     memory = vit_memory(ours)
-    return {"latency": rows, "graph_stats": stats, "memory": memory}
+    return {"latency": rows, "graph_stats": stats, "memory": memory, "vit_beside_decode": beside}
+
+
+def vit_beside_decode(runner: Any, image_cfg: Any, batch: int = 256) -> list[list[Any]]:
+    """Whether encoding on a second CUDA stream while the LM decodes would gain anything: both
+    are mostly matmuls at this size, so they compete for the same SMs."""
+    import numpy as np
+    import torch.nn.functional as F
+    from PIL import Image
+
+    from mmpipe.vision.metadata import build_pack_meta
+    from mmpipe.vision.preprocess import preprocess_image
+
+    rng = np.random.default_rng(0)
+    images = [preprocess_image(Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)), image_cfg)
+              for _ in range(16)]
+    pixels = torch.cat([im.pixel_values for im in images]).cuda()
+    vit = runner.vit
+    meta = build_pack_meta([im.grid_thw for im in images], 2, vit.cfg.window_size, vit.cfg.patch_size)
+    text = QWEN25_VL_3B_TEXT
+    hidden, inter = text["hidden_size"], text["intermediate_size"]
+    shapes = [(2560, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+    head = torch.randn(text["vocab_size"], hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    x, x_inter = (torch.randn(batch, n, device="cuda", dtype=torch.bfloat16) for n in (hidden, inter))
+
+    def step() -> None:
+        for _ in range(text["num_hidden_layers"]):
+            for w in weights:
+                F.linear(x_inter if w.shape[1] == inter else x, w)
+        F.linear(x, head)
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    encode = lambda: runner.encode(pixels, meta)  # noqa: E731
+    rows = []
+    for steps in (2, 8):
+        def decode() -> None:
+            for _ in range(steps):
+                graph.replay()
+
+        def together() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                encode()
+            decode()
+            torch.cuda.current_stream().wait_stream(side)
+
+        t_vit, t_dec = median_ms(encode, warmup=3, rep=20), median_ms(decode, warmup=3, rep=20)
+        t_seq = median_ms(lambda: (encode(), decode()), warmup=3, rep=20)
+        t_two = median_ms(together, warmup=3, rep=20)
+        rows.append([steps, round(t_vit, 2), round(t_dec, 2), round(t_seq, 2), round(t_two, 2), f"{t_seq / t_two:.2f}x"])
+    return rows
 
 
 def vit_memory(vit: Any) -> dict[str, float]:
