@@ -17,6 +17,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from mmpipe.runtime.triton_launch import cdiv, launch, next_power_of_2
+
 
 def rotary_tables(positions: torch.Tensor, order: torch.Tensor, inv_freq: torch.Tensor,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,9 +39,10 @@ def rotary_tables(positions: torch.Tensor, order: torch.Tensor, inv_freq: torch.
                                             torch.empty(n, 4 * quarter, dtype=torch.float32, device=order.device))
     if n:
         block = 64
-        _rotary_tables_kernel[(triton.cdiv(n, block),)](
+        launch(
+            _rotary_tables_kernel, (cdiv(n, block),),
             positions, order, inv_freq, cos, sin, n, positions.stride(0), cos.stride(0), sin.stride(0),
-            QUARTER=quarter, Q_PAD=triton.next_power_of_2(quarter), BLOCK=block, num_warps=4)
+            QUARTER=quarter, Q_PAD=next_power_of_2(quarter), BLOCK=block, num_warps=4)
     return cos, sin
 
 

@@ -19,6 +19,8 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from mmpipe.runtime.triton_launch import launch, next_power_of_2
+
 MAX_SHORT_SEGMENT = 128  # longer segments go to FlashAttention
 
 
@@ -35,11 +37,12 @@ def short_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     segments = cu_seqlens.shape[0] - 1
     if segments <= 0 or n == 0:
         return out
-    block = max(16, triton.next_power_of_2(max_len))
-    _short_segment_kernel[(segments, heads)](
+    block = max(16, next_power_of_2(max_len))
+    launch(
+        _short_segment_kernel, (segments, heads),
         q, k, v, out, cu_seqlens, dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=dim, BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=4 if block <= 64 else 8)
+        HEAD_DIM=dim, BLOCK=block, BLOCK_D=max(16, next_power_of_2(dim)), num_warps=4 if block <= 64 else 8)
     return out
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from mmpipe.language.attention.triton_common import load_paged_kv, online_softmax_step
+from mmpipe.runtime.triton_launch import launch, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -144,7 +145,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
     block_n = _block_n(head_dim, q.dtype)
-    d_pad = triton.next_power_of_2(head_dim)
+    d_pad = next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     direct = num_splits == 1
     if direct:  # the kernel writes `out` itself; the partial pointers are never touched
@@ -155,7 +156,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
         part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                         part_lse.stride(0), part_lse.stride(1))
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    launch(
+        _decode_split_kernel, (batch, kv_heads, num_splits),
         q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
@@ -165,17 +167,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *part_strides,
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, DIRECT=direct,
-        PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=block_n, PRECISION=precision,
         num_warps=4, num_stages=2,
     )
     if direct:
         return
-    _decode_reduce_kernel[(batch, heads)](
+    launch(
+        _decode_reduce_kernel, (batch, heads),
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        NUM_SPLITS=num_splits, S_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
         num_warps=4,
     )

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from mmpipe.language.attention.triton_common import load_paged_kv, online_softmax_step
+from mmpipe.runtime.triton_launch import cdiv, launch, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 
@@ -74,15 +75,16 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     fp32 = q.dtype == torch.float32
     block_m, block_n = (32, 32) if fp32 else (64, 64)
-    grid = (triton.cdiv(max(1, max_query_len), block_m), batch, heads)
-    _extend_kernel[grid](
+    grid = (cdiv(max(1, max_query_len), block_m), batch, heads)
+    launch(
+        _extend_kernel, grid,
         q, out, k_cache, v_cache, page_table, seq_lens, query_start_loc,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0),
-        PAGE_SIZE=page_size, GROUP=heads // kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size, GROUP=heads // kv_heads, HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if fp32 else "tf32",
         num_warps=4, num_stages=2,
     )

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmpipe.runtime.triton_launch import launch, next_power_of_2
+
 
 @triton.jit
 def _mul(a, b, NO_FMA: tl.constexpr):
@@ -128,14 +130,15 @@ def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     v = qkv.view(n, num_heads + 2 * num_kv_heads, head_dim)[:, num_heads + num_kv_heads:]
     if n:
         half = head_dim // 2
-        _rope_qk_write_kv_kernel[(n,)](
+        launch(
+            _rope_qk_write_kv_kernel, (n,),
             qkv, cos, sin, slot_mapping, q, k, k_cache, v_cache,
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEADS=num_heads, KV_HEADS=num_kv_heads, DIM=head_dim, HALF=half,
-            H_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-            HALF_PAD=triton.next_power_of_2(half), D_PAD=triton.next_power_of_2(head_dim),
+            H_PAD=next_power_of_2(num_heads), KV_PAD=next_power_of_2(num_kv_heads),
+            HALF_PAD=next_power_of_2(half), D_PAD=next_power_of_2(head_dim),
             PAGE_SIZE=k_cache.shape[1], NO_FMA=no_fma,
             num_warps=4,
         )

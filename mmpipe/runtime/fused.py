@@ -22,6 +22,8 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from mmpipe.runtime.triton_launch import cdiv, launch, next_power_of_2
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
@@ -66,9 +68,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     residual = x2 if delta is None else torch.empty_like(x2)
     d2 = x2 if delta is None else delta.reshape(-1, cols)
     if rows:
-        _add_rms_norm_kernel[(rows,)](x2, d2, weight, residual, normed, cols, x2.stride(0), d2.stride(0), eps,
-                                      HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(cols),
-                                      num_warps=4 if cols <= 2048 else 8)
+        launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, cols, x2.stride(0), d2.stride(0),
+               eps, HAS_DELTA=delta is not None, BLOCK=next_power_of_2(cols), num_warps=4 if cols <= 2048 else 8)
     return residual.view_as(x), normed.view_as(x)
 
 
@@ -84,9 +85,9 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     k = torch.empty_like(q)
     if n:
         half = dim // 2
-        _rotary_qk_kernel[(n,)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0),
-                                HEADS=heads, DIM=dim, HALF=half, H_PAD=triton.next_power_of_2(heads),
-                                HALF_PAD=triton.next_power_of_2(half), num_warps=4)
+        launch(_rotary_qk_kernel, (n,), qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), sin.stride(0),
+               q.stride(0), HEADS=heads, DIM=dim, HALF=half, H_PAD=next_power_of_2(heads),
+               HALF_PAD=next_power_of_2(half), num_warps=4)
     v = qkv.view(n, 3, heads, dim)[:, 2]
     return q, k, v
 
@@ -100,10 +101,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g2 = gate_up.reshape(-1, 2 * cols)
     rows = g2.shape[0]
     out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(cols))
+    block = min(1024, next_power_of_2(cols))
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](g2, out, cols, g2.stride(0), out.stride(0), BLOCK=block,
-                                                          num_warps=4)
+        launch(_silu_mul_kernel, (rows, cdiv(cols, block)), g2, out, cols, g2.stride(0), out.stride(0),
+               BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], cols)
 
 
