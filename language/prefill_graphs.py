@@ -149,9 +149,10 @@ class PrefillRunner:
             if graphed:
                 self.stats.graph_forwards += 1
                 self.stats.padded_tokens += size - n
+                hidden = self.state.run_planned(size, lambda: self._run_compiled(size))
             else:
                 self.stats.compiled_forwards += 1
-            hidden = self._run_compiled(size)
+                hidden = self._run_compiled(size)
         self.slots[:n].fill_(self.dummy_slot)  # the next, smaller step's padding must not write here
         return hidden
 
@@ -248,6 +249,7 @@ class PrefillRunner:
         if self.cache is not None:
             out.update(self.cache.stats.as_dict())
             out["graphs"] = self.cache.stats.graphs_live
+            out["replay_plans"] = len(self.state.plans)
             out["failed_sizes"] = sorted(self.state.failed_sizes)
         else:
             out["graphs"] = 0
@@ -256,6 +258,7 @@ class PrefillRunner:
     def close(self) -> None:
         """Destroy the graphs (the shared memory itself belongs to whoever made it)."""
         if self.cache is not None:
+            self.state.drop_plans()
             self.cache.close()
             self.cache = None
             self.state.cache = None

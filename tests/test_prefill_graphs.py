@@ -223,6 +223,9 @@ def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simul
     torch.testing.assert_close(graphs.kv.stacked()[:, :, real], plain.kv.stacked()[:, :, real], rtol=1e-5, atol=1e-5)
     stats = graphs.graph_stats()
     assert stats["graph_forwards"] == 5 and stats["compiled_forwards"] == 1  # 40 tokens: above 32
+    # The first forward at a size records its replay plan; later ones (8 and 2 tokens at 8, 16 at
+    # 16) ran the plan, and are among the forwards compared above.
+    assert sorted(size for _, size in graphs.state.plans) == [8, 16] and stats["replay_plans"] == 2
     assert stats["padded_tokens"] == (8 - 5) + 0 + (16 - 13) + (8 - 2) + 0
     assert stats["replays"] == 5 * (LAYERS + 1) and stats["captures"] == len(schedule) * (LAYERS + 1)
 
@@ -288,3 +291,32 @@ def test_inductor_pieces_compile_once_per_distinct_piece_and_load_from_the_cache
         stats = runner.graph_stats()
         counts.append((stats["compilations"], stats["compile_cache_loads"]))
     assert counts == [(3, 0), (0, 3)]  # first piece, the middle layers' piece, the last piece
+
+
+def test_a_replay_plan_is_made_only_from_piece_outputs_and_constants():
+    """The recording refuses a plan whenever a later forward could differ: a split point reading a
+    tensor no piece returned (an input that changes per step), a split point returning something,
+    a piece that ran without its graph, an output that is not a piece's."""
+    from types import SimpleNamespace
+
+    from mmpipe.runtime.piecewise import Recording
+
+    a, b, fresh = torch.ones(2), torch.zeros(2), torch.ones(2)
+    entry = SimpleNamespace(output=(a, b))
+    replay_calls = []
+
+    def recorded(split_args=(a, 3, b), result=(), output=b, piece_graphed=True):
+        rec = Recording()
+        rec.piece(replay_calls.append, entry)
+        if not piece_graphed:
+            rec.valid = False
+        rec.split(lambda *args: None, split_args, result)
+        return rec.finish(output)
+
+    plan = recorded()
+    assert plan is not None and plan.output is b
+    assert plan.run() is b and replay_calls == [entry]
+    assert recorded(split_args=(a, 3, fresh)) is None
+    assert recorded(result=a) is None
+    assert recorded(piece_graphed=False) is None
+    assert recorded(output=fresh) is None

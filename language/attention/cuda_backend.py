@@ -63,13 +63,14 @@ class CudaLMAttention:
             return out
         if self._use_varlen(q.dtype, meta):
             if meta.query_lens_host == meta.seq_lens_host:  # nothing cached: attend to the new K/V
-                self._varlen_causal(q, k, v, out, meta.query_start_loc, meta.query_start_loc,
+                n = meta.num_tokens
+                self._varlen_causal(q, k[:n], v[:n], out, meta.query_start_loc, meta.query_start_loc,
                                     meta.max_query_len, meta.max_query_len, meta.num_tokens)
             else:
                 keys, values, cu_k = gather_context(k_cache, v_cache, meta)
                 self._varlen_causal(q, keys, values, out, meta.query_start_loc, cu_k, meta.max_query_len,
                                     meta.max_seq_len, meta.num_tokens)
-        else:
+        else:  # reads only the real rows (by query_start_loc), whatever the padding
             paged_extend(q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.query_start_loc, out,
                          self.scale, meta.max_query_len)
         return out

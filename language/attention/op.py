@@ -6,8 +6,8 @@
   inside its captured pieces. As a custom op that declares the cache mutation, compilers keep the
   write in place.
 - `attention` (`torch.ops.mmpipe.lm_attention`): attention of the new queries over the cache,
-  into `out`, for the step's real tokens only (`meta.num_tokens` rows; rows past them, the padding
-  of a captured prefill size, are not computed). Metadata and the backend come from the forward
+  into `out`, for the step's real tokens (`meta.num_tokens` rows; rows past them, the padding of a
+  captured prefill size, are not attended). Metadata and the backend come from the forward
   context. The op is opaque to `torch.compile`: the piecewise prefill runner splits the traced
   model there and runs it eagerly, with the batch's real metadata, between captured pieces.
 
@@ -27,15 +27,13 @@ from mmpipe.runtime.context import get_forward_context
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,
               backend: Any = None) -> None:
-    """q/out [T', H, D], k/v [T', Hkv, D] with T' >= the step's real token count T: rows [0, T) of
-    `out` are computed, the rest left as they are. `backend`: the model's attention backend (None:
-    the forward context's, as the custom op must)."""
+    """q/out [T', H, D], k/v [T', Hkv, D] with T' >= the step's real token count T
+    (`meta.num_tokens`): rows [0, T) of `out` are computed; rows past them are padding whose
+    outputs are dropped (the CUDA backend leaves them, the reference one zeroes them). Nothing is
+    sliced here: four slices would cost more host time than the Triton kernel's launch. `backend`: the model's attention backend (None: the forward
+    context's, as the custom op must)."""
     context = get_forward_context()
-    meta = context.attn_metadata
-    n = meta.num_tokens
-    if n != q.shape[0]:  # a padded prefill size
-        q, k, v, out = q[:n], k[:n], v[:n], out[:n]
-    (backend or context.attention).forward(q, k, v, meta, out, context.kv_caches[layer])
+    (backend or context.attention).forward(q, k, v, context.attn_metadata, out, context.kv_caches[layer])
 
 
 @torch.library.custom_op("mmpipe::lm_attention", mutates_args=("out",))

@@ -95,15 +95,17 @@ class PrefillInputs:
     def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(token ids, positions, attention metadata, logit rows) on `device`."""
         t, b = self.token_ids.shape[0], self.seq_lens.shape[0]
-        qsl = np.zeros(b + 1, dtype=np.int64)
+        qsl = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(self.query_lens, out=qsl[1:])
-        parts = [self.token_ids, self.positions.reshape(-1), self.slot_mapping, self.seq_lens, qsl,
-                 self.page_table.reshape(-1), self.logit_rows]
-        flat = to_device(np.concatenate(parts), device)
-        ids, pos, slots, lens, cu, table, logit_rows = flat.split([p.shape[0] for p in parts])
+        # Two copies (int64 and int32 parts), no casts on the device: each launch costs host time
+        # before the step's first kernel.
+        longs = [self.token_ids, self.positions.reshape(-1), self.slot_mapping, self.logit_rows]
+        ints = [self.seq_lens.astype(np.int32), qsl, self.page_table.reshape(-1).astype(np.int32)]
+        ids, pos, slots, logit_rows = to_device(np.concatenate(longs), device).split([p.shape[0] for p in longs])
+        lens, cu, table = to_device(np.concatenate(ints), device).split([p.shape[0] for p in ints])
         meta = AttentionMetadata(
-            is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens.to(torch.int32),
-            query_start_loc=cu.to(torch.int32), page_table=table.view(b, -1).to(torch.int32),
+            is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens,
+            query_start_loc=cu, page_table=table.view(b, -1),
             seq_lens_host=self.seq_lens.tolist(), query_lens_host=self.query_lens.tolist(),
             max_query_len=int(self.query_lens.max()), max_seq_len=int(self.seq_lens.max()))
         return ids, pos.view(3, t), meta, logit_rows
