@@ -53,6 +53,9 @@ COMPILERS = ("eager", "inductor")
 # Compare every piece's input addresses at replay with those at capture (a test and debug aid:
 # a mismatch means a graph would read stale memory).
 CHECK_INPUTS_ENV = "MMPIPE_CHECK_GRAPH_INPUTS"
+# `0` turns replay plans off: every forward goes through dynamo's guards and the stitching module
+# (for debugging, and for measuring what the plans save).
+PLANS_ENV = "MMPIPE_PREFILL_PLANS"
 
 
 # ---------------------------------------------------------------------------- weak references
@@ -285,10 +288,13 @@ class PiecewiseState:
     generation: int = 0
     plans: dict[tuple[int, int], "ReplayPlan"] = field(default_factory=dict)  # (generation, size)
     recording: "Recording | None" = None
+    plans_enabled: bool = field(default_factory=lambda: os.environ.get(PLANS_ENV, "1") != "0")
 
     def run_planned(self, size: int, forward: Callable[[], Any]) -> Any:
         """A forward at a captured `size`: replay its plan, or run `forward` (the compiled
         forward, through dynamo's guards and the stitching code) while recording one."""
+        if not self.plans_enabled:
+            return forward()
         plan = self.plans.get((self.generation, size))
         if plan is not None:
             return plan.run()
