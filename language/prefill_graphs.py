@@ -13,7 +13,8 @@ residuals) captured as a CUDA graph for every size of the schedule, largest firs
 language model's shared pool. A step of T tokens runs at the smallest schedule size >= T
 (bisection); rows past T are padding: their K/V go to the dummy page (the slots buffer holds the
 dummy slot past the step's rows), attention is not computed for them, their outputs are dropped.
-Above the largest size the compiled pieces run without graphs.
+Above the largest size the compiled pieces run without graphs. From the second forward at a
+size on, the runner replays that size's recorded plan (`mmpipe.runtime.piecewise.ReplayPlan`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@
   `vmm_arena`: where graph memory comes from (one pool, a pool per graph, or the VMM arena).
 - `piecewise`: the `torch.compile` backend that splits a traced forward at chosen ops and runs
   every piece as a per-size CUDA graph (compilers `eager`/`inductor`, the compile cache).
-- `fused`, `layers`, `weight_copy`: fused Triton kernels, small shared layers, weight loading.
+- `fused`, `layers`, `weight_copy`: fused Triton kernels, small shared layers, weight loading;
+  `triton_launch`: launching Triton kernels directly from a cache of compiled kernels (host time
+  of eager launches); `transfer`: host-to-device copies that never wait for the GPU.
 
 Imports nothing from `mmpipe.vision`, `mmpipe.language` or `mmpipe.engine`.
 """

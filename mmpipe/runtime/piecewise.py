@@ -18,7 +18,12 @@ marked dynamic, traces the forward once. The backend:
    graph (when the owner runs a capture forward) and replays it afterwards.
 
 The owner (e.g. `language/prefill_graphs.py`) sets `PiecewiseState.size` to the padded size of
-each forward; sizes without graphs run the compiled pieces directly.
+each forward; sizes without graphs run the compiled pieces directly. Pieces and split points sit
+in the stitching module as plain callables (no `nn.Module` call per piece). The first forward at
+a captured size records a `ReplayPlan`, the straight sequence of its graph replays and split-op
+calls (checked: every split op reads only piece outputs and constants); later forwards at that
+size run the plan through `PiecewiseState.run_planned`, without dynamo's guard check or the
+stitching code (`MMPIPE_PREFILL_PLANS=0` turns plans off).
 
 Memory. All pieces of all sizes capture into one `GraphMemory` (a shared pool), largest size
 first. Piece outputs are kept as weak references after capture (they do not own their blocks, so
