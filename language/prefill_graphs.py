@@ -183,6 +183,7 @@ class PrefillRunner:
                      time.perf_counter() - start)
             return
         on_cuda = self.device.type == "cuda"
+        self.state.drop_plans()  # plans point at graphs: a new capture replaces them
         before = device_memory_in_use(self.device) if on_cuda else 0
         memory = self.cache.memory.open()
         sizes = sorted(self.schedule, reverse=True)
@@ -251,6 +252,7 @@ class PrefillRunner:
             out.update(self.cache.stats.as_dict())
             out["graphs"] = self.cache.stats.graphs_live
             out["replay_plans"] = len(self.state.plans)
+            out["plan_forwards"] = sum(plan.runs for plan in self.state.plans.values())
             out["failed_sizes"] = sorted(self.state.failed_sizes)
         else:
             out["graphs"] = 0

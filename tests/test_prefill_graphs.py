@@ -224,8 +224,16 @@ def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simul
     stats = graphs.graph_stats()
     assert stats["graph_forwards"] == 5 and stats["compiled_forwards"] == 1  # 40 tokens: above 32
     # The first forward at a size records its replay plan; later ones (8 and 2 tokens at 8, 16 at
-    # 16) ran the plan, and are among the forwards compared above.
+    # 16) were checked against it (input checks are on here: the compiled path runs and must make
+    # the plan's calls exactly).
     assert sorted(size for _, size in graphs.state.plans) == [8, 16] and stats["replay_plans"] == 2
+    assert stats["plan_forwards"] == 3
+    # Without input checks the plans themselves run, and equal the same size without graphs.
+    graphs.state.check_inputs = False
+    for seed, lengths in enumerate([[(0, 6)], [(0, 4), (0, 9)]], start=10):
+        assert torch.equal(run(graphs, lengths, seed, page), run(compiled, lengths, seed, page)), lengths
+        page += len(lengths) * 2
+    assert graphs.graph_stats()["plan_forwards"] == 5
     assert stats["padded_tokens"] == (8 - 5) + 0 + (16 - 13) + (8 - 2) + 0
     assert stats["replays"] == 5 * (LAYERS + 1) and stats["captures"] == len(schedule) * (LAYERS + 1)
 
@@ -316,6 +324,16 @@ def test_a_replay_plan_is_made_only_from_piece_outputs_and_constants():
     plan = recorded()
     assert plan is not None and plan.output is b
     assert plan.run() is b and replay_calls == [entry]
+
+    def again(split_args=(a, 3, b)):
+        rec = Recording()
+        rec.piece(replay_calls.append, entry)
+        rec.split(plan.steps[1][0], split_args, ())
+        return rec
+
+    assert plan.same_as(again(), b)  # what a checked forward compares
+    assert not plan.same_as(again((a, 4, b)), b) and not plan.same_as(again((b, 3, a)), b)
+    assert not plan.same_as(again(), a)
     assert recorded(split_args=(a, 3, fresh)) is None
     assert recorded(result=a) is None
     assert recorded(piece_graphed=False) is None

@@ -103,6 +103,24 @@ def test_runtime_values_passed_by_keyword_are_never_replayed(launcher: DirectLau
     assert len(kernel.triton_calls) == 2 and kernel.triton_calls[1][2]["y"] is not kernel.triton_calls[0][2]["y"]
 
 
+def test_constexprs_are_keyed_with_their_type_and_must_all_be_given(launcher: DirectLauncher) -> None:
+    """True, 1 and 1.0 compile differently in Triton; a constexpr left to its default is not in
+    the call's keywords, so its value cannot be replayed: never cached (and no error)."""
+    kernel = FakeKernel()
+    x = torch.zeros(8)
+    for block in (1, True, 1, True):
+        launcher(kernel, (1,), x, x, 16, 1.0, BLOCK=block, MODE="a")
+    assert len(kernel.triton_calls) == 2 and launcher.direct_launches == 2
+    assert kernel.compiled[0].calls[0][-2] == 1 and kernel.compiled[1].calls[0][-2] is True
+    for _ in range(2):
+        launcher(kernel, (1,), x, x, 16, 1.0, BLOCK=64)  # MODE left to a default
+    assert len(kernel.triton_calls) == 4
+
+
+def test_tensors_off_cuda_are_never_cached() -> None:
+    assert triton_launch._device_of(torch.zeros(1)) == -1
+
+
 def test_hooks_or_the_switch_send_every_call_through_triton(launcher: DirectLauncher,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = FakeKernel()

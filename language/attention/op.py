@@ -30,8 +30,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     """q/out [T', H, D], k/v [T', Hkv, D] with T' >= the step's real token count T
     (`meta.num_tokens`): rows [0, T) of `out` are computed; rows past them are padding whose
     outputs are dropped (the CUDA backend leaves them, the reference one zeroes them). Nothing is
-    sliced here: four slices would cost more host time than the Triton kernel's launch. `backend`: the model's attention backend (None: the forward
-    context's, as the custom op must)."""
+    sliced here: four slices would cost more host time than the Triton kernel's launch.
+    `backend`: the model's attention backend (None: the forward context's, as the custom op
+    must)."""
     context = get_forward_context()
     (backend or context.attention).forward(q, k, v, context.attn_metadata, out, context.kv_caches[layer])
 

@@ -49,8 +49,8 @@ class PrefillChunk:
 
 @dataclass
 class PrefillInputs:
-    """The host side of one prefill forward, plain numpy; `upload` moves it to the device in one
-    transfer."""
+    """The host side of one prefill forward, plain numpy; `upload` moves it to the device in two
+    transfers (the int64 and the int32 parts)."""
 
     token_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [3, T] int64 (M-RoPE)

@@ -23,7 +23,10 @@ in the stitching module as plain callables (no `nn.Module` call per piece). The 
 a captured size records a `ReplayPlan`, the straight sequence of its graph replays and split-op
 calls (checked: every split op reads only piece outputs and constants); later forwards at that
 size run the plan through `PiecewiseState.run_planned`, without dynamo's guard check or the
-stitching code (`MMPIPE_PREFILL_PLANS=0` turns plans off).
+stitching code (`MMPIPE_PREFILL_PLANS=0` turns plans off). A plan bypasses dynamo's guards, so it
+relies on what they would check staying put: the model's parameters, the KV cache tensors and the
+owner's static buffers are never replaced while the graphs live. With `MMPIPE_CHECK_GRAPH_INPUTS=1`
+every forward takes the compiled path (addresses checked) and is compared with its plan.
 
 Memory. All pieces of all sizes capture into one `GraphMemory` (a shared pool), largest size
 first. Piece outputs are kept as weak references after capture (they do not own their blocks, so
@@ -301,7 +304,7 @@ class PiecewiseState:
         if not self.plans_enabled:
             return forward()
         plan = self.plans.get((self.generation, size))
-        if plan is not None:
+        if plan is not None and not self.check_inputs:
             return plan.run()
         generation = self.generation
         self.recording = Recording()
@@ -309,6 +312,11 @@ class PiecewiseState:
             output = forward()
         finally:
             recording, self.recording = self.recording, None
+        if plan is not None:  # checking: the compiled path (addresses checked) must match the plan
+            if not plan.same_as(recording, output):
+                raise RuntimeError(f"prefill size {size}: the forward no longer matches its replay plan")
+            plan.runs += 1
+            return output
         plan = recording.finish(output)
         if plan is not None and self.generation == generation:
             self.plans[(generation, size)] = plan
@@ -325,15 +333,26 @@ class ReplayPlan:
     kernel). Valid because at a captured size every piece returns the same tensors (its graph's
     outputs) and every split point reads only those and constants."""
 
-    __slots__ = ("steps", "output")
+    __slots__ = ("steps", "output", "runs")
 
     def __init__(self, steps: list[tuple[Callable[..., Any], tuple[Any, ...]]], output: Any) -> None:
         self.steps, self.output = steps, output
+        self.runs = 0  # forwards served by the plan (or, with input checks on, verified against it)
 
     def run(self) -> Any:
         for fn, args in self.steps:
             fn(*args)
+        self.runs += 1
         return self.output
+
+    def same_as(self, recording: "Recording", output: Any) -> bool:
+        """Whether a recorded forward made exactly this plan's calls, on the same objects."""
+        if not recording.valid or output is not self.output or len(recording.steps) != len(self.steps):
+            return False
+        return all(f1 == f2 and len(a1) == len(a2) and all(x is y or (type(x) is type(y) and
+                                                               not isinstance(x, torch.Tensor) and x == y)
+                                                           for x, y in zip(a1, a2))
+                   for (f1, a1), (f2, a2) in zip(recording.steps, self.steps))
 
 
 class Recording:

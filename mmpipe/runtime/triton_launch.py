@@ -43,10 +43,14 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()  # as Triton's: 0 -> 0, 1 -> 1
 
 
-class _Entry:
-    __slots__ = ("compiled", "tail", "device")
+MAX_ENTRIES = 4096  # integer arguments are keyed by value: bound the cache (it refills as used)
 
-    def __init__(self, compiled: Any, tail: tuple[Any, ...], device: int) -> None:
+
+class _Entry:
+    __slots__ = ("kernel", "compiled", "tail", "device")
+
+    def __init__(self, kernel: Any, compiled: Any, tail: tuple[Any, ...], device: int) -> None:
+        self.kernel = kernel  # the key holds id(kernel): an entry only serves this very object
         self.compiled = compiled
         self.tail = tail  # constexpr values in signature order (Triton's launcher takes them too)
         self.device = device
@@ -71,13 +75,16 @@ class DirectLauncher:
             return
         key = _launch_key(kernel, args, kwargs)
         entry = self.entries.get(key)
-        if entry is None:
+        if entry is None or entry.kernel is not kernel:
             self.triton_launches += 1
             compiled = kernel[tuple(grid)](*args, **kwargs)
             device = key[1]
-            if compiled is not None and _launchable(compiled) and device >= 0 and _tail_is_constexpr(kernel, args):
+            if compiled is not None and _launchable(compiled) and device >= 0 \
+                    and _tail_is_constexpr(kernel, args, kwargs):
+                if len(self.entries) >= MAX_ENTRIES:
+                    self.entries.clear()
                 tail = tuple(kwargs[param.name] for param in kernel.params[len(args):])
-                self.entries[key] = _Entry(compiled, tail, device)
+                self.entries[key] = _Entry(kernel, compiled, tail, device)
             return
         self.direct_launches += 1
         compiled = entry.compiled
@@ -96,7 +103,11 @@ def _raw_stream(device: int) -> int:
 
 
 def _device_of(tensor: torch.Tensor) -> int:
-    return tensor.get_device()  # -1 off CUDA: such launches are never cached
+    """The device Triton compiles, loads and launches for: the current one. -1 (never cached) off
+    CUDA, or when the tensor lives on another device than the current one (Triton's own path then
+    behaves as it always does)."""
+    index = tensor.get_device()
+    return index if index >= 0 and index == torch.cuda.current_device() else -1
 
 
 def _hooks_set() -> bool:
@@ -112,12 +123,13 @@ def _active(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _tail_is_constexpr(kernel: Any, args: tuple[Any, ...]) -> bool:
-    """Only constexprs may follow the positional arguments: their values are part of the key, so
-    the launcher may pass the first call's values again. (Anything else passed by keyword would be
-    a runtime value; such calls always take Triton's path.)"""
+def _tail_is_constexpr(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Only constexprs, each passed by keyword, may follow the positional arguments: their values
+    are part of the key, so the launcher may pass the first call's values again. (A runtime value
+    passed by keyword, or a constexpr left to its default, always takes Triton's path.)"""
     params = getattr(kernel, "params", None)
-    return params is not None and all(getattr(p, "is_constexpr", False) for p in params[len(args):])
+    return params is not None and all(getattr(p, "is_constexpr", False) and p.name in kwargs
+                                      for p in params[len(args):])
 
 
 def _launchable(compiled: Any) -> bool:
@@ -125,8 +137,8 @@ def _launchable(compiled: Any) -> bool:
 
 
 def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """A flat tuple: kernel, device, each argument (tensor: dtype and address mod 16; float: the
-    type; anything else: type and value), then the keyword arguments in order."""
+    """A flat tuple: kernel, current device, each argument (tensor: dtype and address mod 16;
+    float: the type; anything else: type and value), then the keyword arguments in order, typed."""
     first = args[0] if args else None
     key: list[Any] = [id(kernel), _device_of(first) if isinstance(first, torch.Tensor) else -1]
     for a in args:
@@ -136,7 +148,8 @@ def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
             key.append(float)
         else:
             key += (type(a), a)
-    key += kwargs.items()
+    for name, value in kwargs.items():  # typed: True, 1 and 1.0 compile differently
+        key += (name, type(value), value)
     return tuple(key)
 
 
