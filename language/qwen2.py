@@ -4,7 +4,9 @@ Tokens of all sequences in a step are concatenated: hidden states are [T, hidden
 [3, T]. Attention's per-step metadata comes from the forward context, so `forward` has only
 tensor inputs and no data-dependent control flow: it can be traced, split and captured.
 The rotary tables are computed once per step; each layer rotates q and k and writes K/V into the
-cache (passed in, with the rows' slots) in one fused op. Attention is the backend given at
+cache (passed in, with the rows' slots) in one fused op. Products of a few rows (decode) run on
+the kernels of `mmpipe.runtime.gemv`; the o and down projections may return K-split partial sums,
+which the fused residual add + norm after them adds up. Attention is the backend given at
 construction, called directly in eager code and through the `mmpipe::lm_attention` custom op under
 `torch.compile` (the op is opaque to the compiler: the piecewise prefill runner splits the model
 there; the rotary + KV write, `mmpipe::rope_kv_write`, stays inside the captured pieces).
@@ -16,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import CheckpointError, UnsupportedModelError
 from mmpipe.language.attention import AttentionMetadata, TorchLMAttention
 from mmpipe.language.attention.op import attention  # also registers the mmpipe:: custom ops
 from mmpipe.language.rope_kv import rope_qk_write_kv
+from mmpipe.runtime import gemv
 from mmpipe.runtime.attention import AttentionBackend
 from mmpipe.runtime.fused import add_rms_norm
 from mmpipe.runtime.layers import GatedMLP, RMSNorm
@@ -127,9 +129,10 @@ class Qwen2Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
+                ) -> torch.Tensor | gemv.PartialSums:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = gemv.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         k_cache, v_cache = kv_cache
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
         v = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)[:, self.num_heads + self.num_kv_heads:]
@@ -141,7 +144,7 @@ class Qwen2Attention(nn.Module):
             q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
                                        self.num_kv_heads, self.head_dim)
             attention(q, k, v, out, self.layer, self.attention)
-        return self.o_proj(out.view(n, self.q_size))
+        return gemv.linear_split(out.view(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -150,7 +153,7 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Qwen2Attention(cfg, layer, attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, few_row_kernels=True)
 
     def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
@@ -219,7 +222,7 @@ class Qwen2LanguageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return gemv.linear(hidden, weight, out_dtype=torch.float32)  # rounded to the model dtype first
 
     def weight_map(self) -> WeightMap:
         """Checkpoint names (relative to the language model, plus `lm_head.weight`) -> parameters."""

@@ -72,9 +72,26 @@ def test_greedy_tokens_and_logprobs_equal_eager(checkpoint, eager, mode, batch):
         assert decode["graphs"] == 0 and decode["graph_steps"] == 0
     else:
         assert decode["graphs"] >= 3 and decode["graph_steps"] > 0
-        if batch == 6:
+        if batch == 6:  # chat's requests arrive as worker threads prepare them: add 6 at once
+            decode_together(pipe, 6)
+            decode = pipe.stats()["decode"]
             assert decode["eager_fallbacks"] > 0 and decode["eager_steps"] > 0
     pipe.close()
+
+
+def decode_together(pipe: Pipeline, n: int) -> None:
+    """n text requests in the engine before its first step, so they decode as one batch."""
+    from mmpipe.engine.processor import Prepared
+
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0).resolve(pipe.defaults)
+    requests = [pipe.processor.assemble(Prepared(i, f"prompt {i}", [5 + i, 6, 7, 8], [], sampling, False), [])
+                for i in range(n)]
+    with pipe.engine.lock:
+        for request in requests:
+            pipe.engine.add(request)
+        while any(not r.finished for r in requests):
+            pipe.engine.step()
+    assert all(len(r.output_ids) == 6 for r in requests)
 
 
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])

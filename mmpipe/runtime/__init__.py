@@ -9,7 +9,9 @@
   every piece as a per-size CUDA graph (compilers `eager`/`inductor`, the compile cache).
 - `fused`, `layers`, `weight_copy`: fused Triton kernels, small shared layers, weight loading;
   `triton_launch`: launching Triton kernels directly from a cache of compiled kernels (host time
-  of eager launches); `transfer`: host-to-device copies that never wait for the GPU.
+  of eager launches); `transfer`: host-to-device copies that never wait for the GPU;
+  `gemv`: matmuls of 1-32 rows (decode's projections) at close to memory bandwidth, with K-split
+  partial sums that `fused.add_rms_norm` adds up.
 
 Imports nothing from `mmpipe.vision`, `mmpipe.language` or `mmpipe.engine`.
 """

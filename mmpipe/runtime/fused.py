@@ -6,7 +6,8 @@ kernel still costs its minimum run time, so the count matters. Each function her
 on CUDA and keeps the reference's rounding order exactly (float32 math, rounding to the model
 dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
 
-- `add_rms_norm(x, delta, w, eps)`: residual = x + delta (rounded), out = w * norm(residual).
+- `add_rms_norm(x, delta, w, eps)`: residual = x + delta (rounded), out = w * norm(residual);
+  delta may be a product left as K-split partial sums (`gemv.PartialSums`), added up here.
 - `rotary_qk(qkv, cos, sin, heads)`: q and k of a fused qkv rotated (rotate-half form), contiguous.
 - `silu_mul(gate_up)`: silu(gate) * up for a fused [.., 2I] projection.
 """
@@ -22,6 +23,7 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from mmpipe.runtime.gemv import PartialSums
 from mmpipe.runtime.triton_launch import cdiv, launch, next_power_of_2
 
 
@@ -55,10 +57,13 @@ def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 # ---------------------------------------------------------------------------- public ops
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)); with delta None, (x, rms_norm(x))."""
+    """(x + delta, rms_norm(x + delta)); with delta None, (x, rms_norm(x)). A `PartialSums` delta is
+    summed in index order and rounded to x's dtype first, as `delta.total()` does."""
     if not _use_triton(x):
+        if isinstance(delta, PartialSums):
+            delta = delta.total()
         residual = x if delta is None else x + delta
         return residual, rms_norm_reference(residual, weight, eps)
     cols = x.shape[-1]
@@ -66,10 +71,18 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     rows = x2.shape[0]
     normed = torch.empty_like(x2)
     residual = x2 if delta is None else torch.empty_like(x2)
-    d2 = x2 if delta is None else delta.reshape(-1, cols)
+    splits, split_stride = 0, 0
+    if isinstance(delta, PartialSums):
+        d2 = delta.sums
+        splits, split_stride = d2.shape[0], d2.stride(0)
+        stride_d = d2.stride(1)
+    else:
+        d2 = x2 if delta is None else delta.reshape(-1, cols)
+        stride_d = d2.stride(0)
     if rows:
-        launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, cols, x2.stride(0), d2.stride(0),
-               eps, HAS_DELTA=delta is not None, BLOCK=next_power_of_2(cols), num_warps=4 if cols <= 2048 else 8)
+        launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, cols, x2.stride(0), stride_d,
+               split_stride, eps, HAS_DELTA=delta is not None, SPLITS=splits, BLOCK=next_power_of_2(cols),
+               num_warps=4 if cols <= 2048 else 8)
     return residual.view_as(x), normed.view_as(x)
 
 
@@ -113,14 +126,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, cols, stride_x, stride_d, eps,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, cols, stride_x, stride_d, stride_split, eps,
+                             HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_DELTA:
-            d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+            if SPLITS > 0:  # float32 partial sums of a K-split product: add in order, round once
+                acc = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+                for split in tl.static_range(1, SPLITS):
+                    acc += tl.load(d_ptr + split * stride_split + row * stride_d + offs, mask=mask, other=0.0)
+                d = acc.to(x.dtype)
+            else:
+                d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # the residual, rounded as stored
             tl.store(res_ptr + row * stride_x + offs, x, mask=mask)
         h = x.to(tl.float32)

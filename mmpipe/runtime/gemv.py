@@ -1,0 +1,249 @@
+"""Matmuls for a few rows: the decode step's projections, read at close to memory bandwidth.
+
+A decode step multiplies 1-32 rows by every weight matrix once, so its time is the time to read
+the weights. cuBLAS tiles such skinny products for large matrices: on an H100 (3B shape, bf16,
+weights cycled so they come from memory, back to back in a CUDA graph) it reads the o and qkv
+projections at 1.3-1.6 TB/s and the down projection at 2.1-2.2 TB/s, against 3.0 TB/s for a copy.
+Two Triton kernels do better (same run, µs at 1 row -> 32 rows, cuBLAS in brackets):
+
+- one row (`_row_kernel`): each program reduces a few weight rows over K with CUDA cores
+  (qkv 5.3 [6.7], o 4.6 [6.3], gate_up 30.7 [35.5], down 17.2 [20.5], LM head 197 [217]);
+- 2-32 rows (`_swap_kernel`): a tensor-core product with the weight as the MMA's wide operand
+  and the few rows as its narrow one ("swap AB"), so no MMA lane computes padding
+  (qkv 5.9-6.2, o 5.0, gate_up 33-35, down 17.8-18.6 with split K).
+
+Matrices with few output columns (o, down: 2048 on the 3B shape) give too few programs to keep
+every SM reading, so their K is split: `linear_split` returns the `PartialSums` (float32, one
+slice per split), and the consumer adds them in a fixed order -- `add_rms_norm` does, so the
+split costs no extra launch and the result is deterministic. A product is rounded to the input
+dtype exactly once, like cuBLAS (bias added in float32 first); only the summation order differs.
+`gated_linear_split` forms the MLP's silu(gate) * up while it reads the down projection, so the
+SiLU product is not a kernel of its own; the model uses it for one row only (with several, the
+computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per step at batch 32).
+
+The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
+row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.
+`MMPIPE_GEMV=0` turns them off. Their choice depends on the row count only through "one row or
+several" and the MMA width (8, 16, 32 rows), so a batch padded to a decode bucket computes
+each real row exactly as the unpadded batch does, except that one row padded to two (a bucket
+list without 1) moves from the one-row kernel to the other.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+from mmpipe.runtime.triton_launch import cdiv, launch, next_power_of_2
+
+__all__ = ["MAX_ROWS", "PartialSums", "gated_linear_split", "kernel_linear", "linear", "linear_split", "usable"]
+
+MAX_ROWS = 32
+ENV = "MMPIPE_GEMV"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MIN_PROGRAMS = 256  # ~2 per SM on an H100: below this, K is split (linear_split only)
+_SWAP_BLOCK_N = 64  # weight rows per program of the several-row kernel (the MMA's M side)
+
+
+class PartialSums(NamedTuple):
+    """A product left as `sums.shape[0]` float32 partial sums over slices of K; its value is their
+    sum in index order, rounded to `dtype` (`total()`)."""
+
+    sums: torch.Tensor  # [splits, rows, out_features] float32
+    dtype: torch.dtype
+
+    def total(self) -> torch.Tensor:
+        acc = self.sums[0]
+        for part in self.sums[1:]:  # the order the kernels' consumers add them in
+            acc = acc + part
+        return acc.to(self.dtype)
+
+
+def enabled() -> bool:
+    return triton is not None and os.environ.get(ENV, "1") != "0"
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `x @ weight.T` runs on the few-row kernels (see the module docstring); `gated`: x is
+    a fused [gate, up] projection of twice the weight's width (`gated_linear_split`)."""
+    if torch.compiler.is_compiling():  # traced code keeps F.linear (no guard on the row count)
+        return False
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
+            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
+            and x.shape[1] == weight.shape[1] * (2 if gated else 1) and enabled())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), converted to `out_dtype` if given (after rounding to x's dtype,
+    as `F.linear(...).to(out_dtype)` would)."""
+    if not usable(x, weight) or (x.shape[0] > 1 and cdiv(weight.shape[0], _SWAP_BLOCK_N) < _MIN_PROGRAMS // 2):
+        # Several rows, few output tiles and no split to spread them (qkv, 40 tiles): cuBLAS is
+        # faster there (H100: 6.9 vs 8.2 us at 8 rows).
+        out = F.linear(x, weight, bias)
+        return out if out_dtype is None else out.to(out_dtype)
+    return kernel_linear(x, weight, bias, out_dtype)
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`linear` on the few-row kernels whatever the shape; requires `usable(x, weight)`."""
+    if not usable(x, weight):
+        raise ValueError("kernel_linear: inputs the few-row kernels do not take (see gemv.usable)")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    _run(x, weight, bias, out, splits=1)
+    return out
+
+
+def linear_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor | PartialSums:
+    """F.linear(x, weight, bias), or its `PartialSums` where splitting K keeps more SMs reading."""
+    if not usable(x, weight) or bias is not None:
+        return linear(x, weight, bias)
+    return _split_product(x, weight, gated=False)
+
+
+def gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | PartialSums:
+    """F.linear(silu(gate) * up, weight) for gate_up = [gate, up] (halves of the last dimension),
+    the SiLU product formed as the weight is read, rounded as `fused.silu_mul` rounds it (so the
+    same bits as the two kernels). Requires `usable(gate_up, weight, gated=True)`."""
+    if not usable(gate_up, weight, gated=True):
+        raise ValueError("gated_linear_split: inputs the few-row kernels do not take (see gemv.usable)")
+    return _split_product(gate_up, weight, gated=True)
+
+
+def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor | PartialSums:
+    rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    splits = _splits(rows, n, k)
+    if splits == 1:
+        if not gated:
+            return linear(x, weight)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        _run(x, weight, None, out, 1, gated)
+        return out
+    sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    _run(x, weight, None, sums, splits, gated)
+    return PartialSums(sums, x.dtype)
+
+
+# ---------------------------------------------------------------------------- launch
+
+
+def _splits(rows: int, n: int, k: int) -> int:
+    """K slices for `linear_split` (H100 sweep): one row, a slice per ~2048 of K (down: 4 slices,
+    17.2 vs 19.4 us); several rows, enough slices for ~2 programs per SM, at most 4."""
+    if rows == 1:
+        return min(8, 1 << max(0, (k // 2048).bit_length() - 1))
+    splits = 1
+    while cdiv(n, _SWAP_BLOCK_N) * splits < _MIN_PROGRAMS and splits < 4 and k // (2 * splits) >= 512:
+        splits *= 2
+    return splits
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int,
+         gated: bool = False) -> None:
+    """Fill `out`: [rows, N] rounded (splits == 1) or [splits, rows, N] float32 partial sums."""
+    rows = x.shape[0]
+    n, k = weight.shape
+    has_bias = bias is not None
+    b = bias if has_bias else weight  # any pointer; never read
+    if rows == 1:
+        # Tuned on an H100 (docs/bench/gemv_sweep*.py, results beside them): 4 rows x 1024 per program unsplit;
+        # 8 x 512 when split (more, shorter programs).
+        block_n, block_k, warps = (4, 1024, 8) if splits == 1 else (8, 512, 4)
+        block_k = min(block_k, max(16, next_power_of_2(k)))
+        k_split = cdiv(cdiv(k, splits), block_k) * block_k
+        launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, out, n, k, k_split, weight.stride(0),
+               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        return
+    block_m = max(8, next_power_of_2(rows))
+    block_k = min(128, max(16, next_power_of_2(k)))
+    k_split = cdiv(cdiv(k, splits), block_k) * block_k
+    launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, out, rows, n, k, k_split, x.stride(0),
+           weight.stride(0), HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, IEEE=x.dtype == torch.float32,
+           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=4)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _input(ptrs, K, mask, GATED: tl.constexpr):
+        """The product's input at `ptrs`; GATED: silu(gate) * up with up K columns further on,
+        rounded as `fused.silu_mul` rounds (silu's output, then the product)."""
+        if GATED:
+            g = tl.load(ptrs, mask=mask, other=0.0)
+            u = tl.load(ptrs + K, mask=mask, other=0.0)
+            gf = g.to(tl.float32)
+            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+            return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _row_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, K_SPLIT, stride_w, HAS_BIAS: tl.constexpr,
+                    PARTIAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        split = tl.program_id(1)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_mask = rn < N
+        k0 = split * K_SPLIT
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + k0 + rk[None, :]
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+            k_mask = (k + rk) < K
+            x = _input(x_ptr + k + rk, K, k_mask, GATED)
+            # weights are read once per step: keep them from evicting what is reused
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            w_ptrs += BLOCK_K
+        if PARTIAL:
+            tl.store(out_ptr + split * N + rn, acc, mask=n_mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rn, out, mask=n_mask)
+
+    @triton.jit
+    def _swap_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                     PARTIAL: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        split = tl.program_id(1)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        n_mask = rn < N
+        m_mask = rm < M
+        k0 = split * K_SPLIT
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + k0 + rk[None, :]
+        x_ptrs = x_ptr + rm[:, None] * stride_x + k0 + rk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T: weight rows x input rows
+        for k in range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+            k_mask = (k + rk) < K
+            x = _input(x_ptrs, K, m_mask[:, None] & k_mask[None, :], GATED)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if IEEE:  # float32 weights: no TF32 rounding
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        mask = n_mask[:, None] & m_mask[None, :]
+        offs = rm[None, :] * N + rn[:, None]
+        if PARTIAL:
+            tl.store(out_ptr + split * M * N + offs, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs, out, mask=mask)
