@@ -26,6 +26,7 @@ from mmpipe.language.attention.op import attention  # also registers the mmpipe:
 from mmpipe.language.rope_kv import rope_qk_write_kv
 from mmpipe.runtime import gemv
 from mmpipe.runtime.attention import AttentionBackend
+from mmpipe.runtime.context import get_forward_context
 from mmpipe.runtime.fused import add_rms_norm
 from mmpipe.runtime.layers import GatedMLP, RMSNorm
 from mmpipe.runtime.weight_copy import WeightMap
@@ -167,6 +168,13 @@ class Qwen2DecoderLayer(nn.Module):
         return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
 
 
+def _is_decode_step() -> bool:
+    try:
+        return bool(getattr(get_forward_context().attn_metadata, "is_decode", False))
+    except RuntimeError:  # no forward context: not an engine step
+        return False
+
+
 class Qwen2LanguageModel(nn.Module):
     def __init__(self, cfg: TextConfig, attention: AttentionBackend[AttentionMetadata] | None = None) -> None:
         super().__init__()
@@ -211,7 +219,15 @@ class Qwen2LanguageModel(nn.Module):
         `kv_caches`: each layer's paged (K, V) [pages, page_size, kv_heads, head_dim]; row t's new
         K/V go to flat slot `slot_mapping[t]` (padded rows: the dummy page). Per-layer tensors (not
         one cache indexed by layer) keep the layers' traced pieces identical, so a compiler
-        compiles one for all."""
+        compiles one for all. The few-row kernels (`gemv`) serve decode steps only, so an eager
+        prefill matches the compiled one bit for bit."""
+        if torch.compiler.is_compiling():
+            return self._forward(input_embeds, positions, kv_caches, slot_mapping)
+        with gemv.allowed(_is_decode_step()):
+            return self._forward(input_embeds, positions, kv_caches, slot_mapping)
+
+    def _forward(self, input_embeds: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, input_embeds.dtype)
         first = self.layers[0].input_layernorm
         residual, normed = add_rms_norm(input_embeds, None, first.weight, first.eps)

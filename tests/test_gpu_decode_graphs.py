@@ -73,13 +73,14 @@ def test_greedy_tokens_and_logprobs_equal_eager(checkpoint, eager, mode, batch):
     else:
         assert decode["graphs"] >= 3 and decode["graph_steps"] > 0
         if batch == 6:  # chat's requests arrive as worker threads prepare them: add 6 at once
-            decode_together(pipe, 6)
+            tokens = decode_together(pipe, 6)
             decode = pipe.stats()["decode"]
             assert decode["eager_fallbacks"] > 0 and decode["eager_steps"] > 0
+            assert tokens == decode_together(eager, 6)
     pipe.close()
 
 
-def decode_together(pipe: Pipeline, n: int) -> None:
+def decode_together(pipe: Pipeline, n: int) -> list[list[int]]:
     """n text requests in the engine before its first step, so they decode as one batch."""
     from mmpipe.engine.processor import Prepared
 
@@ -92,6 +93,7 @@ def decode_together(pipe: Pipeline, n: int) -> None:
         while any(not r.finished for r in requests):
             pipe.engine.step()
     assert all(len(r.output_ids) == 6 for r in requests)
+    return [list(r.output_ids) for r in requests]
 
 
 @pytest.mark.parametrize("mode", ["full", "full_and_piecewise"])

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from mmpipe.language.attention.triton_common import load_paged_kv, online_softmax_step
+from mmpipe.runtime import pdl
+from mmpipe.runtime.pdl import pdl_enter
 from mmpipe.runtime.triton_launch import launch, next_power_of_2
 
 _LOG2E = 1.4426950408889634
@@ -47,8 +49,9 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -99,7 +102,9 @@ def _decode_reduce_kernel(
     stride_lb, stride_lh,
     stride_yb, stride_yh,
     NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -148,6 +153,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     d_pad = next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     direct = num_splits == 1
+    on = pdl.enabled(q)
     if direct:  # the kernel writes `out` itself; the partial pointers are never touched
         part_out, part_lse = out, out
         part_strides = (0, 0, 0, 0, 0)
@@ -168,8 +174,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, DIRECT=direct,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=block_n, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=block_n, PRECISION=precision, PDL=on,
+        num_warps=4, num_stages=2, launch_pdl=on,
     )
     if direct:
         return
@@ -180,5 +186,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, S_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        num_warps=4,
+        PDL=on, num_warps=4, launch_pdl=on,
     )

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmpipe.runtime import pdl
+from mmpipe.runtime.pdl import pdl_enter
 from mmpipe.runtime.triton_launch import launch, next_power_of_2
 
 
@@ -63,8 +65,9 @@ def _rope_qk_write_kv_kernel(
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr,
     H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NO_FMA: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NO_FMA: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF_PAD)[None, :]
     jmask = j < HALF
@@ -139,7 +142,7 @@ def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
             HEADS=num_heads, KV_HEADS=num_kv_heads, DIM=head_dim, HALF=half,
             H_PAD=next_power_of_2(num_heads), KV_PAD=next_power_of_2(num_kv_heads),
             HALF_PAD=next_power_of_2(half), D_PAD=next_power_of_2(head_dim),
-            PAGE_SIZE=k_cache.shape[1], NO_FMA=no_fma,
-            num_warps=4,
+            PAGE_SIZE=k_cache.shape[1], NO_FMA=no_fma, PDL=(on := pdl.enabled(qkv)),
+            num_warps=4, launch_pdl=on,
         )
     return q, k, v

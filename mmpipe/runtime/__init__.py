@@ -11,7 +11,8 @@
   `triton_launch`: launching Triton kernels directly from a cache of compiled kernels (host time
   of eager launches); `transfer`: host-to-device copies that never wait for the GPU;
   `gemv`: matmuls of 1-32 rows (decode's projections) at close to memory bandwidth, with K-split
-  partial sums that `fused.add_rms_norm` adds up.
+  partial sums that `fused.add_rms_norm` adds up; `pdl`: programmatic dependent launch for the
+  decode chain's Triton kernels (Hopper).
 
 Imports nothing from `mmpipe.vision`, `mmpipe.language` or `mmpipe.engine`.
 """

@@ -23,7 +23,9 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from mmpipe.runtime import pdl
 from mmpipe.runtime.gemv import PartialSums
+from mmpipe.runtime.pdl import pdl_enter
 from mmpipe.runtime.triton_launch import cdiv, launch, next_power_of_2
 
 
@@ -74,6 +76,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
     splits, split_stride = 0, 0
     if isinstance(delta, PartialSums):
         d2 = delta.sums
+        if (d2.dim() != 3 or d2.shape[1:] != (rows, cols) or d2.stride(2) != 1 or d2.dtype != torch.float32
+                or delta.dtype != x.dtype or d2.device != x.device):
+            raise ValueError(f"add_rms_norm: partial sums {tuple(d2.shape)} {d2.dtype} (rounding to {delta.dtype}) "
+                             f"do not match x {tuple(x2.shape)} {x.dtype}: need float32 [splits, {rows}, {cols}] "
+                             "with unit last stride, rounding to x's dtype")
         splits, split_stride = d2.shape[0], d2.stride(0)
         stride_d = d2.stride(1)
     else:
@@ -82,7 +89,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
     if rows:
         launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, cols, x2.stride(0), stride_d,
                split_stride, eps, HAS_DELTA=delta is not None, SPLITS=splits, BLOCK=next_power_of_2(cols),
-               num_warps=4 if cols <= 2048 else 8)
+               PDL=(on := pdl.enabled(x)), num_warps=4 if cols <= 2048 else 8, launch_pdl=on)
     return residual.view_as(x), normed.view_as(x)
 
 
@@ -117,7 +124,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, next_power_of_2(cols))
     if rows:
         launch(_silu_mul_kernel, (rows, cdiv(cols, block)), g2, out, cols, g2.stride(0), out.stride(0),
-               BLOCK=block, num_warps=4)
+               BLOCK=block, PDL=(on := pdl.enabled(gate_up)), num_warps=4, launch_pdl=on)
     return out.view(*gate_up.shape[:-1], cols)
 
 
@@ -127,7 +134,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, cols, stride_x, stride_d, stride_split, eps,
-                             HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < cols
@@ -173,7 +181,8 @@ if triton is not None:
             tl.store(dst + HALF + j, o2, mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, out_ptr, cols, stride_g, stride_o, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, out_ptr, cols, stride_g, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < cols

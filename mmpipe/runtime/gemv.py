@@ -4,13 +4,16 @@ A decode step multiplies 1-32 rows by every weight matrix once, so its time is t
 the weights. cuBLAS tiles such skinny products for large matrices: on an H100 (3B shape, bf16,
 weights cycled so they come from memory, back to back in a CUDA graph) it reads the o and qkv
 projections at 1.3-1.6 TB/s and the down projection at 2.1-2.2 TB/s, against 3.0 TB/s for a copy.
-Two Triton kernels do better (same run, µs at 1 row -> 32 rows, cuBLAS in brackets):
+Two Triton kernels do better (`mmpipe bench kernels`, docs/bench/kernels_h100.json: µs at
+1 / 8 / 32 rows, cuBLAS in brackets):
 
 - one row (`_row_kernel`): each program reduces a few weight rows over K with CUDA cores
-  (qkv 5.3 [6.7], o 4.6 [6.3], gate_up 30.7 [35.5], down 17.2 [20.5], LM head 197 [217]);
+  (qkv 5.56 [6.88], o 4.79 [6.29], gate_up 31.2 [35.2], down 16.9 [20.3], LM head 199 [217]);
 - 2-32 rows (`_swap_kernel`): a tensor-core product with the weight as the MMA's wide operand
   and the few rows as its narrow one ("swap AB"), so no MMA lane computes padding
-  (qkv 5.9-6.2, o 5.0, gate_up 33-35, down 17.8-18.6 with split K).
+  (o 5.1 / 5.2 [6.3 / 6.4], gate_up 33.2 / 34.2 [35.8 / 35.4], down 17.9 / 18.4 [20.7 / 21.5]).
+  Unsplit, a narrow product gives it too few programs: qkv (40 tiles) took 8.2 us at 8 rows
+  against cuBLAS's 6.9, so `linear` leaves such products to cuBLAS.
 
 Matrices with few output columns (o, down: 2048 on the 3B shape) give too few programs to keep
 every SM reading, so their K is split: `linear_split` returns the `PartialSums` (float32, one
@@ -23,16 +26,20 @@ computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per st
 
 The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
 row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.
-`MMPIPE_GEMV=0` turns them off. Their choice depends on the row count only through "one row or
-several" and the MMA width (8, 16, 32 rows), so a batch padded to a decode bucket computes
-each real row exactly as the unpadded batch does, except that one row padded to two (a bucket
-list without 1) moves from the one-row kernel to the other.
+`MMPIPE_GEMV=0` turns them off. Within the kernels a row's result does not depend on the other
+rows (tested for padded buckets), but the path depends on the row count: one row or several,
+and `MAX_ROWS`. A decode batch padded to its bucket therefore computes its real rows as the
+eager step of the same bucket does (what the graph tests compare), yet not always as an eager
+step of the unpadded count: 1 row padded to 2, 32 or fewer padded above `MAX_ROWS`, and qkv at
+several rows (cuBLAS, whose kernel choice depends on the row count).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import NamedTuple
+import threading
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +50,8 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from mmpipe.runtime import pdl
+from mmpipe.runtime.pdl import pdl_enter
 from mmpipe.runtime.triton_launch import cdiv, launch, next_power_of_2
 
 __all__ = ["MAX_ROWS", "PartialSums", "gated_linear_split", "kernel_linear", "linear", "linear_split", "usable"]
@@ -68,8 +77,24 @@ class PartialSums(NamedTuple):
         return acc.to(self.dtype)
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def allowed(on: bool) -> Iterator[None]:
+    """Within this block (this thread), `usable` is False unless `on`. The language model turns the
+    kernels off for its prefill forwards: a short eager prefill must compute what the piecewise
+    prefill (compiled, cuBLAS) computes, bit for bit, since eager is every graph mode's oracle."""
+    previous = getattr(_local, "on", True)
+    _local.on = on
+    try:
+        yield
+    finally:
+        _local.on = previous
+
+
 def enabled() -> bool:
-    return triton is not None and os.environ.get(ENV, "1") != "0"
+    return triton is not None and os.environ.get(ENV, "1") != "0" and getattr(_local, "on", True)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
@@ -79,14 +104,21 @@ def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
         return False
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1] * (2 if gated else 1) and enabled())
+            and weight.device == x.device and weight.shape[0] > 0
+            and x.shape[1] == weight.shape[1] * (2 if gated else 1) and x.shape[1] > 0 and enabled())
+
+
+def _bias_ok(bias: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    return bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()
+                            and bias.dtype == weight.dtype and bias.device == weight.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), converted to `out_dtype` if given (after rounding to x's dtype,
     as `F.linear(...).to(out_dtype)` would)."""
-    if not usable(x, weight) or (x.shape[0] > 1 and cdiv(weight.shape[0], _SWAP_BLOCK_N) < _MIN_PROGRAMS // 2):
+    if (not usable(x, weight) or not _bias_ok(bias, weight)
+            or (x.shape[0] > 1 and cdiv(weight.shape[0], _SWAP_BLOCK_N) < _MIN_PROGRAMS // 2)):
         # Several rows, few output tiles and no split to spread them (qkv, 40 tiles): cuBLAS is
         # faster there (H100: 6.9 vs 8.2 us at 8 rows).
         out = F.linear(x, weight, bias)
@@ -97,8 +129,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`linear` on the few-row kernels whatever the shape; requires `usable(x, weight)`."""
-    if not usable(x, weight):
-        raise ValueError("kernel_linear: inputs the few-row kernels do not take (see gemv.usable)")
+    if not usable(x, weight) or not _bias_ok(bias, weight):
+        raise ValueError("kernel_linear: inputs the few-row kernels do not take (see gemv.usable; the bias "
+                         "must be contiguous, of the weight's rows, dtype and device)")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     _run(x, weight, bias, out, splits=1)
     return out
@@ -124,6 +157,7 @@ def gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor | PartialSums:
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     splits = _splits(rows, n, k)
+    splits = cdiv(k, _k_split(rows, k, splits))  # no empty slice where rounding K up to blocks ends early
     if splits == 1:
         if not gated:
             return linear(x, weight)
@@ -149,28 +183,42 @@ def _splits(rows: int, n: int, k: int) -> int:
     return splits
 
 
+def _config(rows: int, k: int, splits: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of the one-row kernel, BLOCK_K of the other (H100 sweep)."""
+    if rows == 1:
+        block_n, block_k, warps = (4, 1024, 8) if splits == 1 else (8, 512, 4)
+        return block_n, min(block_k, max(16, next_power_of_2(k))), warps
+    return _SWAP_BLOCK_N, min(128, max(16, next_power_of_2(k))), 4
+
+
+def _k_split(rows: int, k: int, splits: int) -> int:
+    block_k = _config(rows, k, splits)[1]
+    return cdiv(cdiv(k, splits), block_k) * block_k
+
+
 def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int,
          gated: bool = False) -> None:
     """Fill `out`: [rows, N] rounded (splits == 1) or [splits, rows, N] float32 partial sums."""
     rows = x.shape[0]
     n, k = weight.shape
     has_bias = bias is not None
+    on = pdl.enabled(x)
     b = bias if has_bias else weight  # any pointer; never read
     if rows == 1:
         # Tuned on an H100 (docs/bench/gemv_sweep*.py, results beside them): 4 rows x 1024 per program unsplit;
         # 8 x 512 when split (more, shorter programs).
-        block_n, block_k, warps = (4, 1024, 8) if splits == 1 else (8, 512, 4)
-        block_k = min(block_k, max(16, next_power_of_2(k)))
-        k_split = cdiv(cdiv(k, splits), block_k) * block_k
+        block_n, block_k, warps = _config(rows, k, splits)
+        k_split = _k_split(rows, k, splits)
         launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, out, n, k, k_split, weight.stride(0),
-               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=on,
+               num_warps=warps, launch_pdl=on)
         return
     block_m = max(8, next_power_of_2(rows))
-    block_k = min(128, max(16, next_power_of_2(k)))
-    k_split = cdiv(cdiv(k, splits), block_k) * block_k
+    block_k = _config(rows, k, splits)[1]
+    k_split = _k_split(rows, k, splits)
     launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, out, rows, n, k, k_split, x.stride(0),
            weight.stride(0), HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, IEEE=x.dtype == torch.float32,
-           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=4)
+           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, num_warps=4, num_stages=4, launch_pdl=on)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -191,7 +239,9 @@ if triton is not None:
 
     @triton.jit
     def _row_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, K_SPLIT, stride_w, HAS_BIAS: tl.constexpr,
-                    PARTIAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    PARTIAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+        pdl_enter(PDL)
         split = tl.program_id(1)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -217,7 +267,8 @@ if triton is not None:
     @triton.jit
     def _swap_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, HAS_BIAS: tl.constexpr,
                      PARTIAL: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         split = tl.program_id(1)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
