@@ -213,12 +213,15 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
                HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=on,
                num_warps=warps, launch_pdl=on)
         return
+    # Stages: 3 for unsplit products (gate_up, 8 / 32 rows: 32.6 / 33.4 us against 32.8 / 34.5 with
+    # 4, H100, docs/bench/swap_sweep.py; the same order in docs/bench/gemv_sweep2_h100.json), 4 split.
     block_m = max(8, next_power_of_2(rows))
     block_k = _config(rows, k, splits)[1]
     k_split = _k_split(rows, k, splits)
     launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, out, rows, n, k, k_split, x.stride(0),
            weight.stride(0), HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, IEEE=x.dtype == torch.float32,
-           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, num_warps=4, num_stages=4, launch_pdl=on)
+           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, num_warps=4,
+           num_stages=3 if splits == 1 else 4, launch_pdl=on)
 
 
 # ---------------------------------------------------------------------------- kernels
