@@ -22,12 +22,17 @@ def mrope_positions(token_ids: Sequence[int], image_grids: Sequence[tuple[int, i
     total = ids.shape[0]
     positions = np.empty((3, total), dtype=np.int64)
     is_image = ids == image_token_id
+    image_at = np.flatnonzero(is_image)  # runs are found here, not token by token in Python
+    if image_at.shape[0] == 0:
+        if image_grids:
+            raise ValueError(f"{len(image_grids)} images but 0 image-token runs in the prompt")
+        positions[:] = np.arange(total)
+        return positions, 0
     cursor, start_pos, image_index = 0, 0, 0
     while cursor < total:
         if not is_image[cursor]:
-            run_end = cursor
-            while run_end < total and not is_image[run_end]:
-                run_end += 1
+            following = np.searchsorted(image_at, cursor)
+            run_end = int(image_at[following]) if following < image_at.shape[0] else total
             positions[:, cursor:run_end] = np.arange(start_pos, start_pos + run_end - cursor)
             start_pos += run_end - cursor
             cursor = run_end

@@ -32,6 +32,7 @@ from mmpipe.config import GraphConfig
 from mmpipe.language.attention import AttentionMetadata
 from mmpipe.language.attention.op import attention
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
+from mmpipe.language.stage_inputs import stage_rows
 from mmpipe.runtime.capture import capture_session, capture_stream
 from mmpipe.runtime.context import ForwardContext, forward_context
 from mmpipe.runtime.graph_cache import GraphCache, bucket_for
@@ -87,7 +88,7 @@ class PrefillRunner:
         # Token-major, so a slice of the first rows is contiguous at every size (a [3, T] slice of
         # a [3, max] buffer is contiguous only at T = max, and the tracer would see two layouts).
         self.positions = torch.zeros(max_tokens, 3, dtype=torch.int64, device=device)
-        # KV slots of the rows; rows past the step's tokens (padding) always hold the dummy slot.
+        # KV slots of the rows; each step sets its padding rows (past its tokens) to the dummy slot.
         self.dummy_slot = DUMMY_PAGE * kv.page_size
         self.slots = torch.full((max_tokens,), self.dummy_slot, dtype=torch.int64, device=device)
         self.stats = PrefillRunnerStats()
@@ -128,34 +129,31 @@ class PrefillRunner:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, images: Sequence[ImageSpan],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, count: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states whose first T rows are the step's tokens (T = len(token_ids)); the
-        result may alias graph memory: use it before the next forward."""
+        result may alias graph memory: use it before the next forward. `count`: T in a device
+        int64 [1] (with it, the fixed rows are filled by one kernel)."""
         n = token_ids.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"a prefill of {n} tokens exceeds max_prefill_tokens={self.max_tokens}")
-        self.lm.embed(token_ids, out=self.input_embeds[:n])
+        size = self.size_for(n)
+        stage_rows(self.lm.embed_tokens.weight, token_ids, positions, meta.slot_mapping, count, self.input_embeds,
+                   self.positions, self.slots, size, self.dummy_slot)
         for span in images:
             self.input_embeds[span.row:span.row + span.values.shape[0]].copy_(span.values)
-        self.positions[:n].copy_(positions.t())
-        size = self.size_for(n)
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             if self.compiled is None:
                 self.stats.eager_forwards += 1
                 return self.lm(self.input_embeds[:n], self.positions[:n].t(), self.kv.layers, meta.slot_mapping)
-            self.slots[:n].copy_(meta.slot_mapping)
             graphed = self.cache is not None and size not in self.state.failed_sizes \
                 and (self.state.generation, size, 0) in self.cache
             self.state.size = size if graphed else None
             if graphed:
                 self.stats.graph_forwards += 1
                 self.stats.padded_tokens += size - n
-                hidden = self.state.run_planned(size, lambda: self._run_compiled(size))
-            else:
-                self.stats.compiled_forwards += 1
-                hidden = self._run_compiled(size)
-        self.slots[:n].fill_(self.dummy_slot)  # the next, smaller step's padding must not write here
-        return hidden
+                return self.state.run_planned(size, lambda: self._run_compiled(size))
+            self.stats.compiled_forwards += 1
+            return self._run_compiled(size)
 
     def _run_compiled(self, size: int) -> torch.Tensor:
         embeds, positions = self.input_embeds[:size], self.positions[:size]
@@ -222,6 +220,7 @@ class PrefillRunner:
             query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
             page_table=torch.full((1, -(-size // page)), DUMMY_PAGE, dtype=torch.int32, device=device),
             seq_lens_host=[size], query_lens_host=[size], max_query_len=size, max_seq_len=size)
+        self.slots[:size].fill_(self.dummy_slot)  # a real step's slots may still be there
         stream = capture_stream(device) if device.type == "cuda" else None
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             self.state.size = size if self.cache is not None else None

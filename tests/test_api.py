@@ -38,6 +38,19 @@ def test_generate_with_a_formatted_prompt_equals_chat(pipe):
         pipe.generate(prompt, [images * 2], GREEDY, errors="raise")
 
 
+def test_assembling_token_ids_checks_the_image_count(pipe):
+    """A caller that builds `Prepared` token ids itself (the benchmarks do) gets the same clear
+    error as a prompt, not an index error from deep inside."""
+    from mmpipe.engine.processor import Prepared
+
+    sampling = GREEDY.resolve(pipe.defaults)
+    image_id = pipe.processor.image_token_id
+    with pytest.raises(InputError, match="ids: the prompt has 1 image placeholder.*0 image"):
+        pipe.processor.assemble(Prepared(0, "ids", [5, image_id, 6], [], sampling, False), [])
+    request = pipe.processor.assemble(Prepared(0, "ids", (5, 6, 7), [], sampling, False), [])
+    assert request.prompt_ids == [5, 6, 7] and request.positions.tolist() == [[0, 1, 2]] * 3
+
+
 def test_caption(pipe):
     captions = pipe.caption([random_image(64, 64, seed=1), random_image(90, 40, seed=2)],
                             sampling=SamplingParams(max_new_tokens=5))

@@ -355,8 +355,10 @@ def test_prefill_inputs_are_built_on_the_host_and_uploaded_once(pipe):
     (span,) = inputs.images  # the image's rows in this chunk, with its values (no concatenation)
     assert span.row == start - half and span.values.data_ptr() == request.image_embeds[0].data_ptr()
     assert span.values.shape[0] == request.images[0].num_tokens - max(0, half - start)
-    ids, pos, meta, rows = inputs.upload(CPU)
-    assert ids.tolist() == request.prompt_ids[half:] and pos.shape == (3, request.prompt_len - half)
+    ids, pos, meta, rows, count = inputs.upload(CPU)
+    assert ids.tolist() == request.prompt_ids[half:] and pos.tolist() == request.positions[:, half:].tolist()
+    assert count.tolist() == [len(index)] and rows.tolist() == inputs.logit_rows.tolist()
+    assert meta.slot_mapping.tolist() == inputs.slot_mapping.tolist()
     assert meta.seq_lens.tolist() == [request.prompt_len] and meta.query_start_loc.tolist() == [0, len(index)]
     assert meta.page_table.dtype == torch.int32 and meta.page_table[0].tolist()[: len(request.pages)] == request.pages
 
@@ -379,8 +381,8 @@ def test_prefill_writes_text_and_image_rows_into_the_fixed_input_buffers(pipe):
     cut = start + tokens // 2  # the chunk begins inside the image
     buffer_before = prefiller.input_embeds.data_ptr()
     inputs = PrefillInputs.build([PrefillChunk(request, cut, request.prompt_len)], pipe.runner.page_size)
-    ids, pos, meta, _ = inputs.upload(CPU)
-    prefiller.forward(ids, pos, inputs.images, meta)
+    ids, pos, meta, _, count = inputs.upload(CPU)
+    prefiller.forward(ids, pos, inputs.images, meta, count)
     n = request.prompt_len - cut
     image_part = tokens - tokens // 2
     assert torch.equal(prefiller.input_embeds[:image_part], request.image_embeds[0][tokens // 2:])

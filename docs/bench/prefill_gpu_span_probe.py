@@ -72,11 +72,11 @@ runner.lm.attention.extend = "triton"
 for n in (16, 64, 256):
     inp = inputs_for(n)
     def pw():
-        ids, pos, meta, rows = inp.upload(dev)
-        h = runner.forward(ids, pos, [], meta)
+        ids, pos, meta, rows, count = inp.upload(dev)
+        h = runner.forward(ids, pos, [], meta, count)
         return h
     def full():
-        ids, pos, meta, rows = inp.upload(dev)
+        ids, pos, meta, rows, count = inp.upload(dev)
         return full_forward(ids, pos, meta, n)
     for name, fn in (("piecewise", pw), ("full", full)):
         for _ in range(5): fn()

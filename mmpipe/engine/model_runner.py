@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from mmpipe.runtime.graph_memory import SharedPool
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.preprocess import PreprocessedImage
-from mmpipe.runtime.transfer import to_device
+from mmpipe.runtime.transfer import to_device_packed
 
 log = logging.getLogger("mmpipe")
 
@@ -49,8 +49,8 @@ class PrefillChunk:
 
 @dataclass
 class PrefillInputs:
-    """The host side of one prefill forward, plain numpy; `upload` moves it to the device in two
-    transfers (the int64 and the int32 parts)."""
+    """The host side of one prefill forward, plain numpy; `upload` moves it to the device in one
+    transfer."""
 
     token_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [3, T] int64 (M-RoPE)
@@ -88,27 +88,37 @@ class PrefillInputs:
         for i, chunk in enumerate(chunks):
             count = -(-chunk.end // page_size)
             table[i, :count] = chunk.request.pages[:count]
-        return cls(np.concatenate(token_ids), np.concatenate(positions, axis=1), np.concatenate(slots), seq_lens,
-                   np.asarray([c.end - c.start for c in chunks], dtype=np.int64), table,
+        if len(chunks) == 1:  # the common step of one chunk: no copies
+            ids, pos, slot = token_ids[0], positions[0], slots[0]
+        else:
+            ids, pos, slot = np.concatenate(token_ids), np.concatenate(positions, axis=1), np.concatenate(slots)
+        return cls(ids, pos, slot, seq_lens, np.asarray([c.end - c.start for c in chunks], dtype=np.int64), table,
                    np.asarray(rows, dtype=np.int64), images)
 
-    def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(token ids, positions, attention metadata, logit rows) on `device`."""
+    def upload(self, device: torch.device) -> "PrefillTensors":
+        """The step's inputs on `device`, through one host-to-device copy."""
         t, b = self.token_ids.shape[0], self.seq_lens.shape[0]
         qsl = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(self.query_lens, out=qsl[1:])
-        # Two copies (int64 and int32 parts), no casts on the device: each launch costs host time
-        # before the step's first kernel.
-        longs = [self.token_ids, self.positions.reshape(-1), self.slot_mapping, self.logit_rows]
-        ints = [self.seq_lens.astype(np.int32), qsl, self.page_table.reshape(-1).astype(np.int32)]
-        ids, pos, slots, logit_rows = to_device(np.concatenate(longs), device).split([p.shape[0] for p in longs])
-        lens, cu, table = to_device(np.concatenate(ints), device).split([p.shape[0] for p in ints])
+        ids, pos, slots, logit_rows, count, lens, cu, table = to_device_packed(
+            [self.token_ids, self.positions.T, self.slot_mapping, self.logit_rows, np.array([t], dtype=np.int64),
+             self.seq_lens.astype(np.int32), qsl, self.page_table.astype(np.int32)], device)
         meta = AttentionMetadata(
             is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens,
-            query_start_loc=cu, page_table=table.view(b, -1),
+            query_start_loc=cu, page_table=table,
             seq_lens_host=self.seq_lens.tolist(), query_lens_host=self.query_lens.tolist(),
             max_query_len=int(self.query_lens.max()), max_seq_len=int(self.seq_lens.max()))
-        return ids, pos.view(3, t), meta, logit_rows
+        return PrefillTensors(ids, pos.t(), meta, logit_rows, count)
+
+
+class PrefillTensors(NamedTuple):
+    """`PrefillInputs` on the device (views of one copy)."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [3, T] int64, a view of token-major [T, 3] memory
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [n] int64
+    count: torch.Tensor  # [1] int64 holding T: kernels read it, so their launch does not depend on T
 
 
 @dataclass
@@ -293,8 +303,8 @@ class ModelRunner:
         """Run the chunks as one extend forward; returns logits [n, vocab] for the chunks that
         complete their sequence, in order."""
         inputs = PrefillInputs.build(chunks, self.page_size)
-        ids, positions, meta, logit_rows = inputs.upload(self.device)
-        hidden = self.prefiller.forward(ids, positions, inputs.images, meta)
+        ids, positions, meta, logit_rows, count = inputs.upload(self.device)
+        hidden = self.prefiller.forward(ids, positions, inputs.images, meta, count)
         for chunk in chunks:
             chunk.request.num_computed = chunk.end
             if chunk.end >= chunk.request.prompt_len:

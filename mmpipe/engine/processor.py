@@ -84,17 +84,25 @@ class InputProcessor:
         return f"{prepared.where}, image {k}"
 
     def assemble(self, prepared: Prepared, images: Sequence[PreprocessedImage]) -> Request:
-        expanded: list[int] = []
-        starts: list[int] = []
         images = list(images)
-        k = 0
-        for token in prepared.token_ids:
-            if token == self.image_token_id:
-                starts.append(len(expanded))
-                expanded += [token] * images[k].num_tokens
-                k += 1
-            else:
-                expanded.append(token)
+        ids = prepared.token_ids if isinstance(prepared.token_ids, list) else list(prepared.token_ids)
+        slots = ids.count(self.image_token_id)
+        if slots != len(images):
+            raise InputError(f"{prepared.where}: the prompt has {slots} image placeholder(s) but {len(images)} "
+                             "image(s) were given")
+        starts: list[int] = []
+        if not images:
+            expanded = list(ids)
+        else:
+            expanded = []
+            k = 0
+            for token in ids:
+                if token == self.image_token_id:
+                    starts.append(len(expanded))
+                    expanded += [token] * images[k].num_tokens
+                    k += 1
+                else:
+                    expanded.append(token)
         sampling = prepared.sampling
         if len(expanded) >= self.max_model_len:
             raise InputError(f"{prepared.where}: the prompt has {len(expanded)} tokens; the limit (max_model_len) "

@@ -74,7 +74,12 @@ class Request:
         return self.prompt_ids[index] if index < self.prompt_len else self.output_ids[index - self.prompt_len]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_ids + self.output_ids)[start:end]
+        p = self._prompt_len
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     def positions_of(self, start: int, end: int) -> np.ndarray:
         """M-RoPE positions [3, end-start] of tokens [start, end) (prompt or generated)."""
