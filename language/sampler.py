@@ -83,6 +83,12 @@ class SamplerVariant:
     ban: bool = False  # some row may have banned tokens (stop/eos ids before min_new_tokens)
     logprobs: int = 0  # number of top logprobs computed, already bucketed (see logprobs_bucket)
 
+    @property
+    def needs_tensors(self) -> bool:
+        """Whether `sample` reads the rows' `SamplerTensors` (greedy rows with no penalty or ban,
+        logprobs or not, need none: no transfer for them)."""
+        return self.random or self.penalty or self.ban
+
     @classmethod
     def of(cls, rows: Sequence[RowSampling]) -> "SamplerVariant":
         """The variant that serves these rows (also at their later steps: a ban only expires)."""
@@ -250,11 +256,14 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return x.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
 
 
-def sample(logits: torch.Tensor, t: SamplerTensors, variant: SamplerVariant) -> SampleResult:
+def sample(logits: torch.Tensor, t: SamplerTensors | None, variant: SamplerVariant) -> SampleResult:
     """logits [B, V] -> chosen tokens and, if `variant.logprobs`, log-probabilities.
 
     Graph-safe: only `variant` (host booleans) and shapes choose code paths. `logits` is not
-    modified. Rows with temperature 0 take the argmax of the penalised, banned logits."""
+    modified. Rows with temperature 0 take the argmax of the penalised, banned logits. `t` may be
+    None when `variant.needs_tensors` is false."""
+    if t is None and variant.needs_tensors:
+        raise ValueError(f"sample: {variant} needs SamplerTensors")
     vocab = logits.shape[-1]
     raw = logits.float()
     x, owned = raw, raw is not logits  # `owned`: x is our own copy, safe to modify in place

@@ -495,3 +495,22 @@ def test_rows_without_a_positive_temperature_are_greedy_in_any_variant():
     tensors = SamplerTensors.build(rows, 4, CPU)
     result = sample(logits_, tensors, SamplerVariant(random=True))
     assert result.tokens.tolist() == [0] * 64
+
+
+def test_greedy_rows_sample_without_per_row_tensors():
+    """Greedy rows (logprobs or not) need no SamplerTensors, so the prefill's first token is
+    sampled with no transfer before the argmax; every other part asks for them."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3)) * 4
+    rows = [RowSampling(logprobs=2), RowSampling(), RowSampling()]
+    variant = SamplerVariant.of(rows)
+    assert not variant.needs_tensors
+    with_tensors = sample(logits, SamplerTensors.build(rows, 50, "cpu"), variant)
+    without = sample(logits, None, variant)
+    assert torch.equal(without.tokens, logits.argmax(-1)) and torch.equal(without.tokens, with_tensors.tokens)
+    assert torch.equal(without.top_ids, with_tensors.top_ids)
+    for row in (RowSampling(temperature=0.7), RowSampling(penalty=1.3, seen_ids=(1,)),
+                RowSampling(ban_ids=(4,), ban_until=2)):
+        needing = SamplerVariant.of([row])
+        assert needing.needs_tensors
+        with pytest.raises(ValueError, match="needs SamplerTensors"):
+            sample(logits[:1], None, needing)

@@ -311,6 +311,9 @@ class ModelRunner:
                 chunk.request.image_embeds = [None] * len(chunk.request.images)  # consumed
         self.stats.prefill_forwards += 1
         self.stats.prefill_tokens += int(inputs.token_ids.shape[0])
+        rows = inputs.logit_rows
+        if rows.shape[0] == 1:  # one sequence completes (a first token): a view, not a gather kernel
+            return self.model.language.compute_logits(hidden[int(rows[0]):int(rows[0]) + 1])
         return self.model.language.compute_logits(hidden[logit_rows])
 
     @torch.inference_mode()
@@ -356,6 +359,8 @@ class ModelRunner:
         """Queue sampling of one token per request from prefill logits, without waiting for it."""
         rows = [r.row_sampling() for r in requests]
         variant = SamplerVariant.of(rows)
-        result: SampleResult = sample(logits, SamplerTensors.build(rows, logits.shape[-1], self.device), variant)
+        # Greedy rows need no per-row tensors: no transfers between the logits and the argmax.
+        tensors = SamplerTensors.build(rows, logits.shape[-1], self.device) if variant.needs_tensors else None
+        result: SampleResult = sample(logits, tensors, variant)
         return PendingDecode(HostTokens(result, len(requests), variant.logprobs > 0),
                              np.arange(len(requests), dtype=np.int64))
