@@ -141,3 +141,27 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available() and os.environ.get("MMPIPE_NO_CUDA") != "1"
+
+
+def run_under_triton_interpreter(script: str) -> Any:
+    """Run `script` in a subprocess with TRITON_INTERPRET=1 (read when a kernel is defined, so not
+    in this process) and return the JSON it printed after "RESULTS ". The test is skipped if the
+    script never printed "READY" (the interpreter cannot run here); after that, failures count."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if "READY" not in proc.stdout.splitlines():
+        pytest.skip(f"the Triton interpreter cannot run here: {proc.stderr.strip().splitlines()[-1:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stderr
+    return json.loads(lines[-1][len("RESULTS "):])

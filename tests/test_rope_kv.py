@@ -9,18 +9,14 @@ a kernel is defined).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from mmpipe.language.rope_kv import rope_qk_write_kv, rope_qk_write_kv_reference
 from mmpipe.runtime.layers import rotate_half
+from tests.helpers import run_under_triton_interpreter
 
 SHAPES = [(16, 2, 128), (4, 4, 64), (7, 1, 80)]  # (heads, kv_heads, head_dim); the first is the 3B shape
 
@@ -209,16 +205,6 @@ _INTERPRETER_SCRIPT = textwrap.dedent(r"""
 
 
 def test_triton_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    if "READY" not in proc.stdout.splitlines():
-        pytest.skip(f"the Triton interpreter cannot run here: {proc.stderr.strip().splitlines()[-1:]}")
-    assert proc.returncode == 0 and lines, proc.stderr
-    report = json.loads(lines[-1][len("RESULTS "):])
+    report = run_under_triton_interpreter(_INTERPRETER_SCRIPT)
     failed = [case for case in report["cases"] if not case[-1]]
     assert not failed, failed

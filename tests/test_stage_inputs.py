@@ -5,17 +5,13 @@ TRITON_INTERPRET is read when a kernel is defined), and a warm-up forward after 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from mmpipe.language.stage_inputs import stage_rows, stage_rows_reference
+from mmpipe.language.stage_inputs import stage_rows
+from tests.helpers import run_under_triton_interpreter
 
 DUMMY = 0
 
@@ -98,15 +94,5 @@ _INTERPRETER_SCRIPT = textwrap.dedent(r"""
 
 
 def test_triton_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    if "READY" not in proc.stdout.splitlines():
-        pytest.skip(f"the Triton interpreter cannot run here: {proc.stderr.strip().splitlines()[-1:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr
-    failed = [case for case in json.loads(lines[-1][len("RESULTS "):]) if not case[-1]]
+    failed = [case for case in run_under_triton_interpreter(_INTERPRETER_SCRIPT) if not case[-1]]
     assert not failed, failed
