@@ -131,8 +131,9 @@ class PrefillRunner:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, images: Sequence[ImageSpan],
                 meta: AttentionMetadata, count: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states whose first T rows are the step's tokens (T = len(token_ids)); the
-        result may alias graph memory: use it before the next forward. `count`: T in a device
-        int64 [1] (with it, the fixed rows are filled by one kernel)."""
+        result may alias graph memory: use it before the next forward. `positions`: token-major
+        M-RoPE positions [T, 3] (the layout of the fixed buffer they are copied into). `count`: T
+        in a device int64 [1] (with it, the fixed rows are filled by one kernel)."""
         n = token_ids.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"a prefill of {n} tokens exceeds max_prefill_tokens={self.max_tokens}")

@@ -26,10 +26,10 @@ except ImportError:  # pragma: no cover - CPU builds of torch may lack Triton
 def stage_rows_reference(table: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                          slot_mapping: torch.Tensor, embeds: torch.Tensor, positions_buf: torch.Tensor,
                          slots_buf: torch.Tensor, size: int, dummy_slot: int) -> None:
-    """The separate operations: gather, copies, fill. `positions` is [3, T]."""
+    """The separate operations: gather, copies, fill. `positions` is token-major [T, 3]."""
     n = token_ids.shape[0]
     torch.index_select(table, 0, token_ids, out=embeds[:n])
-    positions_buf[:n].copy_(positions.t())
+    positions_buf[:n].copy_(positions)
     slots_buf[:n].copy_(slot_mapping)
     slots_buf[n:size].fill_(dummy_slot)
 
@@ -38,20 +38,19 @@ def stage_rows(table: torch.Tensor, token_ids: torch.Tensor, positions: torch.Te
                count: torch.Tensor | None, embeds: torch.Tensor, positions_buf: torch.Tensor,
                slots_buf: torch.Tensor, size: int, dummy_slot: int) -> None:
     """Rows [0, size) of the fixed buffers for a step of T = len(token_ids) <= size tokens:
-    embeddings of `token_ids` (rows of `table`), `positions` ([3, T], a view of token-major memory
-    for the kernel), `slot_mapping`, the dummy slot past T. `count` is a device int64 [1] holding
+    embeddings of `token_ids` (rows of `table`), `positions` (token-major [T, 3], as the buffer),
+    `slot_mapping`, the dummy slot past T. `count` is a device int64 [1] holding
     T (None: the separate operations run)."""
     n = token_ids.shape[0]
     if n > size or size > embeds.shape[0]:
         raise ValueError(f"stage_rows: {n} tokens in {size} rows of a {embeds.shape[0]}-row buffer")
-    pos_rows = positions.t()
-    if (triton is None or count is None or not embeds.is_cuda or not pos_rows.is_contiguous()
+    if (triton is None or count is None or not embeds.is_cuda or not positions.is_contiguous()
             or table.stride(1) != 1 or embeds.stride(1) != 1 or not positions_buf.is_contiguous()
             or positions_buf.shape[1] != 3 or not token_ids.is_contiguous() or not slot_mapping.is_contiguous()):
         stage_rows_reference(table, token_ids, positions, slot_mapping, embeds, positions_buf, slots_buf, size,
                              dummy_slot)
         return
-    stage_rows_triton(table, token_ids, pos_rows, slot_mapping, count, embeds, positions_buf, slots_buf, size,
+    stage_rows_triton(table, token_ids, positions, slot_mapping, count, embeds, positions_buf, slots_buf, size,
                       dummy_slot)
 
 

@@ -17,6 +17,7 @@ from mmpipe.language.decode_graphs import default_decode_buckets
 from mmpipe.language.kv_cache import DUMMY_PAGE
 from mmpipe.runtime import graph_cache as graph_cache_module
 from mmpipe.runtime.graph_cache import GraphCache, bucket_for
+from mmpipe.runtime.transfer import PackedUploader
 from tests.helpers import hf_inputs, hf_model, make_checkpoint
 
 CPU = torch.device("cpu")
@@ -355,8 +356,8 @@ def test_prefill_inputs_are_built_on_the_host_and_uploaded_once(pipe):
     (span,) = inputs.images  # the image's rows in this chunk, with its values (no concatenation)
     assert span.row == start - half and span.values.data_ptr() == request.image_embeds[0].data_ptr()
     assert span.values.shape[0] == request.images[0].num_tokens - max(0, half - start)
-    ids, pos, meta, rows, count = inputs.upload(CPU)
-    assert ids.tolist() == request.prompt_ids[half:] and pos.tolist() == request.positions[:, half:].tolist()
+    ids, pos, meta, rows, count = inputs.upload(PackedUploader(CPU))
+    assert ids.tolist() == request.prompt_ids[half:] and pos.t().tolist() == request.positions[:, half:].tolist()
     assert count.tolist() == [len(index)] and rows.tolist() == inputs.logit_rows.tolist()
     assert meta.slot_mapping.tolist() == inputs.slot_mapping.tolist()
     assert meta.seq_lens.tolist() == [request.prompt_len] and meta.query_start_loc.tolist() == [0, len(index)]
@@ -381,7 +382,7 @@ def test_prefill_writes_text_and_image_rows_into_the_fixed_input_buffers(pipe):
     cut = start + tokens // 2  # the chunk begins inside the image
     buffer_before = prefiller.input_embeds.data_ptr()
     inputs = PrefillInputs.build([PrefillChunk(request, cut, request.prompt_len)], pipe.runner.page_size)
-    ids, pos, meta, _, count = inputs.upload(CPU)
+    ids, pos, meta, _, count = inputs.upload(PackedUploader(CPU))
     prefiller.forward(ids, pos, inputs.images, meta, count)
     n = request.prompt_len - cut
     image_part = tokens - tokens // 2

@@ -70,7 +70,7 @@ def test_stage_rows_kernel_equals_the_separate_operations(dtype):
     device), and the shorter step's padding gets the dummy slot over the longer one's slots."""
     from mmpipe.language.stage_inputs import stage_rows, stage_rows_reference
     from mmpipe.runtime.triton_launch import launch
-    from mmpipe.runtime.transfer import to_device_packed
+    from mmpipe.runtime.transfer import PackedUploader
 
     hidden, size, dummy = 2048, 64, 0
     gen = torch.Generator().manual_seed(1)
@@ -78,14 +78,15 @@ def test_stage_rows_kernel_equals_the_separate_operations(dtype):
     bufs = [torch.full((96, hidden), -7.0, dtype=dtype, device=CUDA), torch.full((96, 3), -5, device=CUDA),
             torch.full((96,), -3, device=CUDA)]
     want = [b.clone() for b in bufs]
+    uploader = PackedUploader(CUDA)
     for n in (60, 37):
         before = launch.direct_launches
         ids = torch.randint(0, 1000, (n,), generator=gen).numpy()
         pos_rows = torch.randint(0, 5000, (n, 3), generator=gen).numpy()
         slots = torch.randint(1, 9000, (n,), generator=gen).numpy()
-        d_ids, d_pos, d_slots, count = to_device_packed([ids, pos_rows, slots, np.array([n], dtype=np.int64)], CUDA)
-        stage_rows(table, d_ids, d_pos.t(), d_slots, count, *bufs, size, dummy)
-        stage_rows_reference(table, d_ids, d_pos.t(), d_slots, *want, size, dummy)
+        d_ids, d_pos, d_slots, count = uploader.upload([ids, pos_rows, slots, np.array([n], dtype=np.int64)])
+        stage_rows(table, d_ids, d_pos, d_slots, count, *bufs, size, dummy)
+        stage_rows_reference(table, d_ids, d_pos, d_slots, *want, size, dummy)
         assert all(torch.equal(a, b) for a, b in zip(bufs, want)), n
     assert (bufs[2][37:64] == dummy).all() and (bufs[2][64:] == -3).all()
     assert launch.direct_launches == before + 1  # the second step reused the first one's compiled launch

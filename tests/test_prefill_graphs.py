@@ -82,7 +82,7 @@ def run(runner: PrefillRunner, lengths: list[tuple[int, int]], seed: int, first_
     ids = torch.randint(0, runner.lm.vocab_size, (n,), generator=gen)
     positions = torch.cat([torch.arange(c, c + new) for c, new in lengths]).expand(3, n).contiguous()
     positions[1] += torch.randint(0, 3, (n,), generator=gen)  # M-RoPE: the three axes differ
-    return runner.forward(ids, positions, [], extend_meta(lengths, runner.kv.page_size, first_page))[:n].clone()
+    return runner.forward(ids, positions.t(), [], extend_meta(lengths, runner.kv.page_size, first_page))[:n].clone()
 
 
 def test_the_traced_forward_splits_at_attention_once_per_layer():
@@ -125,7 +125,7 @@ def test_the_split_compiled_forward_equals_the_plain_forward(lengths):
         prefix = [(0, c) for c, _ in lengths if c]
         if prefix:
             runner.forward(torch.arange(sum(c for _, c in prefix)) % 97,
-                           torch.arange(sum(c for _, c in prefix)).expand(3, -1).contiguous(), [],
+                           torch.arange(sum(c for _, c in prefix)).unsqueeze(1).expand(-1, 3), [],
                            extend_meta([(0, c) if c else (0, 0) for c, _ in lengths if c], 8))
     a, b = run(plain, lengths, seed=3), run(split, lengths, seed=3)
     if split.stats.padded_tokens == 0 and split.size_for(a.shape[0]) == a.shape[0] and \

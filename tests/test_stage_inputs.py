@@ -17,7 +17,7 @@ DUMMY = 0
 
 
 def make_case(n: int, size: int, hidden: int, rows: int = 16, vocab: int = 50, dtype=torch.float32, seed: int = 0):
-    """Random table, ids, positions ([3, T] view of token-major memory) and slots; buffers full of
+    """Random table, ids, token-major positions [T, 3] and slots; buffers full of
     values that no step writes (so a row left alone is visible)."""
     gen = torch.Generator().manual_seed(seed)
     table = torch.randn(vocab, hidden, generator=gen).to(dtype)
@@ -27,14 +27,14 @@ def make_case(n: int, size: int, hidden: int, rows: int = 16, vocab: int = 50, d
     embeds = torch.full((rows, hidden), -7.0, dtype=dtype)
     positions_buf = torch.full((rows, 3), -5, dtype=torch.int64)
     slots_buf = torch.full((rows,), -3, dtype=torch.int64)
-    return table, ids, pos_rows.t(), slots, embeds, positions_buf, slots_buf
+    return table, ids, pos_rows, slots, embeds, positions_buf, slots_buf
 
 
 def expected(table, ids, positions, slots, embeds, positions_buf, slots_buf, size):
     n = ids.shape[0]
     e, p, s = embeds.clone(), positions_buf.clone(), slots_buf.clone()
     e[:n] = table[ids]
-    p[:n] = positions.t()
+    p[:n] = positions
     s[:n] = slots
     s[n:size] = DUMMY
     return e, p, s
@@ -84,7 +84,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(r"""
             table, ids, positions, slots, embeds, positions_buf, slots_buf = case
             want = expected(*case, size)
             count = torch.tensor([n], dtype=torch.int64)
-            stage_inputs.stage_rows_triton(table, ids, positions.t(), slots, count, embeds, positions_buf, slots_buf,
+            stage_inputs.stage_rows_triton(table, ids, positions, slots, count, embeds, positions_buf, slots_buf,
                                            size, 0)
             same = torch.equal(embeds, want[0]) and torch.equal(positions_buf, want[1]) and \
                 torch.equal(slots_buf, want[2])

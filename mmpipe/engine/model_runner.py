@@ -7,6 +7,7 @@ requests and which token ranges run, and must have given each request enough KV 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
@@ -28,7 +29,7 @@ from mmpipe.runtime.graph_memory import SharedPool
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.preprocess import PreprocessedImage
-from mmpipe.runtime.transfer import to_device_packed
+from mmpipe.runtime.transfer import PackedUploader
 
 log = logging.getLogger("mmpipe")
 
@@ -55,9 +56,9 @@ class PrefillInputs:
     token_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [3, T] int64 (M-RoPE)
     slot_mapping: np.ndarray  # [T] int64
-    seq_lens: np.ndarray  # [B] int64: cached prefix + new tokens
-    query_lens: np.ndarray  # [B] int64
-    page_table: np.ndarray  # [B, P] int64
+    seq_lens: list[int]  # [B]: cached prefix + new tokens
+    query_lens: list[int]  # [B]
+    page_table: np.ndarray  # [B, P] int32
     logit_rows: np.ndarray  # [n] int64: rows whose logits are sampled (chunks that complete)
     images: list[ImageSpan]  # rows that take image embeddings, each image's span with its values
 
@@ -82,9 +83,9 @@ class PrefillInputs:
             offset += end - start
             if chunk.completes:
                 rows.append(offset - 1)
-        seq_lens = np.asarray([c.end for c in chunks], dtype=np.int64)
-        width = max(1, int(-(-seq_lens.max() // page_size)))
-        table = np.full((len(chunks), width), DUMMY_PAGE, dtype=np.int64)
+        seq_lens = [c.end for c in chunks]
+        width = max(1, -(-max(seq_lens) // page_size))
+        table = np.full((len(chunks), width), DUMMY_PAGE, dtype=np.int32)
         for i, chunk in enumerate(chunks):
             count = -(-chunk.end // page_size)
             table[i, :count] = chunk.request.pages[:count]
@@ -92,30 +93,29 @@ class PrefillInputs:
             ids, pos, slot = token_ids[0], positions[0], slots[0]
         else:
             ids, pos, slot = np.concatenate(token_ids), np.concatenate(positions, axis=1), np.concatenate(slots)
-        return cls(ids, pos, slot, seq_lens, np.asarray([c.end - c.start for c in chunks], dtype=np.int64), table,
+        return cls(ids, pos, slot, seq_lens, [c.end - c.start for c in chunks], table,
                    np.asarray(rows, dtype=np.int64), images)
 
-    def upload(self, device: torch.device) -> "PrefillTensors":
-        """The step's inputs on `device`, through one host-to-device copy."""
-        t, b = self.token_ids.shape[0], self.seq_lens.shape[0]
-        qsl = np.zeros(b + 1, dtype=np.int32)
-        np.cumsum(self.query_lens, out=qsl[1:])
-        ids, pos, slots, logit_rows, count, lens, cu, table = to_device_packed(
+    def upload(self, uploader: PackedUploader) -> "PrefillTensors":
+        """The step's inputs on the uploader's device, through one host-to-device copy (views
+        valid for this step's kernels only, see `PackedUploader`)."""
+        t = self.token_ids.shape[0]
+        ids, pos, slots, logit_rows, count, lens, cu, table = uploader.upload(
             [self.token_ids, self.positions.T, self.slot_mapping, self.logit_rows, np.array([t], dtype=np.int64),
-             self.seq_lens.astype(np.int32), qsl, self.page_table.astype(np.int32)], device)
+             np.asarray(self.seq_lens, dtype=np.int32),
+             np.asarray([0, *itertools.accumulate(self.query_lens)], dtype=np.int32), self.page_table])
         meta = AttentionMetadata(
-            is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens,
-            query_start_loc=cu, page_table=table,
-            seq_lens_host=self.seq_lens.tolist(), query_lens_host=self.query_lens.tolist(),
-            max_query_len=int(self.query_lens.max()), max_seq_len=int(self.seq_lens.max()))
-        return PrefillTensors(ids, pos.t(), meta, logit_rows, count)
+            is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens, query_start_loc=cu,
+            page_table=table, seq_lens_host=self.seq_lens, query_lens_host=self.query_lens,
+            max_query_len=max(self.query_lens), max_seq_len=max(self.seq_lens))
+        return PrefillTensors(ids, pos, meta, logit_rows, count)
 
 
 class PrefillTensors(NamedTuple):
     """`PrefillInputs` on the device (views of one copy)."""
 
     token_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [3, T] int64, a view of token-major [T, 3] memory
+    positions: torch.Tensor  # [T, 3] int64, token-major (as the prefill's fixed positions buffer)
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # [n] int64
     count: torch.Tensor  # [1] int64 holding T: kernels read it, so their launch does not depend on T
@@ -152,6 +152,7 @@ class ModelRunner:
         limit = cfg.max_model_len or lm.cfg.max_position_embeddings
         self.max_model_len = min(limit, capacity)
         self.stats = RunnerStats()
+        self.uploader = PackedUploader(self.device)  # prefill steps' inputs
         log.info("KV cache: %d pages of %d tokens (%d tokens, %.1f MiB); max_model_len %d; graph mode %s",
                  num_pages, self.page_size, capacity,
                  self.kv.nbytes / 2**20, self.max_model_len,
@@ -303,7 +304,7 @@ class ModelRunner:
         """Run the chunks as one extend forward; returns logits [n, vocab] for the chunks that
         complete their sequence, in order."""
         inputs = PrefillInputs.build(chunks, self.page_size)
-        ids, positions, meta, logit_rows, count = inputs.upload(self.device)
+        ids, positions, meta, logit_rows, count = inputs.upload(self.uploader)
         hidden = self.prefiller.forward(ids, positions, inputs.images, meta, count)
         for chunk in chunks:
             chunk.request.num_computed = chunk.end

@@ -33,24 +33,88 @@ def copy_into(target: torch.Tensor, data: np.ndarray | torch.Tensor) -> None:
     target.copy_(tensor, non_blocking=True)
 
 
-def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """`arrays` on `device` through one host-to-device copy, as views of it with each array's shape
-    and dtype (on the CPU: the arrays themselves as tensors). A step's small inputs are packed
-    into one pinned buffer, each at a 16-byte aligned offset (what Triton specialises pointers on,
-    so a kernel reading them compiles once whatever the lengths): every copy costs host time
-    before the step's first kernel, far more than the bytes it moves."""
-    if device.type != "cuda":
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    offsets, total = [], 0
-    for a in arrays:
-        if a.dtype not in _TORCH_DTYPES:
-            raise TypeError(f"to_device_packed: unsupported dtype {a.dtype}")
-        offsets.append(total)
-        total += -(-a.nbytes // 16) * 16
-    host = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=True)
-    flat = host.numpy()
-    for a, offset in zip(arrays, offsets):
-        flat[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
-    packed = host.to(device, non_blocking=True)  # the host block is kept until this copy is done
-    return [packed[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-            for a, offset in zip(arrays, offsets)]
+class PackedUploader:
+    """A step's small host arrays on the device through one copy, with no per-step allocation.
+
+    Every host call before a step's first kernel is on the critical path of its first token, and
+    right after other work each costs several times its price in a tight loop (a tensor operation
+    there is ~5 us on an H100 host). So the arrays are written into a pinned host slot at 16-byte
+    aligned offsets (what Triton specialises pointers on: a kernel reading them compiles once
+    whatever the lengths), the slot's used bytes are copied into one device buffer, and the
+    arrays' device views come from one `split` per dtype instead of a slice and casts per array.
+
+    Lifetimes: slots form a ring, and a slot is written again only after the copy that read it
+    has finished (an event per slot). The device buffer is reused by the next `upload`, whose
+    copy is queued on the same stream, so a step's views stay valid for every kernel queued
+    before that copy: the views of one step must not be read by a later one."""
+
+    PAGE = 4096  # copies are rounded up to this, so their views are cached by (slot, size)
+
+    def __init__(self, device: torch.device, slots: int = 4, capacity: int = 1 << 16) -> None:
+        self.device, self.num_slots = device, slots
+        self.capacity = 0
+        self.next = 0
+        if device.type == "cuda":
+            self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        # Buffers replaced here are freed through PyTorch's allocators, which hold a block until
+        # the copies queued on it are done.
+        self.capacity = capacity
+        self.host = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(self.num_slots)]
+        self.host_typed = [{dt: h.numpy().view(dt) for dt in _TORCH_DTYPES} for h in self.host]
+        self.events: list[torch.cuda.Event | None] = [None] * self.num_slots
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        self.typed = {dt: self.buffer.view(t) for dt, t in _TORCH_DTYPES.items()}
+        self.copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """`arrays` on the device as views with their shapes and dtypes (on the CPU: the arrays
+        themselves as tensors)."""
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            if a.dtype not in _TORCH_DTYPES:
+                raise TypeError(f"PackedUploader: unsupported dtype {a.dtype}")
+            offsets.append(total)
+            total += -(-a.nbytes // 16) * 16
+        size = max(-(-total // self.PAGE) * self.PAGE, self.PAGE)
+        if size > self.capacity:
+            self._allocate(1 << (size - 1).bit_length())
+        slot = self.next
+        self.next = (slot + 1) % self.num_slots
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()  # the copy that last read this slot (long done, normally)
+        host = self.host_typed[slot]
+        for a, offset in zip(arrays, offsets):
+            start = offset // a.itemsize
+            host[a.dtype][start:start + a.size].reshape(a.shape)[...] = a
+        views = self.copies.get((slot, size))
+        if views is None:
+            views = self.copies[(slot, size)] = (self.buffer[:size], self.host[slot][:size])
+        views[0].copy_(views[1], non_blocking=True)
+        if event is None:
+            event = self.events[slot] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
+        return self._views(arrays, offsets)
+
+    def _views(self, arrays: Sequence[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
+        """One split per dtype over the whole buffer: the arrays' spans, the gaps between them."""
+        out: list[torch.Tensor | None] = [None] * len(arrays)
+        for dtype, full in self.typed.items():
+            members = [i for i, a in enumerate(arrays) if a.dtype == dtype]
+            if not members:
+                continue
+            sizes, cursor = [], 0
+            for i in members:
+                start = offsets[i] // dtype.itemsize
+                sizes += [start - cursor, arrays[i].size]
+                cursor = start + arrays[i].size
+            sizes.append(full.shape[0] - cursor)
+            parts = full.split(sizes)
+            for k, i in enumerate(members):
+                part = parts[2 * k + 1]
+                out[i] = part if arrays[i].ndim == 1 else part.view(arrays[i].shape)
+        return out  # type: ignore[return-value]
