@@ -44,6 +44,8 @@ def stage_rows(table: torch.Tensor, token_ids: torch.Tensor, positions: torch.Te
     n = token_ids.shape[0]
     if n > size or size > embeds.shape[0]:
         raise ValueError(f"stage_rows: {n} tokens in {size} rows of a {embeds.shape[0]}-row buffer")
+    if tuple(positions.shape) != (n, 3):  # the kernel would read an M-RoPE [3, T] as rows
+        raise ValueError(f"stage_rows: positions must be token-major [{n}, 3], got {tuple(positions.shape)}")
     if (triton is None or count is None or not embeds.is_cuda or not positions.is_contiguous()
             or table.stride(1) != 1 or embeds.stride(1) != 1 or not positions_buf.is_contiguous()
             or positions_buf.shape[1] != 3 or not token_ids.is_contiguous() or not slot_mapping.is_contiguous()):

@@ -44,9 +44,12 @@ def test_views_have_the_arrays_values_shapes_and_dtypes_at_aligned_addresses(t, 
 def test_queued_kernels_read_their_own_step_while_the_ring_turns():
     """Two slots, the GPU held busy: each step's reads are queued behind a sleep, so the host
     writes steps 2 and 3 while step 1's copy has not run. Step 3 reuses step 1's slot and must
-    wait for that copy; each step's queued reads must see that step's values."""
-    uploader = PackedUploader(CUDA, slots=2)
-    steps = [step_arrays(seed, 50 + seed, 3) for seed in range(5)]
+    wait for that copy (unless the buffers grew under it); each step's queued reads must see
+    that step's values."""
+    uploader = PackedUploader(CUDA, slots=2, capacity=4096)
+    # steps 3 and 5 outgrow the buffer while earlier copies are still queued; the small steps
+    # after them reuse (slot, size) keys of the buffers they replaced
+    steps = [step_arrays(seed, t, 3) for seed, t in enumerate([50, 51, 900, 52, 4000, 53, 54])]
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s: every copy below is queued behind it
     read = [[v.clone() for v in uploader.upload(arrays)] for arrays in steps]

@@ -55,6 +55,14 @@ def test_a_step_longer_than_its_rows_is_refused():
         stage_rows(table, ids, positions, slots, None, embeds, positions_buf, slots_buf, 4, DUMMY)
 
 
+def test_axis_major_positions_are_refused():
+    """M-RoPE positions are [3, T] elsewhere; here they must be token-major (a contiguous [3, T]
+    would otherwise be read as rows by the kernel)."""
+    table, ids, positions, slots, embeds, positions_buf, slots_buf = make_case(5, 8, hidden=8)
+    with pytest.raises(ValueError, match=r"token-major \[5, 3\], got \(3, 5\)"):
+        stage_rows(table, ids, positions.t().contiguous(), slots, None, embeds, positions_buf, slots_buf, 8, DUMMY)
+
+
 def test_a_warmup_forward_after_a_real_step_writes_only_the_dummy_page():
     """The slots buffer keeps a real step's slots in its rows; a later warm-up (capture) forward
     over those rows must send its K/V to the dummy page, not into the real sequence's pages."""

@@ -10,6 +10,7 @@ from mmpipe.app.bench_decode import make_prompts
 from mmpipe.engine.model_runner import PrefillChunk, PrefillInputs
 from mmpipe.language.attention import AttentionMetadata
 from mmpipe.runtime.context import ForwardContext, forward_context
+from mmpipe.runtime.transfer import PackedUploader
 from mmpipe.runtime import transfer as tr
 
 out = open(os.environ.get("OUT", "/tmp") + "/gpu_span.txt", "w")
@@ -43,7 +44,7 @@ def inputs_for(n):
 def full_forward(ids, pos, meta, n):
     size = runner.size_for(n)
     runner.lm.embed(ids, out=runner.input_embeds[:n])
-    runner.positions[:n].copy_(pos.t())
+    runner.positions[:n].copy_(pos)  # token-major [T, 3]
     runner.slots[:n].copy_(meta.slot_mapping)
     b = meta.num_seqs
     lens[:b].copy_(meta.seq_lens); qsl[:b + 1].copy_(meta.query_start_loc); qsl[b + 1:].fill_(n)
@@ -69,14 +70,15 @@ def full_forward(ids, pos, meta, n):
     return o
 
 runner.lm.attention.extend = "triton"
+uploader = PackedUploader(dev)
 for n in (16, 64, 256):
     inp = inputs_for(n)
     def pw():
-        ids, pos, meta, rows, count = inp.upload(dev)
+        ids, pos, meta, rows, count = inp.upload(uploader)
         h = runner.forward(ids, pos, [], meta, count)
         return h
     def full():
-        ids, pos, meta, rows, count = inp.upload(dev)
+        ids, pos, meta, rows, count = inp.upload(uploader)
         return full_forward(ids, pos, meta, n)
     for name, fn in (("piecewise", pw), ("full", full)):
         for _ in range(5): fn()
