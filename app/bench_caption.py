@@ -2,7 +2,7 @@
 
 1. `transformers` `generate` in batches of `--hf-batch` against mmpipe's continuous stream
    (`Pipeline.chat_stream`, what `mmpipe caption` uses) with overlapped scheduling on and off,
-   same process, the same files (`--images`, e.g. 256 and 1024), file decoding included.
+   and with the ViT on its own CUDA stream and in line, same process, the same files (`--images`, e.g. 256 and 1024), file decoding included.
 2. A timeline of one mmpipe run under torch.profiler (`--timeline PNG`): GPU busy fraction, GPU
    time in the ViT, prefill and decode, host-only gaps, host time per engine phase; one PNG for
    overlap on and one for off.
@@ -62,6 +62,14 @@ def write_jpegs(folder: str, count: int, size: int = 448) -> list[str]:
     return paths
 
 
+# (overlapped scheduling, the ViT on its own stream): the default, the ViT in line, neither.
+VARIANTS = ((True, True), (True, False), (False, True))
+
+
+def variant_name(overlap: bool, vision_stream: bool) -> str:
+    return f"mmpipe chat_stream, overlap {'on' if overlap else 'off'}" + ("" if vision_stream else ", vision stream off")
+
+
 def _sizes(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -98,9 +106,10 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         convs = [caption_conversation(p, prompt) for p in paths]
         engine = pipe.engine
 
-        def stream(n: int, overlap: bool) -> float:
+        def stream(n: int, overlap: bool, vision_stream: bool = True) -> float:
             engine.drain()
             engine.overlap = overlap  # switchable between runs, with no step in flight
+            pipe.runner.use_vision_stream(vision_stream)
             engine.cache.clear()  # every run encodes its images, as a run over new files does
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -121,10 +130,11 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         engine.scheduler.cfg = base_cfg
         for n in sizes:
             for _ in range(2):  # best of two, alternating
-                for overlap in (True, False):
-                    name = f"mmpipe chat_stream, overlap {'on' if overlap else 'off'}"
-                    sec = stream(n, overlap)
+                for overlap, vision_stream in VARIANTS:
+                    name = variant_name(overlap, vision_stream)
+                    sec = stream(n, overlap, vision_stream)
                     seconds[(name, n)] = min(sec, seconds.get((name, n), float("inf")))
+        pipe.runner.use_vision_stream(True)
         if args.timeline:
             for overlap in (True, False):
                 key = "on" if overlap else "off"
@@ -156,7 +166,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"device": device, "new_tokens": args.new_tokens, "rows": rows, "timeline": summaries,
                               "top_kernels": top_kernels,
                               "engine": {k: stats[k] for k in ("graph_mode", "runner", "overlap_schedule",
-                                                               "encoder_cache")}}
+                                                               "vision_stream", "encoder_cache")}}
     print("engine:", json.dumps(result["engine"]))
     cli_rows = []
     for count in [int(g) for g in args.gpus.split(",") if g]:

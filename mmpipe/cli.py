@@ -86,7 +86,15 @@ def _model_summary(path: str | None, device: str | None, graph_mode: str | None)
         "kv_cache": f"{pipe.runner.pages.capacity} pages x {pipe.runner.page_size} tokens",
         "max_model_len": pipe.runner.max_model_len,
         "graphs": _graph_summary(pipe.stats()),
+        "scheduling": _scheduling_summary(pipe.stats()),
     }
+
+
+def _scheduling_summary(stats: dict[str, Any]) -> str:
+    """One line: whether steps overlap the host's work and whether the ViT has its own stream."""
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    return f"overlapped scheduling {on(stats['overlap_schedule'])}, vision stream {on(stats['vision_stream'])}"
+
 
 
 def _graph_summary(stats: dict[str, Any]) -> str:

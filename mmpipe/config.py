@@ -157,6 +157,10 @@ class EngineConfig:
     # work runs while the GPU computes (same results; see engine.py). None: on for CUDA, off on
     # the CPU (where nothing runs asynchronously); False for debugging.
     overlap_schedule: bool | None = None
+    # The vision encoder on its own CUDA stream: a step's ViT work starts while the GPU still runs
+    # the previous step's prefill and decode, and the step's prefill waits for it on the device
+    # (same results). None: on for CUDA; it needs CUDA, so the CPU ignores it (with a log line).
+    vision_stream: bool | None = None
     # Progress bars while graphs are captured at start-up (the log line is written either way).
     startup_progress: bool = True
     # Which parts of the language model run as CUDA graphs (GraphMode or its name); None:
@@ -198,8 +202,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
-        if self.overlap_schedule not in (None, True, False):
-            raise InputError(f"EngineConfig.overlap_schedule={self.overlap_schedule!r}: use True, False or None")
+        for name in ("overlap_schedule", "vision_stream"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InputError(f"EngineConfig.{name}={getattr(self, name)!r}: use True, False or None")
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2):
             raise InputError(f"EngineConfig.num_kv_pages={self.num_kv_pages!r}: must be an integer >= 2")
         for name in ("decode_graph", "vit_graph", "prefill_graph"):

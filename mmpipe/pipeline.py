@@ -198,6 +198,7 @@ class Pipeline:
                                   "hits": self.engine.cache.hits, "misses": self.engine.cache.misses},
                 "steps": self.engine.steps,
                 "overlap_schedule": self.engine.overlap,
+                "vision_stream": self.runner.vision_stream is not None,
             }
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ def test_info_reports_versions_and_the_model(checkpoint, capsys):
     assert info["model"]["architecture"] == "Qwen2_5_VLForConditionalGeneration"
     assert "2 blocks" in info["model"]["vision"] and info["model"]["device"] == "cpu"
     assert info["model"]["graphs"] == "mode none; decode off; prefill off; vit off"  # the CPU runs no graphs
+    assert info["model"]["scheduling"] == "overlapped scheduling off, vision stream off"  # nothing is asynchronous
 
 
 def test_graph_mode_flag_is_checked(checkpoint, capsys):

@@ -176,6 +176,21 @@ def test_overlap_default_follows_the_device(checkpoint):
         EngineConfig(overlap_schedule="yes")  # type: ignore[arg-type]
 
 
+def test_vision_stream_needs_cuda(checkpoint, caplog):
+    """Asked for on the CPU, the vision stream is off and says so (nothing runs asynchronously
+    there); a value that is not a flag is refused by name."""
+    with caplog.at_level("INFO", logger="mmpipe"):
+        pipe = Pipeline.from_pretrained(checkpoint, device="cpu", vision_stream=True)
+    assert pipe.runner.vision_stream is None and pipe.stats()["vision_stream"] is False
+    assert any("vision_stream needs CUDA" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="vision_stream needs CUDA"):
+        pipe.runner.use_vision_stream(True)
+    pipe.runner.use_vision_stream(False)  # already off: nothing to do
+    pipe.close()
+    with pytest.raises(Exception, match="vision_stream"):
+        EngineConfig(vision_stream=1)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------- scheduler budgets
 
 def test_prefill_tokens_of_one_step_never_exceed_the_budget(checkpoint):

@@ -1,10 +1,11 @@
 """The continuous-batching engine: requests in, one scheduled step at a time, finished requests out.
 
 A step: the scheduler plans it; the images its prompt chunks need come from the encoder cache or
-are encoded (packed into ViT calls within the patch budget); one prefill forward runs the prompt
-chunks and samples the requests whose prompt it completes; one decode step (a CUDA graph with the
-sampler inside, where graphs are on) advances every decoding request by a token. The sampled
-tokens are copied to the host without waiting for the GPU.
+are encoded (packed into ViT calls within the patch budget; with `EngineConfig.vision_stream`
+on a stream of their own, which the prefill waits for on the device); one prefill forward runs
+the prompt chunks and samples the requests whose prompt it completes; one decode step (a CUDA
+graph with the sampler inside, where graphs are on) advances every decoding request by a token.
+The sampled tokens are copied to the host without waiting for the GPU.
 
 Overlapped scheduling (`EngineConfig.overlap_schedule`, on by default on CUDA): `step()` plans
 and launches step N, then reads step N-1's tokens, so the host's work for one step (planning,

@@ -148,6 +148,7 @@ class ModelRunner:
                           self.device)
         self.pages = PageAllocator(num_pages)
         self.vit_graphs = self._make_vit_graphs()
+        self.vision_stream = self._make_vision_stream()
         capacity = self.pages.capacity * self.page_size
         limit = cfg.max_model_len or lm.cfg.max_position_embeddings
         self.max_model_len = min(limit, capacity)
@@ -183,6 +184,25 @@ class ModelRunner:
         buckets = cfg.vit_graph.buckets or default_buckets(cfg.max_vision_patches, vit.cfg.merge_unit)
         return ViTGraphRunner(vit, self.device, buckets, cfg.vit_graph.max_graphs, cfg.vit_graph.memory,
                               cfg.vit_graph_max_images)
+
+    def _make_vision_stream(self) -> "torch.cuda.Stream | None":
+        wanted = self.cfg.vision_stream
+        if self.device.type != "cuda":
+            if wanted:
+                log.info("vision_stream needs CUDA; the vision encoder runs in line on %s", self.device)
+            return None
+        return torch.cuda.Stream(self.device) if wanted is None or wanted else None
+
+    def use_vision_stream(self, on: bool) -> None:
+        """Switch the vision stream on or off between steps (benchmarks compare both in one
+        process). The device is synchronised first: the ViT's static buffers then have no work
+        queued on the stream that stops using them."""
+        if on and self.device.type != "cuda":
+            raise ValueError(f"vision_stream needs CUDA, not {self.device}")
+        if on == (self.vision_stream is not None):
+            return
+        torch.cuda.synchronize(self.device)
+        self.vision_stream = torch.cuda.Stream(self.device) if on else None
 
     def close(self) -> None:
         """Release graphs (before their memory), then the KV cache."""
@@ -251,7 +271,27 @@ class ModelRunner:
     @torch.inference_mode()
     def encode_images(self, images: Sequence[PreprocessedImage]) -> list[torch.Tensor]:
         """Merged embeddings [tokens, hidden] per image, packed into ViT calls of at most
-        `max_vision_patches` patches (an image larger than that runs alone)."""
+        `max_vision_patches` patches (an image larger than that runs alone).
+
+        With the vision stream, the ViT work is queued there, so it runs beside whatever the
+        current stream still has queued (the previous step's prefill and decode, with overlapped
+        scheduling); the current stream then waits for it on the device before anything after
+        this call, which is what reads the embeddings. Each embedding is also marked as used by
+        the current stream: when it is freed (consumed, or evicted from the encoder cache), its
+        memory goes back to the vision stream's pool only once the current stream's work queued
+        by then is done, never to a ViT call that would overwrite it under a prefill still queued."""
+        side = self.vision_stream
+        if side is None:
+            return self._encode_packs(images)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(side):
+            results = self._encode_packs(images)
+        main.wait_stream(side)
+        for embeds in results:
+            embeds.record_stream(main)
+        return results
+
+    def _encode_packs(self, images: Sequence[PreprocessedImage]) -> list[torch.Tensor]:
         results: list[torch.Tensor] = []
         pack: list[PreprocessedImage] = []
         patches = 0
