@@ -4,8 +4,8 @@ phase (ViT, prefill, decode), host-only gaps, host time per phase; and a PNG of 
 The engine marks its phases with `mmpipe.runtime.trace.phase` (`mmpipe.schedule`, `.vision`,
 `.prefill`, `.decode`, `.read`, and `.wait` where the host blocks on the GPU). The profiler
 projects those ranges onto the GPU timeline (`gpu_user_annotation`); a kernel belongs to the
-phase whose projected range holds it. Busy time is the union of kernel and copy intervals, so
-overlapping kernels (the ViT on its own stream) are not counted twice.
+phase whose projected range on its own stream holds it. Busy time is the union of kernel and
+copy intervals, so overlapping kernels (the ViT on its own stream) are not counted twice.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Interval:
     end: float
     name: str = ""
     kernel: str = ""  # for GPU intervals: the kernel's own name (`name` is its phase)
+    lane: str = ""  # for GPU intervals: the stream (the trace's thread id) it ran on
 
 
 @dataclass
@@ -116,7 +117,7 @@ def from_trace_events(events: list[dict[str, Any]], run_range: str = PREFIX + "r
     whole trace if there is none)."""
     def span(e: dict[str, Any]) -> Interval:
         start = float(e["ts"])
-        return Interval(start, start + float(e.get("dur", 0.0)), e.get("name", ""))
+        return Interval(start, start + float(e.get("dur", 0.0)), e.get("name", ""), lane=str(e.get("tid", "")))
 
     complete = [e for e in events if e.get("ph") == "X"]
     runs = [span(e) for e in complete if e.get("cat") == "user_annotation" and e.get("name") == run_range]
@@ -139,14 +140,15 @@ def from_trace_events(events: list[dict[str, Any]], run_range: str = PREFIX + "r
 
 
 def phase_of(kernel: Interval, ranges: list[Interval]) -> str:
-    """The GPU phase whose projected range holds the kernel (ranges sorted by start; where two
-    hold it, as when the ViT runs on its own stream during a decode step, the later-starting)."""
+    """The GPU phase whose projected range holds the kernel (ranges sorted by start). The profiler
+    projects a phase onto each stream its kernels ran on, so a range on the kernel's own stream
+    decides; where none holds it (ranges without streams), or two do, the later-starting."""
     starts = [r.start for r in ranges]
     i = bisect.bisect_right(starts, kernel.start) - 1
-    for r in ranges[max(0, i - 8):i + 1][::-1]:
-        name = r.name[len(PREFIX):]
-        if r.start <= kernel.start and kernel.end <= r.end and name in GPU_PHASES:
-            return name
+    holding = [r for r in ranges[max(0, i - 16):i + 1][::-1]
+               if r.start <= kernel.start and kernel.end <= r.end and r.name[len(PREFIX):] in GPU_PHASES]
+    for r in [r for r in holding if r.lane == kernel.lane] or holding:
+        return r.name[len(PREFIX):]
     return "other"
 
 

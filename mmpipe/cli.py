@@ -68,7 +68,7 @@ def _model_summary(path: str | None, device: str | None, graph_mode: str | None)
         pipe = Pipeline.from_pretrained(path, device=device, graph_mode=graph_mode)
     except MmpipeError as exc:
         return {"error": str(exc)}
-    model = pipe.model
+    model, stats = pipe.model, pipe.stats()
     vit, text = model.vision.cfg, model.language.cfg
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return {
@@ -85,8 +85,8 @@ def _model_summary(path: str | None, device: str | None, graph_mode: str | None)
                     f"{count(model.language) / 1e6:.2f}M params",
         "kv_cache": f"{pipe.runner.pages.capacity} pages x {pipe.runner.page_size} tokens",
         "max_model_len": pipe.runner.max_model_len,
-        "graphs": _graph_summary(pipe.stats()),
-        "scheduling": _scheduling_summary(pipe.stats()),
+        "graphs": _graph_summary(stats),
+        "scheduling": _scheduling_summary(stats),
     }
 
 
@@ -94,7 +94,6 @@ def _scheduling_summary(stats: dict[str, Any]) -> str:
     """One line: whether steps overlap the host's work and whether the ViT has its own stream."""
     on = lambda flag: "on" if flag else "off"  # noqa: E731
     return f"overlapped scheduling {on(stats['overlap_schedule'])}, vision stream {on(stats['vision_stream'])}"
-
 
 
 def _graph_summary(stats: dict[str, Any]) -> str:

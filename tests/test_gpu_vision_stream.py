@@ -100,3 +100,4 @@ def test_switching_the_stream_between_runs(checkpoint, reference):
         pipe.engine.cache.clear()
         third = captions(pipe)
     assert first == second == third == expected
+

@@ -187,8 +187,9 @@ def test_vision_stream_needs_cuda(checkpoint, caplog):
         pipe.runner.use_vision_stream(True)
     pipe.runner.use_vision_stream(False)  # already off: nothing to do
     pipe.close()
-    with pytest.raises(Exception, match="vision_stream"):
-        EngineConfig(vision_stream=1)  # type: ignore[arg-type]
+    for name in ("vision_stream", "overlap_schedule"):
+        with pytest.raises(Exception, match=name):
+            EngineConfig(**{name: 1})  # a flag, not a number that equals True
 
 
 # ---------------------------------------------------------------------------- scheduler budgets

@@ -85,3 +85,20 @@ def test_engine_phases_appear_in_a_profile(checkpoint):
 def _image():
     from tests.helpers import random_image
     return random_image(64, 48, seed=5)
+
+
+def test_a_kernel_takes_the_phase_of_its_own_stream():
+    """The ViT on its own stream: its range overlaps the decode range of the main stream, and a
+    main-stream kernel inside both is decode's (the later-starting vision range would claim it)."""
+    def on(stream: int, event: dict) -> dict:
+        return {**event, "tid": stream}
+
+    events = [x("user_annotation", "mmpipe.run", 0, 1000),
+              on(7, x("gpu_user_annotation", "mmpipe.decode", 90, 170)),
+              on(30, x("gpu_user_annotation", "mmpipe.vision", 140, 120)),
+              on(7, x("kernel", "gemm", 150, 50)),
+              on(30, x("kernel", "vit_attn", 150, 100)),
+              x("kernel", "no_stream", 200, 10)]  # no stream: the later-starting range, as before
+    run = from_trace_events(events)
+    assert [(k.kernel, k.name) for k in run.kernels] == [("gemm", "decode"), ("vit_attn", "vision"),
+                                                         ("no_stream", "vision")]

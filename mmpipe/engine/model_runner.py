@@ -18,6 +18,7 @@ import torch
 from mmpipe.config import (EngineConfig, GraphConfig, GraphMode, decode_graphs_on, parse_graph_mode,
                            prefill_graphs_on)
 from mmpipe.engine.request import Request, logprob_dict
+from mmpipe.errors import InputError
 from mmpipe.language.attention import AttentionMetadata
 from mmpipe.language.decode_graphs import DecodeGraphRunner, DecodeOutput, PendingDecode
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache, PageAllocator
@@ -148,7 +149,8 @@ class ModelRunner:
                           self.device)
         self.pages = PageAllocator(num_pages)
         self.vit_graphs = self._make_vit_graphs()
-        self.vision_stream = self._make_vision_stream()
+        self._vision_stream_on = False
+        self._vision_stream = self._make_vision_stream()
         capacity = self.pages.capacity * self.page_size
         limit = cfg.max_model_len or lm.cfg.max_position_embeddings
         self.max_model_len = min(limit, capacity)
@@ -191,18 +193,28 @@ class ModelRunner:
             if wanted:
                 log.info("vision_stream needs CUDA; the vision encoder runs in line on %s", self.device)
             return None
-        return torch.cuda.Stream(self.device) if wanted is None or wanted else None
+        # One stream for the runner's life (streams come from a small process-wide pool: creating
+        # one per switch could land on the capture stream). It starts after the start-up work
+        # queued so far (the ViT's static buffers are zeroed on the current stream).
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._vision_stream_on = wanted is None or wanted
+        return stream
+
+    @property
+    def vision_stream(self) -> "torch.cuda.Stream | None":
+        """The ViT's stream, or None when the ViT runs on the caller's stream."""
+        return self._vision_stream if self._vision_stream_on else None
 
     def use_vision_stream(self, on: bool) -> None:
         """Switch the vision stream on or off between steps (benchmarks compare both in one
-        process). The device is synchronised first: the ViT's static buffers then have no work
-        queued on the stream that stops using them."""
-        if on and self.device.type != "cuda":
-            raise ValueError(f"vision_stream needs CUDA, not {self.device}")
-        if on == (self.vision_stream is not None):
-            return
-        torch.cuda.synchronize(self.device)
-        self.vision_stream = torch.cuda.Stream(self.device) if on else None
+        process; not while another thread steps the engine). The device is synchronised first:
+        the ViT's static buffers then have no work queued on the stream that stops using them."""
+        if on and self._vision_stream is None:
+            raise InputError(f"vision_stream needs CUDA, not {self.device}")
+        if on != self._vision_stream_on:
+            torch.cuda.synchronize(self.device)
+            self._vision_stream_on = on
 
     def close(self) -> None:
         """Release graphs (before their memory), then the KV cache."""
