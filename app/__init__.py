@@ -1,3 +1,3 @@
 """User-facing programs (`mmpipe.app`): batch captioning (`caption`, with its inputs and outputs in
-`caption_io`), the Gradio chat demo (`demo`), benchmarks (`bench`, `bench_decode`, `bench_prefill`,
-`bench_caption`), and the bundled model's scene generator, trainer and evaluation."""
+`caption_io`) and the Gradio chat demo (`demo`); the `mmpipe bench` benchmarks in `bench/`; the
+bundled model's scene generator, trainer and evaluation in `tiny/`."""

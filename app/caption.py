@@ -32,8 +32,21 @@ import sys
 import time
 from typing import Any, Iterator, Sequence
 
-from mmpipe.app.caption_io import (FORMATS, ErrorLog, ImageItem, PromptResolver, RecordSink, SidecarSink, Sink,
-                                   StdoutSink, collect_images, read_prompt_file, remove_stale_temporaries, shard)
+from mmpipe.app.caption_io import (
+    FORMATS,
+    ErrorLog,
+    ImageItem,
+    PromptResolver,
+    RecordSink,
+    SidecarSink,
+    Sink,
+    StdoutSink,
+    collect_images,
+    read_prompt_file,
+    remove_stale_temporaries,
+    shard,
+)
+
 from mmpipe.config import GraphMode
 from mmpipe.errors import InputError
 

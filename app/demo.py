@@ -22,9 +22,9 @@ import argparse
 import logging
 import math
 import os
-import threading
 import re
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence

@@ -4,5 +4,6 @@ graph-safe sampler, the decode graph runner (the persistent device-side decode b
 steps run as CUDA graphs with sampling inside), and the prefill runner (fixed input buffers;
 piecewise CUDA graphs of the compiled forward, split at attention).
 
-Imports `mmpipe.runtime` and `mmpipe.config`, never `mmpipe.vision` or the engine.
+Imports `mmpipe.graphs`, `mmpipe.kernels`, `mmpipe.layers` and the leaf modules (`config`, `errors`,
+`settings`, `trace`), never `mmpipe.vision` or the engine.
 """

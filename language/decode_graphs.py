@@ -31,23 +31,34 @@ may be reallocated while the runner's graphs live.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
-
-from mmpipe.config import GraphConfig
 from mmpipe.language.attention.metadata import AttentionMetadata
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
-from mmpipe.language.sampler import (HostTokens, RowSampling, SampleResult, SamplerTensors, SamplerVariant,
-                                     advance, logprobs_bucket, sample)
-from mmpipe.runtime.context import ForwardContext, forward_context
-from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
-from mmpipe.runtime.graph_memory import GraphMemory, make_graph_memory
-from mmpipe.runtime.transfer import to_device
+from mmpipe.language.sampler import (
+    HostTokens,
+    RowSampling,
+    SampleResult,
+    SamplerTensors,
+    SamplerVariant,
+    advance,
+    logprobs_bucket,
+    sample,
+)
+
+from mmpipe.config import GraphConfig
+from mmpipe.engine.batch import PendingDecode
+from mmpipe.graphs.cache import bucket_for
+from mmpipe.graphs.memory import GraphMemory
+from mmpipe.graphs.runner import GraphRunner, capturable
+from mmpipe.graphs.transfer import to_device
+from mmpipe.layers.context import ForwardContext, forward_context
 
 log = logging.getLogger("mmpipe")
 
@@ -69,9 +80,12 @@ def default_decode_buckets(max_batch: int) -> list[int]:
 class DecodeSource(Protocol):
     """What a decode row needs from a request (the engine's Request has these)."""
 
+    prompt_ids: list[int]
     output_ids: list[int]  # the last one is fed this step (when none is in flight)
     mrope_delta: int
     pages: list[int]
+    sampling: Any  # ResolvedSampling
+    seed: int
 
     @property
     def total_len(self) -> int: ...  # prompt + tokens on the host
@@ -79,36 +93,27 @@ class DecodeSource(Protocol):
     @property
     def seq_len(self) -> int: ...  # total_len + tokens still in flight from launched steps
 
-    def row_sampling(self) -> RowSampling: ...
 
 
 @dataclass
-class DecodeOutput:
-    """One step's results, in the order of the requests passed to `step`."""
-
-    tokens: list[int]
-    token_logprobs: list[float] | None = None
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
-
-    def select(self, indices: list[int]) -> "DecodeOutput":
-        """The results of these requests only, in this order."""
-        pick = lambda values: [values[i] for i in indices] if values is not None else None  # noqa: E731
-        return DecodeOutput(pick(self.tokens), pick(self.token_logprobs), pick(self.top_ids),  # type: ignore[arg-type]
-                            pick(self.top_logprobs))
-
-
-@dataclass
-class DecodeRunnerStats:
-    steps: int = 0
-    graph_steps: int = 0
-    eager_steps: int = 0
+class DecodeBatchStats:
     rows_written: int = 0
     rows_moved: int = 0
     pages_appended: int = 0
 
 
-class DecodeGraphRunner:
+def row_sampling(request: "DecodeSource") -> RowSampling:
+    """A request's sampling settings as one sampler row, as of its next token."""
+    s = request.sampling
+    ban = tuple(sorted(set(s.stop_token_ids) | set(s.eos_token_ids))) if s.min_new_tokens > 0 else ()
+    return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                       penalty=s.repetition_penalty, seed=request.seed, step=len(request.output_ids), ban_ids=ban,
+                       ban_until=s.min_new_tokens if ban else 0,
+                       seen_ids=request.prompt_ids + request.output_ids if s.repetition_penalty != 1.0 else (),
+                       logprobs=s.logprobs)
+
+
+class DecodeGraphRunner(GraphRunner):
     """The persistent decode batch and its step, eager or captured. Model-agnostic: it needs the
     language model's `embed(ids)`, `forward(embeds, positions)` and `compute_logits(hidden)`."""
 
@@ -150,82 +155,51 @@ class DecodeGraphRunner:
         self.ban_until = np.zeros(rows, dtype=np.int64)
         self.flags = np.zeros(rows, dtype=np.int64)
         self.logprobs = np.zeros(rows, dtype=np.int64)
-        self.stats = DecodeRunnerStats()
+        self.batch_stats = DecodeBatchStats()
         self.host_seconds = 0.0
         self._last_order: list[int] | None = None  # request ids of the last step, in order
         self._last_rows = np.zeros(0, dtype=np.int64)
-        # Graphs.
+        # Graphs: keyed (bucket, sampler variant).
         graphs = graphs or GraphConfig(enabled=False)
-        self.graphs_on = graphs.wanted(device) and getattr(lm.attention, "graph_safe", False)
-        if graphs.wanted(device) and not self.graphs_on:
-            log.info("decode graphs off: the %s attention backend cannot be captured", lm.attention.name)
-        buckets = graphs.buckets or default_decode_buckets(max_rows)
-        self.buckets = sorted({min(int(b), max_rows) for b in buckets})
-        self.cache: GraphCache | None = None
-        if self.graphs_on:
-            if memory is None or isinstance(memory, str):  # else: a memory shared with the prefill graphs
-                memory = make_graph_memory(memory or graphs.memory, device)
-            self.cache = GraphCache("decode", device, memory,
-                                    max_graphs=max(graphs.max_graphs, len(self.buckets)))
+        buckets = {min(int(b), max_rows) for b in graphs.buckets or default_decode_buckets(max_rows)}
+        if isinstance(memory, str) or memory is None:  # else: a memory shared with the prefill graphs
+            memory = memory or graphs.memory
+        super().__init__("decode", device, buckets, graphs.enabled is not False, lm.attention, memory,
+                         max(graphs.max_graphs, len(buckets)))
+        self.buckets = sorted(buckets)
 
     # ------------------------------------------------------------------ graphs
 
-    @property
-    def graph_stats(self) -> GraphStats | None:
-        return self.cache.stats if self.cache is not None else None
+    def capture_all(self, variant: SamplerVariant = SamplerVariant(), progress: bool = True) -> None:  # type: ignore[override]
+        """Capture every bucket for `variant`, largest first."""
+        super().capture_all([(b, variant) for b in sorted(self.buckets, reverse=True)], progress, "batch sizes")
 
-    def capture_all(self, variant: SamplerVariant = SamplerVariant(), progress: bool = True) -> None:
-        """Capture every bucket for `variant`, largest first (smaller sizes then reuse the largest
-        one's pool blocks), with a progress bar and one log line."""
-        if self.cache is None:
-            return
-        from tqdm import tqdm
+    def capture_guard(self) -> Any:
+        """The warm-up run inside a capture executes the step: with every row inactive, rows do not
+        advance (the K/V it writes are the values the real step writes)."""
+        return _rows_inactive(self.active)
 
-        from mmpipe.runtime.graph_memory import device_memory_in_use
+    def body(self, key: Any) -> Callable[[], SampleResult]:
+        bucket, variant = key
+        return self.step_fn(bucket, variant, None)
 
-        on_cuda = self.device.type == "cuda"
-        before = device_memory_in_use(self.device) if on_cuda else 0
-        start = time.perf_counter()
-        sizes = sorted(self.buckets, reverse=True)
-        for bucket in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not progress,
-                           leave=False, dynamic_ncols=True):
-            self._capture(bucket, variant, quiet=True)
-        seconds = time.perf_counter() - start
-        after = device_memory_in_use(self.device) if on_cuda else 0
-        log.info("decode graphs: %d sizes (%s) captured in %.1f s; GPU memory %.0f -> %.0f MiB (graphs %.0f MiB)",
-                 len(sizes), _ranges(sorted(sizes)), seconds, before / 2**20, after / 2**20,
-                 (after - before) / 2**20)
+    def label(self, key: Any) -> str:
+        return f"batch {key[0]} {variant_label(key[1])}"
 
-    def _capture(self, bucket: int, variant: SamplerVariant, quiet: bool = False) -> bool:
-        """Capture one graph. The warm-up run executes the body, so it runs with every row
-        inactive: rows do not advance (the K/V it writes are the values the real step writes)."""
+    def lookup(self, key: Any) -> Any:
+        """The exact variant's graph, else the live one with the fewest extra cheap stages that
+        covers it (`covers`)."""
         assert self.cache is not None
-        saved = self.active.clone()
-        self.active.zero_()
-        try:
-            entry = self.cache.capture((bucket, variant), self.body(bucket, variant, None),
-                                       f"batch {bucket} {variant_label(variant)}", quiet=quiet)
-        finally:
-            self.active.copy_(saved)
-        return entry is not None
-
-    def _graph_for(self, bucket: int, variant: SamplerVariant) -> tuple[int, SamplerVariant] | None:
-        """The live graph to replay for `bucket`: the exact variant, else the one with the fewest
-        extra cheap stages that covers it (`covers`), else a new capture of the exact variant;
-        None if that fails."""
-        assert self.cache is not None
-        key = (bucket, variant)
         if key in self.cache:
             return key
+        bucket, variant = key
         covering = [k for k in self.cache.live_keys() if k[0] == bucket and covers(k[1], variant)]
-        if covering:
-            return min(covering, key=lambda k: _stage_count(k[1]))
-        return key if self._capture(bucket, variant) else None
+        return min(covering, key=lambda k: _stage_count(k[1])) if covering else None
 
     # ------------------------------------------------------------------ the step
 
-    def body(self, n: int, variant: SamplerVariant, host_lens: list[int] | None,
-             split_rows: int | None = None) -> Callable[[], SampleResult]:
+    def step_fn(self, n: int, variant: SamplerVariant, host_lens: list[int] | None,
+                split_rows: int | None = None) -> Callable[[], SampleResult]:
         """One decode step over rows 0..n-1 of the static buffers (captured, or run eagerly).
         `host_lens`: the rows' lengths for backends that need host values (eager only).
         `split_rows`: the batch size attention plans its splits for (the bucket; default n)."""
@@ -254,11 +228,6 @@ class DecodeGraphRunner:
         return run
 
     @torch.inference_mode()
-    def step(self, requests: Sequence[DecodeSource]) -> DecodeOutput:
-        """Decode one token for each request (each has the pages for its new token)."""
-        return self.launch(requests).get()
-
-    @torch.inference_mode()
     def launch(self, requests: Sequence[DecodeSource]) -> "PendingDecode":
         """Queue one decode step for `requests` and the copy of its tokens to the host, without
         waiting for the GPU. The rows advance on the device, so the next step may be launched
@@ -272,23 +241,14 @@ class DecodeGraphRunner:
             raise
         n = self.size
         variant = self._variant(n)
-        result = None
-        bucket = bucket_for(self.buckets, n) if self.cache is not None else None
+        bucket = self.size_for(n)
+        if self.enabled and bucket is None:
+            self.fallback("decode batch of %d rows runs eagerly (largest graph bucket %d)", n, self.buckets[-1])
+        # Host lengths only for a backend that needs them (the reference; CUDA reads the device).
+        host_lens = None if capturable(self.lm.attention) else (self.lens[:n] + 1).tolist()
         try:
-            if bucket is not None:
-                key = self._graph_for(bucket, variant)
-                if key is not None:
-                    result = self.cache.replay_key(key)  # type: ignore[union-attr]
-                    self.stats.graph_steps += 1
-            elif self.cache is not None:
-                self.cache.fallback("decode batch of %d rows runs eagerly (largest graph bucket %d)", n,
-                                    self.buckets[-1])
-            if result is None:
-                # Host lengths only for a backend that needs them (the reference; CUDA reads the device).
-                graph_safe = getattr(self.lm.attention, "graph_safe", False)
-                host_lens = None if graph_safe else (self.lens[:n] + 1).tolist()
-                result = self.body(n, variant, host_lens, bucket_for(self.buckets, n) or n)()
-                self.stats.eager_steps += 1
+            result, _ = self.run(None if bucket is None else (bucket, variant),
+                                 lambda: self.step_fn(n, variant, host_lens, bucket_for(self.buckets, n) or n)())
             pending = PendingDecode(HostTokens(result, n, variant.logprobs > 0), rows)
         except BaseException:
             self.reset()
@@ -296,7 +256,6 @@ class DecodeGraphRunner:
         self.host_seconds += time.perf_counter() - start
         self.lens[:n] += 1
         self.steps[:n] += 1
-        self.stats.steps += 1
         return pending
 
     # ------------------------------------------------------------------ batch bookkeeping
@@ -391,7 +350,7 @@ class DecodeGraphRunner:
         dst = to_device(np.asarray([d for _, d in moves], dtype=np.int64), self.device)
         for buffer in self._row_buffers():
             buffer.index_copy_(0, dst, buffer.index_select(0, src))
-        self.stats.rows_moved += len(moves)
+        self.batch_stats.rows_moved += len(moves)
 
     def _row_buffers(self) -> list[torch.Tensor]:
         s = self.sampler
@@ -417,7 +376,7 @@ class DecodeGraphRunner:
             pages = -(-length // ps)
             table[i, :pages] = request.pages[:pages]
             scalars[:, i] = (request.output_ids[-1], length, request.mrope_delta)
-            setting = request.row_sampling()
+            setting = row_sampling(request)
             if len(setting.ban_ids) > self.ban_width:
                 raise ValueError(f"a request bans {len(setting.ban_ids)} token ids before min_new_tokens; "
                                  f"at most {self.ban_width} (EngineConfig.max_banned_tokens)")
@@ -436,7 +395,7 @@ class DecodeGraphRunner:
         self.page_table.index_copy_(0, index, to_device(table, self.device))
         self.active.index_fill_(0, index, True)
         self.sampler.write_rows(index, settings, self.vocab)
-        self.stats.rows_written += count
+        self.batch_stats.rows_written += count
 
     def _reset_rows(self, rows: range) -> None:
         """Padding state: inactive, length 1 on the dummy page, neutral sampling."""
@@ -456,7 +415,7 @@ class DecodeGraphRunner:
     def _append_pages(self, appends: list[tuple[int, int, int]]) -> None:
         triples = to_device(np.asarray(appends, dtype=np.int64).T, self.device)
         self.page_table.index_put_((triples[0], triples[1]), triples[2].to(torch.int32))
-        self.stats.pages_appended += len(appends)
+        self.batch_stats.pages_appended += len(appends)
 
     def _variant(self, n: int) -> SamplerVariant:
         flags = int(np.bitwise_or.reduce(self.flags[:n])) if n else 0
@@ -472,10 +431,29 @@ class DecodeGraphRunner:
         self.size = 0
         self.row_of.clear()
 
-    def close(self) -> None:
-        if self.cache is not None:
-            self.cache.close()
-            self.cache = None
+    @torch.inference_mode()
+    def sample_logits(self, requests: Sequence[DecodeSource], logits: torch.Tensor) -> PendingDecode:
+        """Queue sampling of one token per request from prefill logits, without waiting for it."""
+        rows = [row_sampling(r) for r in requests]
+        variant = SamplerVariant.of(rows)
+        # Greedy rows need no per-row tensors: no transfers between the logits and the argmax.
+        tensors = SamplerTensors.build(rows, logits.shape[-1], self.device) if variant.needs_tensors else None
+        result = sample(logits, tensors, variant)
+        return PendingDecode(HostTokens(result, len(requests), variant.logprobs > 0),
+                             np.arange(len(requests), dtype=np.int64))
+
+    def detail(self) -> dict[str, Any]:
+        return dict(self.batch_stats.__dict__)
+
+
+@contextlib.contextmanager
+def _rows_inactive(active: torch.Tensor) -> Iterator[None]:
+    saved = active.clone()
+    active.zero_()
+    try:
+        yield
+    finally:
+        active.copy_(saved)
 
 
 def _row_flags(s: RowSampling) -> int:
@@ -489,21 +467,6 @@ def _row_flags(s: RowSampling) -> int:
     if s.penalty != 1.0:
         flags |= _PENALTY
     return flags
-
-
-class PendingDecode:
-    """A launched decode step; `get()` waits for its tokens and returns them in request order."""
-
-    def __init__(self, tokens: HostTokens, rows: np.ndarray) -> None:
-        self.tokens, self.rows = tokens, rows
-
-    def get(self) -> DecodeOutput:
-        ids, lps = self.tokens.get()
-        order = self.rows.tolist()
-        if lps is None:
-            return DecodeOutput([ids[r][0] for r in order])
-        return DecodeOutput([ids[r][0] for r in order], [lps[r][0] for r in order], [ids[r][1:] for r in order],
-                            [lps[r][1:] for r in order])
 
 
 def covers(have: SamplerVariant, need: SamplerVariant) -> bool:
@@ -527,7 +490,3 @@ def variant_label(variant: SamplerVariant) -> str:
     if variant.logprobs:
         on.append(f"logprobs={variant.logprobs}")
     return "greedy" if not on else "+".join(on)
-
-
-def _ranges(sizes: list[int]) -> str:
-    return ", ".join(str(s) for s in sizes) if len(sizes) <= 8 else f"{sizes[0]}..{sizes[-1]}"

@@ -1,17 +1,15 @@
 """Paged KV cache: fixed-size pages shared by all sequences, a page table per sequence.
 
 Token i of a sequence lives in page `page_table[i // page_size]` at offset `i % page_size`;
-its flat slot is `page * page_size + offset`. Page 0 is reserved: padded rows of a batch write
-their K/V there, so padding never touches a real sequence.
+its flat slot is `page * page_size + offset`. Pages are handed out by the engine
+(`mmpipe.engine.kv_pages`), which reserves page 0 for padded rows' writes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mmpipe.errors import InputError
-
-DUMMY_PAGE = 0
+from mmpipe.engine.kv_pages import DUMMY_PAGE  # noqa: F401  (the layout's reserved page, re-exported)
 
 
 class KVCache:
@@ -37,43 +35,7 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
 
-    def stacked(self) -> torch.Tensor:
-        """A copy of the whole cache as [layers, 2, pages, page_size, kv_heads, head_dim] (tests)."""
-        return torch.stack([torch.stack(pair) for pair in self.layers])
-
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
         return num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
-class PageAllocator:
-    """Free list of KV pages (page 0 never handed out)."""
-
-    def __init__(self, num_pages: int) -> None:
-        if num_pages < 2:
-            raise InputError(f"the KV cache needs at least 2 pages, got {num_pages}")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, DUMMY_PAGE, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def capacity(self) -> int:
-        return self.num_pages - 1
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise MemoryError(f"asked for {count} KV pages, {len(self._free)} free")
-        pages = self._free[len(self._free) - count:]
-        del self._free[len(self._free) - count:]
-        return pages[::-1]
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)

@@ -55,9 +55,3 @@ def mrope_positions(token_ids: Sequence[int], image_grids: Sequence[tuple[int, i
         raise ValueError(f"{len(image_grids)} images but {image_index} image-token runs in the prompt")
     delta = int(positions.max(initial=-1)) + 1 - total
     return positions, delta
-
-
-def decode_positions(indices: np.ndarray, deltas: np.ndarray) -> np.ndarray:
-    """Positions [3, B] of generated tokens at sequence indices `indices` (all three equal)."""
-    pos = (indices + deltas).astype(np.int64)
-    return np.broadcast_to(pos, (3, pos.shape[0]))

@@ -6,7 +6,7 @@ gathered straight into their rows and each image's merged ViT output is copied i
 copy per image span, no concatenation).
 
 Piecewise mode (graph modes `piecewise`, `full_and_piecewise`): the forward over the buffers is
-traced once by `torch.compile` with `mmpipe.runtime.piecewise.PiecewiseBackend`, the token
+traced once by `torch.compile` with `mmpipe.graphs.piecewise.PiecewiseBackend`, the token
 dimension dynamic, split at the attention op (`mmpipe::lm_attention`, run eagerly on the real
 tokens with the step's metadata), and each piece (norms, projections, rotary + KV write, MLP,
 residuals) captured as a CUDA graph for every size of the schedule, largest first, into the
@@ -14,31 +14,40 @@ language model's shared pool. A step of T tokens runs at the smallest schedule s
 (bisection); rows past T are padding: their K/V go to the dummy page (the slots buffer holds the
 dummy slot past the step's rows), attention is not computed for them, their outputs are dropped.
 Above the largest size the compiled pieces run without graphs. From the second forward at a
-size on, the runner replays that size's recorded plan (`mmpipe.runtime.piecewise.ReplayPlan`).
+size on, the runner replays that size's recorded plan (`mmpipe.graphs.piecewise.ReplayPlan`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
-
-from mmpipe.config import GraphConfig
 from mmpipe.language.attention import AttentionMetadata
 from mmpipe.language.attention.op import attention
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
-from mmpipe.language.stage_inputs import stage_rows
-from mmpipe.runtime.capture import capture_session, capture_stream
-from mmpipe.runtime.context import ForwardContext, forward_context
-from mmpipe.runtime.graph_cache import GraphCache, bucket_for
-from mmpipe.runtime.graph_memory import GraphMemory, SharedPool, device_memory_in_use
-from mmpipe.runtime.piecewise import (PiecewiseBackend, PiecewiseState, default_cache_dir, environment_key,
-                                      make_piece_compiler)
+
+from mmpipe.config import GraphConfig
+from mmpipe.engine.batch import ImageSpan, PrefillInputs
+from mmpipe.graphs.cache import bucket_for
+from mmpipe.graphs.capture import on_capture_stream
+from mmpipe.graphs.memory import GraphMemory
+from mmpipe.graphs.piecewise import (
+    PiecewiseBackend,
+    PiecewiseState,
+    default_cache_dir,
+    environment_key,
+    make_piece_compiler,
+)
+from mmpipe.graphs.runner import GraphRunner
+from mmpipe.graphs.transfer import PackedUploader
+from mmpipe.kernels.stage_rows import stage_rows
+from mmpipe.layers.context import ForwardContext, forward_context
 
 log = logging.getLogger("mmpipe")
 
@@ -59,29 +68,40 @@ def default_prefill_schedule(max_tokens: int) -> list[int]:
     return sizes
 
 
-@dataclass
-class ImageSpan:
-    """Rows [row, row + len(values)) of the step take these image embeddings."""
+class PrefillTensors(NamedTuple):
+    """A step's `PrefillInputs` on the device (views of one copy)."""
 
-    row: int
-    values: torch.Tensor
-
-
-@dataclass
-class PrefillRunnerStats:
-    graph_forwards: int = 0  # replays of a captured size
-    compiled_forwards: int = 0  # piecewise mode without a graph (above the schedule, a failed size)
-    eager_forwards: int = 0  # not compiled (graph modes without piecewise, the CPU)
-    padded_tokens: int = 0  # rows added to reach schedule sizes
-    schedule_seconds: float = 0.0  # start-up: compiling, warming up and capturing every size
-    schedule_memory_bytes: int = 0  # GPU memory the captured schedule holds (driver's view)
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T, 3] int64, token-major (as the prefill's fixed positions buffer)
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [n] int64
+    count: torch.Tensor  # [1] int64 holding T: kernels read it, so their launch does not depend on T
 
 
-class PrefillRunner:
+def upload_inputs(inputs: PrefillInputs, uploader: PackedUploader) -> PrefillTensors:
+    """The step's inputs on the uploader's device, through one host-to-device copy (views valid
+    for this step's kernels only, see `PackedUploader`)."""
+    t = inputs.token_ids.shape[0]
+    ids, pos, slots, logit_rows, count, lens, cu, table = uploader.upload(
+        [inputs.token_ids, inputs.positions.T, inputs.slot_mapping, inputs.logit_rows, np.array([t], dtype=np.int64),
+         np.asarray(inputs.seq_lens, dtype=np.int32),
+         np.asarray([0, *itertools.accumulate(inputs.query_lens)], dtype=np.int32), inputs.page_table])
+    meta = AttentionMetadata(
+        is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens, query_start_loc=cu,
+        page_table=table, seq_lens_host=inputs.seq_lens, query_lens_host=inputs.query_lens,
+        max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
+    return PrefillTensors(ids, pos, meta, logit_rows, count)
+
+
+class PrefillRunner(GraphRunner):
+    """The prefill forward behind the graph-runner interface. A key is a schedule size; its graph
+    is a group: one CUDA graph per piece, sharing one capture memory, captured by running the
+    compiled forward (`capture`) and replayed through the size's plan (`replay`)."""
+
     def __init__(self, lm: Any, kv: KVCache, device: torch.device, max_tokens: int, piecewise: bool,
                  graphs: GraphConfig | None = None, compiler: str = "eager", cache_dir: str | Path | None = None,
                  memory: GraphMemory | None = None) -> None:
-        self.lm, self.kv, self.device, self.max_tokens = lm, kv, device, max_tokens
+        self.lm, self.kv, self.max_tokens = lm, kv, max_tokens
         dtype = lm.embed_tokens.weight.dtype
         # Static buffers, outside graph memory; every forward reads slices of them.
         self.input_embeds = torch.zeros(max_tokens, lm.hidden_size, dtype=dtype, device=device)
@@ -91,16 +111,14 @@ class PrefillRunner:
         # KV slots of the rows; each step sets its padding rows (past its tokens) to the dummy slot.
         self.dummy_slot = DUMMY_PAGE * kv.page_size
         self.slots = torch.full((max_tokens,), self.dummy_slot, dtype=torch.int64, device=device)
-        self.stats = PrefillRunnerStats()
         graphs = graphs or GraphConfig(enabled=False)
-        schedule = graphs.buckets or default_prefill_schedule(max_tokens)
-        self.schedule = sorted({min(int(s), max_tokens) for s in schedule})
-        self.graphs_on = piecewise and graphs.wanted(device) and getattr(lm.attention, "graph_safe", False)
-        if piecewise and graphs.wanted(device) and not self.graphs_on:
-            log.info("prefill graphs off: the %s attention backend cannot be captured", lm.attention.name)
-        self.cache: GraphCache | None = None
-        if self.graphs_on:
-            self.cache = GraphCache("prefill", device, memory or SharedPool(), max_graphs=None)
+        schedule = {min(int(s), max_tokens) for s in graphs.buckets or default_prefill_schedule(max_tokens)}
+        super().__init__("prefill", device, schedule, piecewise and graphs.enabled is not False, lm.attention,
+                         memory or "shared", max_graphs=None)
+        self.schedule = self.sizes
+        self.uploader = PackedUploader(device)  # each step's inputs, in one host-to-device copy
+        self.compiled_runs = 0  # compiled forwards without a graph (above the schedule, a failed size)
+        self.padded_tokens = 0  # rows added to reach schedule sizes
         self.state = PiecewiseState(self.cache)
         self.backend: PiecewiseBackend | None = None
         self.compiled: Any = None
@@ -119,7 +137,11 @@ class PrefillRunner:
 
     # ------------------------------------------------------------------ running
 
-    def size_for(self, num_tokens: int) -> int:
+    def upload(self, inputs: PrefillInputs) -> PrefillTensors:
+        """A step's host inputs on the device, in one copy (views valid for this step only)."""
+        return upload_inputs(inputs, self.uploader)
+
+    def rows_for(self, num_tokens: int) -> int:
         """Rows the forward runs: the smallest schedule size >= num_tokens; num_tokens above the
         schedule or without compilation."""
         if self.compiled is None:
@@ -137,24 +159,40 @@ class PrefillRunner:
         n = token_ids.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"a prefill of {n} tokens exceeds max_prefill_tokens={self.max_tokens}")
-        size = self.size_for(n)
+        size = self.rows_for(n)
         stage_rows(self.lm.embed_tokens.weight, token_ids, positions, meta.slot_mapping, count, self.input_embeds,
                    self.positions, self.slots, size, self.dummy_slot)
         for span in images:
             self.input_embeds[span.row:span.row + span.values.shape[0]].copy_(span.values)
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             if self.compiled is None:
-                self.stats.eager_forwards += 1
-                return self.lm(self.input_embeds[:n], self.positions[:n].t(), self.kv.layers, meta.slot_mapping)
-            graphed = self.cache is not None and size not in self.state.failed_sizes \
-                and (self.state.generation, size, 0) in self.cache
-            self.state.size = size if graphed else None
+                eager = lambda: self.lm(self.input_embeds[:n], self.positions[:n].t(), self.kv.layers,  # noqa: E731
+                                        meta.slot_mapping)
+                return self.run(None, eager)[0]
+            output, graphed = self.run(self.size_for(n), lambda: self._run_without_graphs(size))
             if graphed:
-                self.stats.graph_forwards += 1
-                self.stats.padded_tokens += size - n
-                return self.state.run_planned(size, lambda: self._run_compiled(size))
-            self.stats.compiled_forwards += 1
-            return self._run_compiled(size)
+                self.padded_tokens += size - n
+            return output
+
+    def lookup(self, size: Any) -> Any:
+        assert self.cache is not None
+        generation = self.state.generation
+        live = (generation, size) not in self.cache.failed and (generation, size, 0) in self.cache
+        return size if live else None
+
+    def replay(self, size: Any) -> Any:
+        """The size's pieces replayed through its plan; None if the size has no graphs (sizes are
+        captured at start-up only: a forward that captures needs a warm-up forward first)."""
+        if self.lookup(size) is None:
+            return None
+        self.counts.graph_runs += 1
+        self.state.size = size
+        return self.state.run_planned(size, lambda: self._run_compiled(size))
+
+    def _run_without_graphs(self, size: int) -> torch.Tensor:
+        self.state.size = None
+        self.compiled_runs += 1
+        return self._run_compiled(size)
 
     def _run_compiled(self, size: int) -> torch.Tensor:
         embeds, positions = self.input_embeds[:size], self.positions[:size]
@@ -168,47 +206,41 @@ class PrefillRunner:
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
-    def capture_all(self, progress: bool = True) -> None:
-        """Compile (first call), then for every schedule size, largest first: a warm-up forward,
-        then a forward in which every piece captures its graph into the shared memory."""
+    def capture_all(self, progress: bool = True) -> None:  # type: ignore[override]
+        """Compile (first call), then capture every schedule size, largest first, into one capture
+        memory shared by all pieces of all sizes."""
         if self.compiled is None:
             return
-        from tqdm import tqdm
-
-        start = time.perf_counter()
         if self.cache is None:  # compiled, no graphs: trace now rather than in the first request
+            start = time.perf_counter()
             self._dummy_forward(self.schedule[-1], capture=False)
             log.info("prefill compiled (%s pieces) in %.1f s; no graphs", self.state.num_pieces,
                      time.perf_counter() - start)
             return
-        on_cuda = self.device.type == "cuda"
         self.state.drop_plans()  # plans point at graphs: a new capture replaces them
-        before = device_memory_in_use(self.device) if on_cuda else 0
-        memory = self.cache.memory.open()
-        sizes = sorted(self.schedule, reverse=True)
-        with capture_session():
-            for size in tqdm(sizes, desc="capturing prefill graphs", unit="size", disable=not progress,
-                             leave=False, dynamic_ncols=True):
-                self._dummy_forward(size, capture=False)  # compiles on the first call; warms this size up
-                self.state.memory = memory
-                self._dummy_forward(size, capture=True)
-        self.state.memory = None
-        self.state.size = None
-        seconds = time.perf_counter() - start
-        after = device_memory_in_use(self.device) if on_cuda else 0
-        self.stats.schedule_seconds = seconds
-        self.stats.schedule_memory_bytes = max(0, after - before)
-        captured = [s for s in sizes if s not in self.state.failed_sizes]
+        self.state.memory = self.cache.memory.open()
+        try:
+            super().capture_all(sorted(self.schedule, reverse=True), progress)
+        finally:
+            self.state.memory = None
+            self.state.size = None
+
+    def capture(self, size: Any, quiet: bool = False) -> bool:
+        """A warm-up forward at `size` (compiling on the first call), then one in which every piece
+        captures its graph into the shared capture memory."""
+        assert self.cache is not None
+        memory = self.state.memory
+        self._dummy_forward(size, capture=False)
+        self.state.memory = memory if memory is not None else self.cache.memory.open()
+        self._dummy_forward(size, capture=True)
+        return self.lookup(size) is not None
+
+    def startup_note(self) -> str:
         b = self.backend
         assert b is not None
-        log.info("prefill graphs: %d sizes (%d-%d tokens) x %d pieces captured in %.1f s (tracing and %s "
-                 "compilation %.1f s, %d compiled, %d loaded from cache); GPU memory %.0f -> %.0f MiB (graphs "
-                 "%.0f MiB)", len(captured), min(sizes), max(sizes), self.state.num_pieces, seconds,
-                 self.compiler, b.stats.compile_seconds, b.stats.compilations, b.stats.compile_cache_loads,
-                 before / 2**20, after / 2**20, (after - before) / 2**20)
-        if self.state.failed_sizes:
-            log.warning("prefill graphs: %d sizes could not be captured and run without graphs: %s",
-                        len(self.state.failed_sizes), sorted(self.state.failed_sizes))
+        return (f" x {self.state.num_pieces} pieces (tracing and {self.compiler} compilation "
+                f"{b.stats.compile_seconds:.1f} s, {b.stats.compilations} compiled, {b.stats.compile_cache_loads} "
+                "loaded from cache)")
 
     def _dummy_forward(self, size: int, capture: bool) -> None:
         """A forward of `size` tokens of one fresh sequence whose K/V go to the dummy page."""
@@ -222,49 +254,38 @@ class PrefillRunner:
             page_table=torch.full((1, -(-size // page)), DUMMY_PAGE, dtype=torch.int32, device=device),
             seq_lens_host=[size], query_lens_host=[size], max_query_len=size, max_seq_len=size)
         self.slots[:size].fill_(self.dummy_slot)  # a real step's slots may still be there
-        stream = capture_stream(device) if device.type == "cuda" else None
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             self.state.size = size if self.cache is not None else None
             self.state.capturing = capture
             try:
-                if stream is not None:
-                    stream.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(stream):
-                        self._run_compiled(size)
-                    torch.cuda.current_stream(device).wait_stream(stream)
-                else:
+                with on_capture_stream(device):
                     self._run_compiled(size)
             finally:
                 self.state.capturing = False
-        if stream is not None:
-            stream.synchronize()
 
     # ------------------------------------------------------------------ stats, teardown
 
-    def graph_stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"enabled": self.cache is not None, "compiled": self.compiled is not None,
+    def detail(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"compiled": self.compiled is not None,
                                "compiler": self.compiler if self.compiled is not None else None,
-                               "sizes": list(self.schedule) if self.compiled is not None else [],
-                               **self.stats.__dict__}
+                               "compiled_runs": self.compiled_runs, "padded_tokens": self.padded_tokens,
+                               "replay_plans": len(self.state.plans),
+                               "plan_runs": sum(plan.runs for plan in self.state.plans.values()),
+                               "failed_sizes": self.failed_sizes()}
         if self.backend is not None:
             out.update(self.backend.stats.as_dict())
-        if self.cache is not None:
-            out.update(self.cache.stats.as_dict())
-            out["graphs"] = self.cache.stats.graphs_live
-            out["replay_plans"] = len(self.state.plans)
-            out["plan_forwards"] = sum(plan.runs for plan in self.state.plans.values())
-            out["failed_sizes"] = sorted(self.state.failed_sizes)
-        else:
-            out["graphs"] = 0
         return out
+
+    def failed_sizes(self) -> list[int]:
+        if self.cache is None:
+            return []
+        return sorted(key[1] for key in self.cache.failed if len(key) == 2 and key[0] == self.state.generation)
 
     def close(self) -> None:
         """Destroy the graphs (the shared memory itself belongs to whoever made it)."""
-        if self.cache is not None:
-            self.state.drop_plans()
-            self.cache.close()
-            self.cache = None
-            self.state.cache = None
+        self.state.drop_plans()
+        super().close()
+        self.state.cache = None
         self.compiled = None
 
 

@@ -5,7 +5,7 @@ Tokens of all sequences in a step are concatenated: hidden states are [T, hidden
 tensor inputs and no data-dependent control flow: it can be traced, split and captured.
 The rotary tables are computed once per step; each layer rotates q and k and writes K/V into the
 cache (passed in, with the rows' slots) in one fused op. Products of a few rows (decode) run on
-the kernels of `mmpipe.runtime.gemv`; the o and down projections may return K-split partial sums,
+the kernels of `mmpipe.kernels.gemv`; the o and down projections may return K-split partial sums,
 which the fused residual add + norm after them adds up. Attention is the backend given at
 construction, called directly in eager code and through the `mmpipe::lm_attention` custom op under
 `torch.compile` (the op is opaque to the compiler: the piecewise prefill runner splits the model
@@ -18,18 +18,19 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from mmpipe.language.attention import AttentionMetadata, TorchLMAttention
+from mmpipe.language.attention.op import attention  # also registers the mmpipe:: custom ops
 from torch import nn
 
 from mmpipe.errors import CheckpointError, UnsupportedModelError
-from mmpipe.language.attention import AttentionMetadata, TorchLMAttention
-from mmpipe.language.attention.op import attention  # also registers the mmpipe:: custom ops
-from mmpipe.language.rope_kv import rope_qk_write_kv
-from mmpipe.runtime import gemv
-from mmpipe.runtime.attention import AttentionBackend
-from mmpipe.runtime.context import get_forward_context
-from mmpipe.runtime.fused import add_rms_norm
-from mmpipe.runtime.layers import GatedMLP, RMSNorm
-from mmpipe.runtime.weight_copy import WeightMap
+from mmpipe.kernels import gemv
+from mmpipe.kernels.fused import add_rms_norm
+from mmpipe.kernels.rope_kv import rope_qk_write_kv
+from mmpipe.layers.attention import AttentionBackend
+from mmpipe.layers.context import get_forward_context
+from mmpipe.layers.mlp import GatedMLP
+from mmpipe.layers.norm import RMSNorm
+from mmpipe.layers.weight_map import WeightMap
 
 
 @dataclass(frozen=True)

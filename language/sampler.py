@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-from mmpipe.runtime.trace import phase
+from mmpipe.trace import phase
 
 _MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x045D9F3B  # < 2**31, so products of 32-bit values fit in int64 without overflow

@@ -5,7 +5,8 @@
     print(pipe.caption(["assets/images/scene_0.png"]))
 
 Names are imported lazily so that `mmpipe.vision` and `mmpipe.language` can import
-`mmpipe.config` and `mmpipe.runtime` without pulling in the pipeline (and so each other).
+`mmpipe.config` and the graphs, kernels and layers without pulling in the pipeline (and so each
+other).
 
 In the repository the `vision`, `language` and `app` folders sit beside this package; setuptools
 installs them inside it (`package-dir`). Run from a source checkout that is not installed (or from

@@ -3,7 +3,7 @@
     mmpipe caption IMAGES...     caption images (files, directories, globs): txt, jsonl, metadata, csv
     mmpipe demo                  the browser chat demo (app/demo.py; needs `pip install mmpipe[app]`)
     mmpipe info [--model PATH]   versions, device, and a summary of a model
-    mmpipe bench WHAT            side-by-side GPU benchmarks (app/bench.py: kernels, throughput)
+    mmpipe bench WHAT            side-by-side GPU benchmarks (app/bench/: kernels, throughput, vit, decode, prefill, caption)
 """
 
 from __future__ import annotations
@@ -156,9 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("bench", help="GPU benchmarks (see `mmpipe bench -h`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from mmpipe.app import bench
+        from mmpipe.app.bench.main import main as bench_main
 
-        return guarded("mmpipe bench", lambda: bench.main(argv[1:]))
+        return guarded("mmpipe bench", lambda: bench_main(argv[1:]))
     args = parser.parse_args(argv)
     if args.command == "caption":
         return guarded("mmpipe caption", lambda: caption.run(args))

@@ -18,11 +18,13 @@ from mmpipe.errors import InputError
 
 
 class GraphMode(str, enum.Enum):
-    """Which parts of the language model run as CUDA graphs (names as in vLLM and ATOM)."""
+    """Which parts of the model run as CUDA graphs (names as in vLLM), one behaviour each:
+    `none`: no graphs at all; `piecewise`: prefill pieces and the ViT; `full_decode_only`: whole
+    decode steps and the ViT; `full_and_piecewise`: all three. A runner's own
+    `GraphConfig.enabled` (True or False) overrides its mode's choice."""
 
     NONE = "none"
     PIECEWISE = "piecewise"
-    FULL = "full"
     FULL_DECODE_ONLY = "full_decode_only"
     FULL_AND_PIECEWISE = "full_and_piecewise"
 
@@ -74,6 +76,9 @@ def parse_graph_mode(mode: "GraphMode | str | None", device: torch.device) -> Gr
     `none` (there is nothing to capture)."""
     if mode is None:
         return GraphMode.FULL_AND_PIECEWISE if device.type == "cuda" else GraphMode.NONE
+    if isinstance(mode, str) and mode.lower() == "full":
+        raise InputError("graph_mode='full' was removed (it did what 'full_decode_only' does: whole decode steps, "
+                         "prefill without graphs); use 'full_decode_only', or 'full_and_piecewise' for both")
     try:
         parsed = GraphMode(mode.lower() if isinstance(mode, str) else mode)
     except ValueError:
@@ -81,14 +86,18 @@ def parse_graph_mode(mode: "GraphMode | str | None", device: torch.device) -> Gr
     return parsed if device.type == "cuda" else GraphMode.NONE
 
 
-def decode_graphs_on(mode: GraphMode) -> bool:
-    """Whether `mode` captures whole decode steps."""
-    return mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
+_MODE_RUNNERS = {
+    GraphMode.NONE: (),
+    GraphMode.PIECEWISE: ("prefill", "vit"),
+    GraphMode.FULL_DECODE_ONLY: ("decode", "vit"),
+    GraphMode.FULL_AND_PIECEWISE: ("decode", "prefill", "vit"),
+}
 
 
-def prefill_graphs_on(mode: GraphMode) -> bool:
-    """Whether `mode` compiles the prefill forward and captures its pieces (the piecewise runner)."""
-    return mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
+def graphs_wanted(mode: GraphMode, runner: str, config: "GraphConfig") -> bool:
+    """Whether `runner` ("vit", "decode" or "prefill") asks for CUDA graphs: its config's
+    `enabled` when set, else what `mode` says."""
+    return config.enabled if config.enabled is not None else runner in _MODE_RUNNERS[mode]
 
 
 _GRAPH_MEMORY = ("arena", "shared", "per_graph")
@@ -98,7 +107,8 @@ _GRAPH_MEMORY = ("arena", "shared", "per_graph")
 class GraphConfig:
     """CUDA graphs of one runner (ViT, decode or prefill).
 
-    `enabled` None means: on when the device is CUDA and the runner's ops can be captured.
+    `enabled` None follows the graph mode; True or False overrides it. Either way graphs need CUDA
+    and an attention backend that can be captured (else the runner runs eagerly).
     `buckets` are the sizes captured (patch counts, batch sizes, token counts); None takes the
     runner's default schedule. `max_graphs` bounds live graphs (least recently used evicted).
     `memory`: "arena" (VMM: any capture order costs about the largest graph), "shared" (one pool,
@@ -126,8 +136,6 @@ class GraphConfig:
                 raise InputError(f"GraphConfig.buckets={self.buckets!r}: give positive integers")
             object.__setattr__(self, "buckets", buckets)
 
-    def wanted(self, device: torch.device) -> bool:
-        return device.type == "cuda" and self.enabled is not False
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Model registry: a checkpoint's architecture name -> its vision tower, language model and
-preprocessing. Adding a model family (Qwen2-VL, Qwen3-VL) is one entry here plus its model
+"""Model registry: a checkpoint's architecture name -> its vision tower, language model,
+preprocessing and runners. The engine reaches per-family code only through a `ModelSpec`
+(`LoadedModel.spec`): adding a model family (Qwen2-VL, Qwen3-VL) is one entry here plus its model
 code; the pipeline and engine do not change.
 """
 
@@ -12,13 +13,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.errors import CheckpointError, InputError, UnsupportedModelError
 from mmpipe.language.attention import make_lm_attention
+from mmpipe.language.decode_graphs import DecodeGraphRunner
+from mmpipe.language.kv_cache import KVCache
+from mmpipe.language.mrope import mrope_positions
+from mmpipe.language.prefill_graphs import PrefillRunner
+from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.vision.attention import make_vision_attention
-from mmpipe.weights import load_checkpoint, materialize, prepare_for_kernels, read_json
-from mmpipe.vision.preprocess import ImageProcessorConfig
+from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
+from mmpipe.vision.metadata import build_pack_meta
+from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+from mmpipe.weights import load_checkpoint, materialize, prepare_for_kernels, read_json
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,15 @@ class ModelSpec:
     vision_model: Callable[..., nn.Module]  # (config, attention backend)
     text_config: Callable[[dict[str, Any]], Any]
     language_model: Callable[..., nn.Module]  # (config, attention backend)
+    # What the engine runs per family (each a class or function of the family's own modules):
+    preprocess: Callable[..., Any] = preprocess_image  # (PIL image, ImageProcessorConfig) -> ImageInput
+    positions: Callable[..., Any] = mrope_positions  # (ids, grids, image token, merge) -> (positions, delta)
+    pack_meta: Callable[..., Any] = build_pack_meta  # (grids, merge, window, patch) -> the ViT pack's layout
+    vit_runner: Callable[..., Any] = ViTGraphRunner
+    vit_buckets: Callable[..., list[int]] = default_buckets  # (max patches, merge unit) -> graph sizes
+    prefill_runner: Callable[..., Any] = PrefillRunner
+    decode_runner: Callable[..., Any] = DecodeGraphRunner
+    kv_cache: Any = KVCache
     image_token: str = "<|image_pad|>"
     vision_start_token: str = "<|vision_start|>"
 

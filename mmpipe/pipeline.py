@@ -28,8 +28,15 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from mmpipe.config import (EngineConfig, GenerationDefaults, GraphMode, SamplingParams, resolve_device,
-                           resolve_dtype)
+from mmpipe import settings
+from mmpipe.config import (
+    EngineConfig,
+    GenerationDefaults,
+    GraphMode,
+    SamplingParams,
+    resolve_device,
+    resolve_dtype,
+)
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.processor import InputProcessor, Prepared
@@ -49,7 +56,7 @@ PROGRESS_THRESHOLD = 64  # calls with at least this many requests show a progres
 
 def default_model_path() -> str:
     """The bundled model (or $MMPIPE_MODEL when set)."""
-    path = os.environ.get("MMPIPE_MODEL") or DEFAULT_MODEL_DIR
+    path = settings.current().model or DEFAULT_MODEL_DIR
     if not os.path.isdir(path):
         raise CheckpointError(f"the default model is not at {path!r}; pass a checkpoint directory or set "
                               "MMPIPE_MODEL")

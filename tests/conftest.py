@@ -11,12 +11,31 @@ torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
+    """GPU tests carry the `gpu` mark (a module's `pytestmark`, or a test's decorator, in files
+    that mix both); this is the one place that skips them without CUDA."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def switch():
+    """Set `MMPIPE_*` switches for one test: `switch("MMPIPE_PDL", "0")` (read again by
+    `mmpipe.settings` at once, and put back afterwards)."""
+    from mmpipe import settings
+
+    patch = pytest.MonkeyPatch()
+
+    def set_switch(name: str, value: str) -> None:
+        patch.setenv(name, value)
+        settings.refresh()
+
+    yield set_switch
+    patch.undo()
+    settings.refresh()
 
 
 @pytest.fixture(scope="session")

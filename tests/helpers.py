@@ -8,9 +8,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from mmpipe.app.tiny.synthetic import build_tokenizer, qwen2_5_vl_config, random_model, write_checkpoint
 from PIL import Image
-
-from mmpipe.synthetic import build_tokenizer, qwen2_5_vl_config, random_model, write_checkpoint
 
 CORPUS = ["Tell me a story about a fox.", "Describe this image.", "compare the two pictures",
           "héllo wörld ✓ 🙂 日本語", "a small green triangle at the bottom"]
@@ -121,17 +120,22 @@ def max_logprob_diff(ours: list[dict[int, float]], reference: torch.Tensor) -> f
 def first_logits(pipe, conversation: Sequence[dict[str, Any]]) -> torch.Tensor:
     """mmpipe's logits for the token after the prompt (through the engine's own prefill)."""
     from mmpipe import SamplingParams
-    from mmpipe.engine.model_runner import PrefillChunk
-    from mmpipe.language.kv_cache import pages_needed
+    from mmpipe.engine.batch import PrefillChunk
+    from mmpipe.engine.kv_pages import pages_needed
 
     request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "test"),
                                    SamplingParams(max_new_tokens=1), "test")
     request.pages = pipe.runner.pages.allocate(pages_needed(request.prompt_len, pipe.runner.page_size))
     try:
-        pipe.runner.encode_requests([request])
+        request.image_embeds = pipe.runner.encode_images(request.images)
         return pipe.runner.prefill([PrefillChunk(request, 0, request.prompt_len)])[0]
     finally:
         pipe.runner.pages.free(request.pages)
+
+
+def stacked_kv(kv) -> torch.Tensor:
+    """A copy of a whole KV cache as [layers, 2, pages, page_size, kv_heads, head_dim]."""
+    return torch.stack([torch.stack(pair) for pair in kv.layers])
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from mmpipe.runtime.attention import AttentionBackend
 from mmpipe.vision.metadata import Segments
-from mmpipe.vision.window_kernel import MAX_SHORT_SEGMENT, short_segment_attention
+
+from mmpipe.kernels.window_attention import MAX_SHORT_SEGMENT, short_segment_attention
+from mmpipe.layers.attention import AttentionBackend
 
 VisionAttention = AttentionBackend[Segments]
 

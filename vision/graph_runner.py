@@ -10,23 +10,24 @@ the window size in windowed blocks), so they never mix with real rows, and their
 dropped. Segment boundaries live in fixed-length device buffers read by the kernel at replay,
 so any mix of image sizes with the same bucket replays the same graph exactly; a bucket's
 buffers have room for every layout it can hold (at most `max_images` images). Packs above the
-largest bucket, or when capture is impossible, run eagerly. Each replay's merged output is copied
-into fresh tensors at once, before anything else can run in graph memory (the aliasing rule of
-`mmpipe.runtime.graph_cache`).
+largest bucket, or when capture is impossible, run eagerly (in `forward`). The caller copies each
+replay's merged output into fresh tensors at once, before anything else can run in graph memory
+(the aliasing rule of `mmpipe.graphs.cache`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-
-from mmpipe.runtime.graph_cache import GraphCache, GraphStats, bucket_for
-from mmpipe.runtime.graph_memory import GraphMemory, make_graph_memory
 from mmpipe.vision.metadata import Segments, VisionPackMeta
-from mmpipe.runtime.transfer import copy_into, to_device
+
+from mmpipe.graphs.memory import GraphMemory
+from mmpipe.graphs.runner import GraphRunner
+from mmpipe.graphs.transfer import copy_into, to_device
 
 log = logging.getLogger("mmpipe")
 
@@ -44,21 +45,23 @@ def default_buckets(max_patches: int, unit: int = 4) -> list[int]:
     return sorted(set(sizes))
 
 
-class ViTGraphRunner:
-    """Static buffers, `fill` and the captured body of the ViT; capture, replay, eviction and
-    teardown are the shared `GraphCache`'s."""
+class ViTGraphRunner(GraphRunner):
+    """The ViT behind the graph-runner interface: static buffers, `fill`, the captured `body`;
+    `forward` runs a pack in its bucket's graph or, when none serves it, eagerly."""
 
     def __init__(self, vit: Any, device: torch.device, buckets: Sequence[int], max_graphs: int = 32,
-                 memory: str = "arena", max_images: int = 64) -> None:
-        if not getattr(vit.attention, "graph_safe", False):
-            raise ValueError(f"ViT attention {vit.attention.name!r} cannot be captured in a CUDA graph")
+                 memory: str = "arena", max_images: int = 64, wanted: bool = True) -> None:
         cfg = vit.cfg
-        self.vit, self.device = vit, device
+        self.vit = vit
         self.unit = cfg.merge_unit
-        self.buckets = sorted({-(-int(b) // self.unit) * self.unit for b in buckets})
+        super().__init__("ViT", device, {-(-int(b) // self.unit) * self.unit for b in buckets}, wanted,
+                         vit.attention, memory, max_graphs)
+        self.buckets = self.sizes
         self.max_images = max_images
         self.window_merged = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
         self.window_patches = self.window_merged**2 * self.unit
+        if not self.enabled:
+            return
         largest = self.buckets[-1]
         dtype = vit.patch_embed.weight.dtype
         # Static inputs, allocated once at the largest bucket, outside any graph memory.
@@ -69,16 +72,10 @@ class ViTGraphRunner:
         self.cu_window = torch.zeros(self.window_slots(largest) + 1, dtype=torch.int32, device=device)
         self.inverse = torch.arange(largest // self.unit, dtype=torch.int64, device=device)
         self.identity = self.inverse.clone()  # padding rows map to themselves
-        self.memory: GraphMemory = make_graph_memory(memory, device)
-        self.cache = GraphCache("ViT", device, self.memory, max_graphs)
 
     @property
-    def stats(self) -> GraphStats:
-        return self.cache.stats
-
-    @property
-    def graphs(self) -> dict:
-        return self.cache.graphs
+    def memory(self) -> GraphMemory | None:
+        return self.cache.memory if self.cache is not None else None
 
     # ------------------------------------------------------------------ sizes
 
@@ -91,33 +88,28 @@ class ViTGraphRunner:
     def bucket_for(self, patches: int, images: int) -> int | None:
         if images > self.max_images:
             return None
-        return bucket_for(self.buckets, patches)
+        return self.size_for(patches)
+
+    def label(self, key: Any) -> str:
+        return f"{key} patches"
 
     # ------------------------------------------------------------------ running
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor | None:
-        """Merged embeddings [N / unit, out_dim] in image order, or None when the pack must run
-        eagerly (too many patches or images, or capture failed). The result is a view of graph
-        memory: copy it before the next call."""
-        bucket = self.bucket_for(meta.num_patches, len(meta.grids))
-        if bucket is None:
-            self.cache.fallback("ViT pack of %d patches / %d images runs eagerly (largest graph bucket %d, "
-                                "max %d images)", meta.num_patches, len(meta.grids), self.buckets[-1],
-                                self.max_images)
-            return None
-        if not self.fill(pixel_values, meta, bucket):
-            self.cache.fallback("ViT pack of %d images / %d windows does not fit the segment slots of bucket "
-                                "%d; running eagerly", len(meta.grids), len(meta.window_lengths), bucket)
-            return None
-        with torch.cuda.device(self.device):
-            output = self.cache.run(bucket, self.body(bucket), f"{bucket} patches")
-        if output is None:
-            return None
-        held = self.memory.physical_bytes()
-        if self.stats.captures and held is not None:
-            log.debug("ViT graphs hold %.0f MiB", held / 2**20)
-        return output[: meta.num_merged]
+    def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> tuple[torch.Tensor, bool]:
+        """(merged embeddings [N / unit, out_dim] in image order, whether they are a view of graph
+        memory: copy those before the next call). Packs no graph serves run eagerly."""
+        bucket = self.bucket_for(meta.num_patches, len(meta.grids)) if self.enabled else None
+        if self.enabled and bucket is None:
+            self.fallback("ViT pack of %d patches / %d images runs eagerly (largest graph bucket %d, max %d "
+                          "images)", meta.num_patches, len(meta.grids), self.buckets[-1], self.max_images)
+        elif bucket is not None and not self.fill(pixel_values, meta, bucket):
+            self.fallback("ViT pack of %d images / %d windows does not fit the segment slots of bucket %d; "
+                          "running eagerly", len(meta.grids), len(meta.window_lengths), bucket)
+            bucket = None
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            output, graphed = self.run(bucket, lambda: self.vit(pixel_values, meta))
+        return (output[: meta.num_merged] if graphed else output), graphed
 
     def fill(self, pixel_values: torch.Tensor, meta: VisionPackMeta, bucket: int) -> bool:
         """Write the pack into the static buffers; False if its layout does not fit the bucket."""
@@ -140,7 +132,7 @@ class ViTGraphRunner:
         self.inverse[merged: bucket // self.unit].copy_(self.identity[merged: bucket // self.unit])
         return True
 
-    def body(self, bucket: int):
+    def body(self, bucket: Any) -> Callable[[], torch.Tensor]:
         """The captured region for `bucket`: blocks and merger over the static buffers."""
         full = Segments(self.cu_full[: self.full_slots() + 1], bucket, [])
         windows = Segments(self.cu_window[: self.window_slots(bucket) + 1], self.window_patches, [])
@@ -152,9 +144,8 @@ class ViTGraphRunner:
 
         return run
 
-    def close(self) -> None:
-        """Destroy every graph, then the memory behind them."""
-        self.cache.close()
+    def detail(self) -> dict[str, Any]:
+        return {"max_images": self.max_images}
 
 
 def full_segment_slots(max_images: int) -> int:

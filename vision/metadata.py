@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from mmpipe.runtime.transfer import to_device
+
+from mmpipe.graphs.transfer import to_device
 
 Grid = tuple[int, int, int]
 

@@ -9,20 +9,21 @@ arrive as tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
+from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
 from torch import nn
 
 from mmpipe.errors import CheckpointError
-from mmpipe.runtime.fused import add_rms_norm, rotary_qk
-from mmpipe.runtime.layers import GatedMLP, RMSNorm
-from mmpipe.runtime.weight_copy import WeightMap
-from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
-from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
-from mmpipe.vision.rotary import rotary_tables
-from mmpipe.runtime.transfer import to_device
+from mmpipe.graphs.transfer import to_device
+from mmpipe.kernels.fused import add_rms_norm, rotary_qk
+from mmpipe.kernels.vision_rotary import rotary_tables
+from mmpipe.layers.mlp import GatedMLP
+from mmpipe.layers.norm import RMSNorm
+from mmpipe.layers.weight_map import WeightMap
 
 
 @dataclass(frozen=True)

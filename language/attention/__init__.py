@@ -7,20 +7,14 @@ and for extend over a cached prefix, and PyTorch's FlashAttention for plain pref
 from __future__ import annotations
 
 import torch
-
 from mmpipe.language.attention.metadata import AttentionMetadata
 from mmpipe.language.attention.torch_backend import TorchLMAttention
 
+from mmpipe.kernels import triton
 
 
 def cuda_attention_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and triton is not None
 
 
 def make_lm_attention(backend: str, device: torch.device, dtype: torch.dtype, scale: float,

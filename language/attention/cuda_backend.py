@@ -4,7 +4,7 @@ Extend has two implementations:
 - "triton": the Triton kernel, reading the cached prefix through the page table;
 - "varlen": FlashAttention inside PyTorch (`varlen_attn`), straight on the new K/V when no
   sequence has a cached prefix, else on the prefix gathered into contiguous K/V.
-"auto" picks by size, from `app/bench.py kernels` on an H200 (bf16, 16/2 heads x 128): Triton
+"auto" picks by size, from `mmpipe bench kernels` on an H200 (bf16, 16/2 heads x 128): Triton
 was faster up to a few thousand tokens of context (0.18 vs 0.30 ms for 8 x 1024 fresh tokens,
 0.10 vs 0.34 ms for 16 x 128 after 1024), varlen from about 8k on (0.67 vs 0.74 ms for 2048
 after 8192, 6.0 vs 7.9 ms for 8192 after 24576). Float32 always uses Triton (FlashAttention
@@ -16,11 +16,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-
 from mmpipe.language.attention.metadata import AttentionMetadata
-from mmpipe.language.attention.triton_decode import decode_num_splits, paged_decode
-from mmpipe.language.attention.triton_extend import paged_extend
 
+from mmpipe.kernels.decode_attention import decode_num_splits, paged_decode
+from mmpipe.kernels.extend_attention import paged_extend
 
 VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel
 

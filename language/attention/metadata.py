@@ -39,7 +39,3 @@ class AttentionMetadata:
     def __post_init__(self) -> None:
         if not self.seq_len_bound and self.max_seq_len is not None:
             self.seq_len_bound = self.max_seq_len
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])

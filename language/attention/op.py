@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from mmpipe.language.rope_kv import rope_qk_write_kv
-from mmpipe.runtime.context import get_forward_context
+from mmpipe.kernels.rope_kv import rope_qk_write_kv
+from mmpipe.layers.context import get_forward_context
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int,

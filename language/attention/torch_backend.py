@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from mmpipe.language.attention.metadata import AttentionMetadata
 
 

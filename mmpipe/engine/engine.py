@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from mmpipe.config import EngineConfig
+from mmpipe.engine.batch import PendingDecode
 from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
-from mmpipe.engine.scheduler import StepPlan, Scheduler
-from mmpipe.language.decode_graphs import PendingDecode
-from mmpipe.runtime.trace import phase
+from mmpipe.engine.scheduler import Scheduler, StepPlan
+from mmpipe.trace import phase
 
 
 @dataclass
@@ -54,10 +54,6 @@ class Engine:
         self.steps = 0
         self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runner.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
-
-    @property
-    def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
 
     def add(self, request: Request) -> None:
         if request.finished:

@@ -13,14 +13,13 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from mmpipe.language.mrope import mrope_positions
 from mmpipe.config import GenerationDefaults, ResolvedSampling, SamplingParams
+from mmpipe.engine.batch import ImageInput
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
 from mmpipe.engine.request import Request
 from mmpipe.errors import InputError
 from mmpipe.inputs import load_image, parse_conversation
 from mmpipe.models import LoadedModel
-from mmpipe.vision.preprocess import PreprocessedImage, preprocess_image
 
 
 @dataclass
@@ -73,17 +72,17 @@ class InputProcessor:
             raise InputError(f"{where}: the prompt is empty")
         return Prepared(index, where, ids, list(images), sampling, stream)
 
-    def load_image(self, source: Any, where: str) -> PreprocessedImage:
+    def load_image(self, source: Any, where: str) -> ImageInput:
         """Decode and preprocess one image (thread-safe)."""
         try:
-            return preprocess_image(load_image(source), self.model.image_processor)
+            return self.model.spec.preprocess(load_image(source), self.model.image_processor)
         except InputError as exc:
             raise type(exc)(f"{where}: {exc}") from exc
 
     def image_where(self, prepared: Prepared, k: int) -> str:
         return f"{prepared.where}, image {k}"
 
-    def assemble(self, prepared: Prepared, images: Sequence[PreprocessedImage]) -> Request:
+    def assemble(self, prepared: Prepared, images: Sequence[ImageInput]) -> Request:
         images = list(images)
         ids = prepared.token_ids if isinstance(prepared.token_ids, list) else list(prepared.token_ids)
         slots = ids.count(self.image_token_id)
@@ -109,7 +108,7 @@ class InputProcessor:
                              f"is {self.max_model_len}, including generated tokens")
         if len(expanded) + sampling.max_new_tokens > self.max_model_len:
             sampling = _cap_new_tokens(sampling, self.max_model_len - len(expanded))
-        positions, delta = mrope_positions(expanded, [im.grid_thw for im in images], self.image_token_id,
+        positions, delta = self.model.spec.positions(expanded, [im.grid_thw for im in images], self.image_token_id,
                                            self.model.merge_size)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
         return Request(

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
 import numpy as np
 import torch
 
 from mmpipe.config import ResolvedSampling
+from mmpipe.engine.batch import ImageInput
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
-from mmpipe.language.sampler import RowSampling
 from mmpipe.outputs import RequestMetrics, RequestOutput
-from mmpipe.vision.preprocess import PreprocessedImage
 
 
 @dataclass(eq=False)  # identity semantics: queues hold and remove requests by identity
@@ -21,7 +21,7 @@ class Request:
     prompt_ids: list[int]
     positions: np.ndarray  # [3, prompt_len] M-RoPE positions of the prompt
     mrope_delta: int  # generated token i sits at position i + delta
-    images: list[PreprocessedImage]
+    images: list[ImageInput]
     image_starts: list[int]  # prompt index of each image's first token
     sampling: ResolvedSampling
     seed: int
@@ -70,9 +70,6 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def token_at(self, index: int) -> int:
-        return self.prompt_ids[index] if index < self.prompt_len else self.output_ids[index - self.prompt_len]
-
     def tokens(self, start: int, end: int) -> list[int]:
         p = self._prompt_len
         if end <= p:
@@ -95,16 +92,6 @@ class Request:
     def mark_scheduled(self) -> None:
         if self.first_scheduled is None:
             self.first_scheduled = time.monotonic()
-
-    def row_sampling(self) -> RowSampling:
-        """This request's sampling settings as one sampler row, as of its next token."""
-        s = self.sampling
-        ban = tuple(sorted(set(s.stop_token_ids) | set(s.eos_token_ids))) if s.min_new_tokens > 0 else ()
-        return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                           penalty=s.repetition_penalty, seed=self.seed, step=len(self.output_ids), ban_ids=ban,
-                           ban_until=s.min_new_tokens if ban else 0,
-                           seen_ids=self.prompt_ids + self.output_ids if s.repetition_penalty != 1.0 else (),
-                           logprobs=s.logprobs)
 
     def append_token(self, token: int, logprobs: dict[int, float] | None) -> None:
         """Record a generated token and decide whether the request is done."""

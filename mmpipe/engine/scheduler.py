@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mmpipe.language.kv_cache import PageAllocator, pages_needed
 from mmpipe.config import EngineConfig
+from mmpipe.engine.batch import PrefillChunk
 from mmpipe.engine.encoder_cache import EncoderCache
-from mmpipe.engine.model_runner import PrefillChunk
+from mmpipe.engine.kv_pages import PageAllocator, pages_needed
 from mmpipe.engine.request import Request
 
 

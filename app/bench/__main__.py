@@ -1,0 +1,5 @@
+import sys
+
+from mmpipe.app.bench.main import main
+
+sys.exit(main())

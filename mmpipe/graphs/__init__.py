@@ -1,0 +1,15 @@
+"""CUDA-graph machinery, model-agnostic: what every graph runner of mmpipe is built on.
+
+- `runner`: the graph-runner interface the ViT, decode and prefill runners implement (static
+  buffers, the captured body, capture policy, one stats shape, close).
+- `cache`: the graph cache they share (capture with an eager fallback and failure bookkeeping,
+  LRU eviction, teardown in a safe order, statistics).
+- `capture`: capturing safely (the capture stream, garbage collection, cuBLAS workspaces).
+- `memory`, `vmm_arena`: where graph memory comes from (one pool, a pool per graph, or the VMM
+  arena whose captures share physical pages).
+- `piecewise`: the `torch.compile` backend that splits a traced forward at chosen ops and runs
+  each piece as a per-size CUDA graph (compilers `eager`/`inductor`, the compile cache).
+- `transfer`: host-to-device copies into static buffers that never make the host wait.
+
+Imports nothing from the engine or model code.
+"""

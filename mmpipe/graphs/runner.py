@@ -1,0 +1,177 @@
+"""The one interface of mmpipe's CUDA graph runners (the ViT, the decode step, the prefill pieces).
+
+A runner holds static input buffers (allocated once at its largest size, outside graph memory),
+writes each call's inputs into them, and names a key per call (a size, plus whatever else the
+graph bakes in). A subclass supplies:
+
+- `body(key)`: the captured region, a function of no arguments over the static buffers;
+- `capture_guard()` (optional): state the warm-up run inside a capture must see;
+- `lookup(key)` (optional): a live key that serves `key` (default: `key` itself);
+- `capture(key)` (optional): how one key is captured (default: `body(key)` through the cache).
+
+The base class does the rest, the same way for every runner: whether graphs are on is decided
+once (asked, CUDA, and the attention backend capturable), `replay`/`run` capture lazily, run the
+graph, or fall back to the eager path (failed captures are never retried: `GraphCache`),
+`capture_all` captures a start-up schedule largest first with one log line and its memory
+measured, `stats()` returns one shape for every runner, `close()` tears down in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Sequence
+
+import torch
+
+from mmpipe.graphs.cache import GraphCache, GraphStats, bucket_for
+from mmpipe.graphs.capture import capture_session
+from mmpipe.graphs.memory import GraphMemory, device_memory_in_use, make_graph_memory
+
+log = logging.getLogger("mmpipe")
+
+
+def can_capture_on(device: torch.device) -> bool:
+    """CUDA graphs need a CUDA device (tests on the CPU simulate captures by replacing this)."""
+    return device.type == "cuda"
+
+
+def capturable(backend: Any) -> bool:
+    """Whether an attention backend's kernels can be captured in a CUDA graph (the one place this
+    is asked: backends declare `graph_safe`)."""
+    return bool(getattr(backend, "graph_safe", False))
+
+
+@dataclass
+class RunCounts:
+    graph_runs: int = 0  # calls served by a graph
+    eager_runs: int = 0  # calls run without one (graphs off, no size fits, capture failed)
+    startup_seconds: float = 0.0  # `capture_all`: warming up, compiling and capturing
+    startup_memory_bytes: int = 0  # GPU memory the start-up schedule holds (the driver's view)
+
+
+class GraphRunner:
+    """Base class; see the module docstring. `wanted`: the configuration asks for graphs (the
+    runner still runs eagerly off CUDA or with a backend that cannot be captured)."""
+
+    def __init__(self, name: str, device: torch.device, sizes: Iterable[int], wanted: bool, backend: Any,
+                 memory: GraphMemory | str = "shared", max_graphs: int | None = None) -> None:
+        self.name, self.device = name, device
+        self.sizes = sorted(set(sizes))
+        self.counts = RunCounts()
+        on_cuda = can_capture_on(device)
+        self.enabled = wanted and on_cuda and capturable(backend)
+        if wanted and on_cuda and not self.enabled:
+            log.info("%s graphs off: the %s attention backend cannot be captured; running eagerly", name,
+                     getattr(backend, "name", type(backend).__name__))
+        self.cache: GraphCache | None = None
+        if self.enabled:
+            if isinstance(memory, str):
+                memory = make_graph_memory(memory, device)
+            self.cache = GraphCache(name, device, memory, max_graphs)
+
+    # ------------------------------------------------------------------ hooks
+
+    def body(self, key: Hashable) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    def capture_guard(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def lookup(self, key: Hashable) -> Hashable | None:
+        """A live graph's key that serves `key`, or None."""
+        assert self.cache is not None
+        return key if key in self.cache else None
+
+    def label(self, key: Hashable) -> str:
+        return str(key)
+
+    def capture(self, key: Hashable, quiet: bool = False) -> bool:
+        """Capture the graph for `key`; False if that failed (logged once by the cache)."""
+        assert self.cache is not None
+        with self.capture_guard():
+            return self.cache.capture(key, self.body(key), self.label(key), quiet=quiet) is not None
+
+    # ------------------------------------------------------------------ running
+
+    def size_for(self, n: int) -> int | None:
+        """The smallest captured size >= n, or None (graphs off, or n above the largest)."""
+        return bucket_for(self.sizes, n) if self.enabled else None
+
+    def replay(self, key: Hashable) -> Any | None:
+        """Outputs of the graph serving `key` (captured now if there is none), or None when it
+        cannot be captured: the caller then runs eagerly. Outputs alias graph memory."""
+        assert self.cache is not None
+        live = self.lookup(key)
+        if live is None:
+            if not self.capture(key):
+                return None
+            live = key
+        self.counts.graph_runs += 1
+        return self.cache.replay_key(live)
+
+    def run(self, key: Hashable | None, eager: Callable[[], Any]) -> tuple[Any, bool]:
+        """(outputs, True) from the graph for `key`, or (eager(), False) when `key` is None
+        (no size fits) or its graph cannot be captured."""
+        output = self.replay(key) if key is not None and self.cache is not None else None
+        if output is not None:
+            return output, True
+        self.counts.eager_runs += 1
+        return eager(), False
+
+    def fallback(self, message: str, *args: Any) -> None:
+        """Count and log a call that fits no graph (graphs on; the caller runs it eagerly)."""
+        if self.cache is not None:
+            self.cache.fallback(message, *args)
+
+    def capture_all(self, keys: Sequence[Hashable], progress: bool = True, what: str = "sizes") -> None:
+        """Capture `keys` (largest first: smaller ones reuse the largest one's pool blocks), with a
+        progress bar, the time and GPU memory measured, and one log line."""
+        if self.cache is None:
+            return
+        from tqdm import tqdm
+
+        measure = self.device.type == "cuda"
+        before = device_memory_in_use(self.device) if measure else 0
+        start = time.perf_counter()
+        with capture_session():
+            for key in tqdm(keys, desc=f"capturing {self.name} graphs", unit="graph", disable=not progress,
+                            leave=False, dynamic_ncols=True):
+                self.capture(key, quiet=True)
+        self.counts.startup_seconds += time.perf_counter() - start
+        after = device_memory_in_use(self.device) if measure else 0
+        self.counts.startup_memory_bytes += max(0, after - before)
+        failed = [k for k in keys if self.lookup(k) is None]
+        log.info("%s graphs: %d %s (%s)%s captured in %.1f s; GPU memory %.0f -> %.0f MiB (graphs %.0f MiB)",
+                 self.name, len(keys) - len(failed), what, _ranges(keys), self.startup_note(),
+                 self.counts.startup_seconds, before / 2**20, after / 2**20, (after - before) / 2**20)
+        if failed:
+            log.warning("%s graphs: %d of %d could not be captured and run eagerly: %s", self.name, len(failed),
+                        len(keys), [self.label(k) for k in failed])
+
+    def startup_note(self) -> str:
+        return ""
+
+    # ------------------------------------------------------------------ stats, teardown
+
+    def stats(self) -> dict[str, Any]:
+        """One shape for every runner; `detail` holds what only this runner has."""
+        cache = (self.cache.stats if self.cache is not None else GraphStats()).as_dict()
+        return {"enabled": self.enabled, "sizes": list(self.sizes) if self.enabled else [],
+                "graphs": cache.pop("graphs_live"), **cache, **self.counts.__dict__, "detail": self.detail()}
+
+    def detail(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """Destroy every graph (outputs first), then the memory behind them. Idempotent."""
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+
+def _ranges(keys: Sequence[Hashable]) -> str:
+    sizes = sorted(k[0] if isinstance(k, tuple) else k for k in keys)  # type: ignore[type-var]
+    return ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{sizes[0]}..{sizes[-1]}"

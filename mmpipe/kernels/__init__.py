@@ -1,0 +1,34 @@
+"""Every Triton kernel of mmpipe and what launches them, model-agnostic.
+
+- `launch`: launching Triton kernels straight from a cache of compiled kernels (a few
+  microseconds of host time instead of tens); host `cdiv` / `next_power_of_2`.
+- `pdl`: programmatic dependent launch for the short kernels of a decode step (Hopper).
+- `gemv`: products of 1-32 rows (decode's projections) near memory bandwidth, with K-split
+  partial sums.
+- `fused`: residual add + RMSNorm (adding those partial sums up), rotary of a fused qkv, SiLU product.
+- `rope_kv`: the language model's rotary embedding of q and k fused with the paged KV-cache write.
+- `decode_attention`, `extend_attention`, `attention_common`: paged attention of the language model.
+- `window_attention`: attention within short segments (the ViT's windows).
+- `vision_rotary`: the ViT's 2-D rotary tables.
+- `stage_rows`: the prefill forward's fixed input rows in one kernel.
+
+Each public function runs its kernel on CUDA and an exact PyTorch reference elsewhere. This
+module is the one place that imports Triton: CPU builds of PyTorch may come without it, and then
+`triton` and `tl` are None (modules define their kernels only when it is there). Nothing here
+imports the engine or model code.
+"""
+
+from __future__ import annotations
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+
+def require_triton(what: str) -> None:
+    """For modules whose kernels are only ever imported where Triton is (the CUDA backends)."""
+    if triton is None:
+        raise ImportError(f"{what} needs Triton, which this PyTorch build does not have")

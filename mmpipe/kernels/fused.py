@@ -1,0 +1,188 @@
+"""Fused elementwise kernels (Triton) for the small, many, memory-bound ops between matmuls.
+
+In a small ViT forward most kernels are not matmuls: an RMSNorm written in PyTorch is seven
+kernels, a rotary embedding of q and k fourteen. Inside a CUDA graph launches are free but each
+kernel still costs its minimum run time, so the count matters. Each function here is one kernel
+on CUDA and keeps the reference's rounding order exactly (float32 math, rounding to the model
+dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
+
+- `add_rms_norm(x, delta, w, eps)`: residual = x + delta (rounded), out = w * norm(residual);
+  delta may be a product left as K-split partial sums (`gemv.PartialSums`), added up here.
+- `rotary_qk(qkv, cos, sin, heads)`: q and k of a fused qkv rotated (rotate-half form), contiguous.
+- `silu_mul(gate_up)`: silu(gate) * up for a fused [.., 2I] projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmpipe.kernels import pdl, tl, triton
+from mmpipe.kernels.gemv import PartialSums
+from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
+from mmpipe.kernels.pdl import pdl_enter
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+# ---------------------------------------------------------------------------- references
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = qkv.shape[0]
+    q, k, v = qkv.view(n, 3, heads, -1).unbind(1)
+    c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    qf, kf = q.float(), k.float()
+    q = (qf * c + rotate_half(qf) * s).to(v.dtype)
+    k = (kf * c + rotate_half(kf) * s).to(v.dtype)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------- public ops
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)); with delta None, (x, rms_norm(x)). A `PartialSums` delta is
+    summed in index order and rounded to x's dtype first, as `delta.total()` does."""
+    if not _use_triton(x):
+        if isinstance(delta, PartialSums):
+            delta = delta.total()
+        residual = x if delta is None else x + delta
+        return residual, rms_norm_reference(residual, weight, eps)
+    cols = x.shape[-1]
+    x2 = x.reshape(-1, cols)
+    rows = x2.shape[0]
+    normed = torch.empty_like(x2)
+    residual = x2 if delta is None else torch.empty_like(x2)
+    splits, split_stride = 0, 0
+    if isinstance(delta, PartialSums):
+        d2 = delta.sums
+        if (d2.dim() != 3 or d2.shape[1:] != (rows, cols) or d2.stride(2) != 1 or d2.dtype != torch.float32
+                or delta.dtype != x.dtype or d2.device != x.device):
+            raise ValueError(f"add_rms_norm: partial sums {tuple(d2.shape)} {d2.dtype} (rounding to {delta.dtype}) "
+                             f"do not match x {tuple(x2.shape)} {x.dtype}: need float32 [splits, {rows}, {cols}] "
+                             "with unit last stride, rounding to x's dtype")
+        splits, split_stride = d2.shape[0], d2.stride(0)
+        stride_d = d2.stride(1)
+    else:
+        d2 = x2 if delta is None else delta.reshape(-1, cols)
+        stride_d = d2.stride(0)
+    if rows:
+        launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, cols, x2.stride(0), stride_d,
+               split_stride, eps, HAS_DELTA=delta is not None, SPLITS=splits, BLOCK=next_power_of_2(cols),
+               PDL=(on := pdl.enabled(x)), num_warps=4 if cols <= 2048 else 8, launch_pdl=on)
+    return residual.view_as(x), normed.view_as(x)
+
+
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k rotated ([N, heads, D], contiguous) and v (a view) from qkv [N, 3 * heads * D];
+    cos/sin [N, D] float32 in the duplicated-halves layout."""
+    if not _use_triton(qkv):
+        return rotary_qk_reference(qkv, cos, sin, heads)
+    n = qkv.shape[0]
+    dim = qkv.shape[1] // (3 * heads)
+    q = torch.empty(n, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty_like(q)
+    if n:
+        half = dim // 2
+        launch(_rotary_qk_kernel, (n,), qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), sin.stride(0),
+               q.stride(0), HEADS=heads, DIM=dim, HALF=half, H_PAD=next_power_of_2(heads),
+               HALF_PAD=next_power_of_2(half), num_warps=4)
+    v = qkv.view(n, 3, heads, dim)[:, 2]
+    return q, k, v
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up with gate, up the two halves of the last dimension (each rounded as PyTorch does)."""
+    if not _use_triton(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    cols = gate_up.shape[-1] // 2
+    g2 = gate_up.reshape(-1, 2 * cols)
+    rows = g2.shape[0]
+    out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, next_power_of_2(cols))
+    if rows:
+        launch(_silu_mul_kernel, (rows, cdiv(cols, block)), g2, out, cols, g2.stride(0), out.stride(0),
+               BLOCK=block, PDL=(on := pdl.enabled(gate_up)), num_warps=4, launch_pdl=on)
+    return out.view(*gate_up.shape[:-1], cols)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, cols, stride_x, stride_d, stride_split, eps,
+                             HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_DELTA:
+            if SPLITS > 0:  # float32 partial sums of a K-split product: add in order, round once
+                acc = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+                for split in tl.static_range(1, SPLITS):
+                    acc += tl.load(d_ptr + split * stride_split + row * stride_d + offs, mask=mask, other=0.0)
+                d = acc.to(x.dtype)
+            else:
+                d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # the residual, rounded as stored
+            tl.store(res_ptr + row * stride_x + offs, x, mask=mask)
+        h = x.to(tl.float32)
+        var = tl.sum(h * h, axis=0) / cols
+        normed = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        tl.store(out_ptr + row * stride_x + offs, out, mask=mask)
+
+    @triton.jit
+    def _rotary_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_t, stride_c, stride_s, stride_o,
+                          HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr,
+                          HALF_PAD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, H_PAD)[:, None]
+        j = tl.arange(0, HALF_PAD)[None, :]
+        mask = (h < HEADS) & (j < HALF)
+        c1 = tl.load(cos_ptr + t * stride_c + j, mask=j < HALF, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_c + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_s + j, mask=j < HALF, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * stride_s + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        for part in tl.static_range(2):  # 0: q, 1: k
+            base = qkv_ptr + t * stride_t + part * HEADS * DIM + h * DIM
+            x1 = tl.load(base + j, mask=mask, other=0.0)
+            x2 = tl.load(base + HALF + j, mask=mask, other=0.0)
+            a, b = x1.to(tl.float32), x2.to(tl.float32)
+            o1 = (a * c1 + (-b) * s1).to(x1.dtype)
+            o2 = (b * c2 + a * s2).to(x1.dtype)
+            dst = (q_ptr if part == 0 else k_ptr) + t * stride_o + h * DIM
+            tl.store(dst + j, o1, mask=mask)
+            tl.store(dst + HALF + j, o2, mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, out_ptr, cols, stride_g, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < cols
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
+        u = tl.load(g_ptr + row * stride_g + cols + offs, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu, rounded like F.silu's output
+        out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        tl.store(out_ptr + row * stride_o + offs, out, mask=mask)

@@ -1,0 +1,297 @@
+"""Matmuls for a few rows: the decode step's projections, read at close to memory bandwidth.
+
+A decode step multiplies 1-32 rows by every weight matrix once, so its time is the time to read
+the weights. cuBLAS tiles such skinny products for large matrices: on an H100 (3B shape, bf16,
+weights cycled so they come from memory, back to back in a CUDA graph) it reads the o and qkv
+projections at 1.3-1.6 TB/s and the down projection at 2.1-2.2 TB/s, against 3.0 TB/s for a copy.
+Two Triton kernels do better (`mmpipe bench kernels`, docs/bench/kernels_h100.json: µs at
+1 / 8 / 32 rows, cuBLAS in brackets):
+
+- one row (`_row_kernel`): each program reduces a few weight rows over K with CUDA cores
+  (qkv 5.56 [6.88], o 4.79 [6.29], gate_up 31.2 [35.2], down 16.9 [20.3], LM head 199 [217]);
+- 2-32 rows (`_swap_kernel`): a tensor-core product with the weight as the MMA's wide operand
+  and the few rows as its narrow one ("swap AB"), so no MMA lane computes padding
+  (o 5.1 / 5.2 [6.3 / 6.4], gate_up 33.2 / 34.2 [35.8 / 35.4], down 17.9 / 18.4 [20.7 / 21.5]).
+  Unsplit, a narrow product gives it too few programs: qkv (40 tiles) took 8.2 us at 8 rows
+  against cuBLAS's 6.9, so `linear` leaves such products to cuBLAS.
+
+Matrices with few output columns (o, down: 2048 on the 3B shape) give too few programs to keep
+every SM reading, so their K is split: `linear_split` returns the `PartialSums` (float32, one
+slice per split), and the consumer adds them in a fixed order -- `add_rms_norm` does, so the
+split costs no extra launch and the result is deterministic. A product is rounded to the input
+dtype exactly once, like cuBLAS (bias added in float32 first); only the summation order differs.
+`gated_linear_split` forms the MLP's silu(gate) * up while it reads the down projection, so the
+SiLU product is not a kernel of its own; the model uses it for one row only (with several, the
+computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per step at batch 32).
+
+The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
+row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.
+`MMPIPE_GEMV=0` turns them off. Within the kernels a row's result does not depend on the other
+rows (tested for padded buckets), but the path depends on the row count: one row or several,
+and `MAX_ROWS`. A decode batch padded to its bucket therefore computes its real rows as the
+eager step of the same bucket does (what the graph tests compare), yet not always as an eager
+step of the unpadded count: 1 row padded to 2, 32 or fewer padded above `MAX_ROWS`, and qkv at
+several rows (cuBLAS, whose kernel choice depends on the row count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from mmpipe import settings
+from mmpipe.kernels import pdl, tl, triton
+from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
+from mmpipe.kernels.pdl import pdl_enter
+
+__all__ = ["MAX_ROWS", "PartialSums", "gated_linear_split", "kernel_linear", "linear", "linear_split", "usable"]
+
+MAX_ROWS = 32
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MIN_PROGRAMS = 256  # ~2 per SM on an H100: below this, K is split (linear_split only)
+_SWAP_BLOCK_N = 64  # weight rows per program of the several-row kernel (the MMA's M side)
+
+
+class PartialSums(NamedTuple):
+    """A product left as `sums.shape[0]` float32 partial sums over slices of K; its value is their
+    sum in index order, rounded to `dtype` (`total()`)."""
+
+    sums: torch.Tensor  # [splits, rows, out_features] float32
+    dtype: torch.dtype
+
+    def total(self) -> torch.Tensor:
+        acc = self.sums[0]
+        for part in self.sums[1:]:  # the order the kernels' consumers add them in
+            acc = acc + part
+        return acc.to(self.dtype)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def allowed(on: bool) -> Iterator[None]:
+    """Within this block (this thread), `usable` is False unless `on`. The language model turns the
+    kernels off for its prefill forwards: a short eager prefill must compute what the piecewise
+    prefill (compiled, cuBLAS) computes, bit for bit, since eager is every graph mode's oracle."""
+    previous = getattr(_local, "on", True)
+    _local.on = on
+    try:
+        yield
+    finally:
+        _local.on = previous
+
+
+def enabled() -> bool:
+    return triton is not None and settings.current().gemv and getattr(_local, "on", True)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `x @ weight.T` runs on the few-row kernels (see the module docstring); `gated`: x is
+    a fused [gate, up] projection of twice the weight's width (`gated_linear_split`)."""
+    if torch.compiler.is_compiling():  # traced code keeps F.linear (no guard on the row count)
+        return False
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
+            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.device == x.device and weight.shape[0] > 0
+            and x.shape[1] == weight.shape[1] * (2 if gated else 1) and x.shape[1] > 0 and enabled())
+
+
+def _bias_ok(bias: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    return bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()
+                            and bias.dtype == weight.dtype and bias.device == weight.device)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), converted to `out_dtype` if given (after rounding to x's dtype,
+    as `F.linear(...).to(out_dtype)` would)."""
+    if (not usable(x, weight) or not _bias_ok(bias, weight)
+            or (x.shape[0] > 1 and cdiv(weight.shape[0], _SWAP_BLOCK_N) < _MIN_PROGRAMS // 2)):
+        # Several rows, few output tiles and no split to spread them (qkv, 40 tiles): cuBLAS is
+        # faster there (H100: 6.9 vs 8.2 us at 8 rows).
+        out = F.linear(x, weight, bias)
+        return out if out_dtype is None else out.to(out_dtype)
+    return kernel_linear(x, weight, bias, out_dtype)
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`linear` on the few-row kernels whatever the shape; requires `usable(x, weight)`."""
+    if not usable(x, weight) or not _bias_ok(bias, weight):
+        raise ValueError("kernel_linear: inputs the few-row kernels do not take (see gemv.usable; the bias "
+                         "must be contiguous, of the weight's rows, dtype and device)")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    _run(x, weight, bias, out, splits=1)
+    return out
+
+
+def linear_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor | PartialSums:
+    """F.linear(x, weight, bias), or its `PartialSums` where splitting K keeps more SMs reading."""
+    if not usable(x, weight) or bias is not None:
+        return linear(x, weight, bias)
+    return _split_product(x, weight, gated=False)
+
+
+def gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | PartialSums:
+    """F.linear(silu(gate) * up, weight) for gate_up = [gate, up] (halves of the last dimension),
+    the SiLU product formed as the weight is read, rounded as `fused.silu_mul` rounds it (so the
+    same bits as the two kernels). Requires `usable(gate_up, weight, gated=True)`."""
+    if not usable(gate_up, weight, gated=True):
+        raise ValueError("gated_linear_split: inputs the few-row kernels do not take (see gemv.usable)")
+    return _split_product(gate_up, weight, gated=True)
+
+
+def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor | PartialSums:
+    rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    splits = _splits(rows, n, k)
+    splits = cdiv(k, _k_split(rows, k, splits))  # no empty slice where rounding K up to blocks ends early
+    if splits == 1:
+        if not gated:
+            return linear(x, weight)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        _run(x, weight, None, out, 1, gated)
+        return out
+    sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    _run(x, weight, None, sums, splits, gated)
+    return PartialSums(sums, x.dtype)
+
+
+# ---------------------------------------------------------------------------- launch
+
+
+def _splits(rows: int, n: int, k: int) -> int:
+    """K slices for `linear_split` (H100 sweep): one row, a slice per ~2048 of K (down: 4 slices,
+    17.2 vs 19.4 us); several rows, enough slices for ~2 programs per SM, at most 4."""
+    if rows == 1:
+        return min(8, 1 << max(0, (k // 2048).bit_length() - 1))
+    splits = 1
+    while cdiv(n, _SWAP_BLOCK_N) * splits < _MIN_PROGRAMS and splits < 4 and k // (2 * splits) >= 512:
+        splits *= 2
+    return splits
+
+
+def _config(rows: int, k: int, splits: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of the one-row kernel, BLOCK_K of the other (H100 sweep)."""
+    if rows == 1:
+        block_n, block_k, warps = (4, 1024, 8) if splits == 1 else (8, 512, 4)
+        return block_n, min(block_k, max(16, next_power_of_2(k))), warps
+    return _SWAP_BLOCK_N, min(128, max(16, next_power_of_2(k))), 4
+
+
+def _k_split(rows: int, k: int, splits: int) -> int:
+    block_k = _config(rows, k, splits)[1]
+    return cdiv(cdiv(k, splits), block_k) * block_k
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int,
+         gated: bool = False) -> None:
+    """Fill `out`: [rows, N] rounded (splits == 1) or [splits, rows, N] float32 partial sums."""
+    rows = x.shape[0]
+    n, k = weight.shape
+    has_bias = bias is not None
+    on = pdl.enabled(x)
+    b = bias if has_bias else weight  # any pointer; never read
+    if rows == 1:
+        # Tuned on an H100 (docs/bench/gemv_sweep*_h100_afb45a2.json): 4 rows x 1024 per program unsplit;
+        # 8 x 512 when split (more, shorter programs).
+        block_n, block_k, warps = _config(rows, k, splits)
+        k_split = _k_split(rows, k, splits)
+        launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, out, n, k, k_split, weight.stride(0),
+               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=on,
+               num_warps=warps, launch_pdl=on)
+        return
+    # Stages: 3 for unsplit products (gate_up, 8 / 32 rows: 32.6 / 33.4 us against 32.8 / 34.5 with
+    # 4, H100, docs/bench/swap_sweep_h100_7ba3d3d.txt; the same order in
+    # docs/bench/gemv_sweep2_h100_afb45a2.json), 4 split.
+    block_m = max(8, next_power_of_2(rows))
+    block_k = _config(rows, k, splits)[1]
+    k_split = _k_split(rows, k, splits)
+    launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, out, rows, n, k, k_split, x.stride(0),
+           weight.stride(0), HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, IEEE=x.dtype == torch.float32,
+           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, num_warps=4,
+           num_stages=3 if splits == 1 else 4, launch_pdl=on)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _input(ptrs, K, mask, GATED: tl.constexpr):
+        """The product's input at `ptrs`; GATED: silu(gate) * up with up K columns further on,
+        rounded as `fused.silu_mul` rounds (silu's output, then the product)."""
+        if GATED:
+            g = tl.load(ptrs, mask=mask, other=0.0)
+            u = tl.load(ptrs + K, mask=mask, other=0.0)
+            gf = g.to(tl.float32)
+            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+            return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _row_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, K_SPLIT, stride_w, HAS_BIAS: tl.constexpr,
+                    PARTIAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+        pdl_enter(PDL)
+        split = tl.program_id(1)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_mask = rn < N
+        k0 = split * K_SPLIT
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + k0 + rk[None, :]
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+            k_mask = (k + rk) < K
+            x = _input(x_ptr + k + rk, K, k_mask, GATED)
+            # weights are read once per step: keep them from evicting what is reused
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            w_ptrs += BLOCK_K
+        if PARTIAL:
+            tl.store(out_ptr + split * N + rn, acc, mask=n_mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rn, out, mask=n_mask)
+
+    @triton.jit
+    def _swap_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                     PARTIAL: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        split = tl.program_id(1)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        n_mask = rn < N
+        m_mask = rm < M
+        k0 = split * K_SPLIT
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + k0 + rk[None, :]
+        x_ptrs = x_ptr + rm[:, None] * stride_x + k0 + rk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T: weight rows x input rows
+        for k in range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+            k_mask = (k + rk) < K
+            x = _input(x_ptrs, K, m_mask[:, None] & k_mask[None, :], GATED)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if IEEE:  # float32 weights: no TF32 rounding
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        mask = n_mask[:, None] & m_mask[None, :]
+        offs = rm[None, :] * N + rn[:, None]
+        if PARTIAL:
+            tl.store(out_ptr + split * M * N + offs, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs, out, mask=mask)

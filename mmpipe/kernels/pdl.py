@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (PDL) for the short kernels of a decode step (Hopper and later).
+
+Inside a CUDA graph a kernel still starts only after the one before it has finished: its first
+programs load, its last ones drain, and between two kernels the GPU is partly idle. A decode
+step on the 3B shape chains about 250 such kernels. A kernel launched with `launch_pdl=True`
+may be scheduled while its predecessor's last programs still run. It begins with `pdl_enter`:
+`gdc_wait()` blocks until the predecessor has completed and its writes are visible (so nothing
+the kernel reads or writes can race it), then `gdc_launch_dependents()` lets the next kernel be
+scheduled in turn. The overlap is only in scheduling and ramp-up; the data order is unchanged,
+so results are bit-identical with PDL on or off.
+
+`enabled(tensor)`: PDL for launches on that tensor's device (compute capability >= 9.0, Triton
+with the griddepcontrol intrinsics, `MMPIPE_PDL` not "0"). Kernels take a `PDL: tl.constexpr`
+and call `pdl_enter(PDL)` first; launch sites pass `PDL=on, launch_pdl=on`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mmpipe import settings
+from mmpipe.kernels import tl, triton
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_GDC = True
+except ImportError:  # older Triton: never enabled, and the constexpr branch below is never compiled
+    HAVE_GDC = False
+
+__all__ = ["enabled", "pdl_enter"]
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    if not (t.is_cuda and HAVE_GDC and settings.current().pdl):
+        return False
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """First statement of a PDL-aware kernel: wait for the predecessor, release the successor."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+else:  # pragma: no cover - without Triton no kernel is compiled
+    pdl_enter = None

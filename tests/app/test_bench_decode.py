@@ -1,0 +1,176 @@
+"""`mmpipe bench decode` on the CPU: argument parsing, the bandwidth floor, the differencing, the
+report and plot, and the measurement loops end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+import torch
+from mmpipe.app.bench import decode as bd
+from mmpipe.app.bench import main as bench
+from mmpipe.app.tiny.synthetic import qwen2_5_vl_config
+
+from tests.helpers import make_tokenizer
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bd.add_arguments(parser)
+    parser.add_argument("--json", default=None)  # as bench.main adds it
+    return parser.parse_args(argv)
+
+
+def test_arguments_and_registration(capsys):
+    args = parse([])
+    assert (args.shape, args.batches, args.prompt_tokens, args.new_tokens, args.systems) == \
+        ("3b", [1, 8, 32, 128], 256, [32, 160], list(bd.SYSTEMS))
+    args = parse(["--shape", "7b", "--batches", "2, 4", "--systems", "mmpipe-graphs,hf",
+                  "--new-tokens", "8,24"])
+    assert args.batches == [2, 4] and args.systems == ["hf", "mmpipe-graphs"] and args.new_tokens == [8, 24]
+    for bad in (["--systems", "vllm"], ["--batches", "0"], ["--new-tokens", "a,b"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    with pytest.raises(SystemExit):
+        bd.check_args(parse(["--new-tokens", "16,8"]))
+    with pytest.raises(SystemExit) as exit_info:  # the subcommand is registered in bench.py
+        bench.main(["decode", "-h"])
+    assert exit_info.value.code == 0 and "--shape" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_lm_weight_params_match_the_model(tie):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = qwen2_5_vl_config(make_tokenizer(), tie_word_embeddings=tie)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    lm = model.model.language_model
+    expected = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+    expected += model.lm_head.weight.numel()  # tied: the embedding, read once as the head
+    assert bd.lm_weight_params(bd.text_config_of(config.to_dict())) == expected
+
+
+def test_published_shapes():
+    text_3b = bd.text_config_of({"text_config": bd.QWEN25_VL_3B_TEXT})
+    assert bd.lm_weight_params(text_3b) == pytest.approx(3.086e9, rel=1e-3)
+    assert bd.lm_weight_params(bd.QWEN25_VL_7B_TEXT) == pytest.approx(7.071e9, rel=1e-3)
+    assert bd.SHAPES["7b"][0]["out_hidden_size"] == 3584 and bd.SHAPES["7b"][2] is False
+
+
+def test_floor_arithmetic():
+    text = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=10)
+    # per layer: q 8*8+8, k,v 2*(8*4+4), o 8*8, mlp 3*8*16, norms 2*8 -> 608; + final norm 8 + head 80
+    assert bd.lm_weight_params(text) == 2 * 608 + 8 + 80
+    context = bd.mean_context(100, 32, 160)
+    assert context == 196
+    assert bd.kv_bytes_per_step(text, batch=3, context=context) == 3 * 196 * 2 * 2 * 1 * 4 * 2
+    weights, kv = (2 * 608 + 8 + 80) * 2, 3 * 196 * 2 * 2 * 1 * 4 * 2
+    assert bd.floor_ms(text, 3, context, copy_gbs=1.0) == pytest.approx((weights + kv) / 1e9 * 1e3)
+    assert bd.kv_pages_needed(128, 256, 160, 16) >= 128 * 27 + 1
+
+
+def test_differencing():
+    # t(N) = 0.5 s setup + N * 10 ms, with noise in the repeats: the median cancels the setup.
+    t1 = [0.5 + 32 * 0.010, 0.9, 0.5 + 32 * 0.010]
+    t2 = [0.5 + 160 * 0.010, 0.5 + 160 * 0.010, 0.1]
+    assert bd.ms_per_step(t1, t2, 32, 160) == pytest.approx(10.0)
+    assert bd.tokens_per_s(8, 10.0) == pytest.approx(800.0)
+    assert bd.tokens_per_s(8, -1.0) is None
+    with pytest.raises(ValueError):
+        bd.ms_per_step([1.0], [2.0], 5, 5)
+    assert bd.repeats_for("hf", 128, 3) == 1 and bd.repeats_for("hf", 32, 3) == 2
+    assert bd.repeats_for("hf", 1, 1) == 1 and bd.repeats_for("hf-static", 128, 3) == 3
+    assert bd.repeats_for("mmpipe-graphs", 128, 3) == 3
+
+
+def test_stats_delta_and_summary():
+    before = {"decode": {"replays": 10, "eager_runs": 2, "graphs": 13, "capture_seconds": 4.0},
+              "runner": {"decode_steps": 100, "decode_host_seconds": 1.0}, "name": "x"}
+    after = {"decode": {"replays": 110, "eager_runs": 2, "graphs": 13, "capture_seconds": 4.0,
+                        "memory_bytes": 3 * 2**20},
+             "runner": {"decode_steps": 300, "decode_host_seconds": 1.01}, "name": "x"}
+    delta = bd.numeric_delta(before, after)
+    assert delta["decode"]["replays"] == 100 and delta["runner"]["decode_steps"] == 200
+    assert delta["name"] == "x"
+    summary = bd.graph_summary(after, delta)
+    assert summary["host_us_per_step"] == pytest.approx(50.0)
+    assert (summary["replays"], summary["eager_steps"], summary["graphs"], summary["capture_s"],
+            summary["memory_MiB"]) == (100, 0, 13, 4.0, 3.0)
+    empty = bd.graph_summary({}, {})
+    assert all(v is None for v in empty.values())
+    assert bd.sum_known([1, None, 2]) == 3 and bd.sum_known([None]) is None
+
+
+def fake_result() -> dict:
+    rows = []
+    for system, ms in (("hf", 30.0), ("hf-static", 6.0), ("mmpipe-eager", 12.0), ("mmpipe-graphs", 3.0)):
+        for batch in (1, 8):
+            row = {"system": system, "label": bd.LABELS[system], "batch": batch, "ms_per_step": ms,
+                   "floor_ms": 2.0, "host_us_per_step": 40.0 if system == "mmpipe-graphs" else None}
+            row["tokens_per_s"] = bd.tokens_per_s(batch, ms)
+            row["pct_of_floor"] = 100 * 2.0 / ms
+            rows.append(row)
+    rows[3] = {"system": "hf-static", "label": "x", "batch": 8, "floor_ms": 2.0,
+               "error": "RuntimeError: compile\nfailed"}
+    return {"device": "NVIDIA H100", "torch": "2.11", "transformers": "5.17", "copy_GBps": 3000.0,
+            "shape": "3b", "dtype": "bfloat16", "prompt_tokens": 256, "new_tokens": [32, 160],
+            "mean_context": 352.0, "lm_weight_bytes": 6.17e9, "rows": rows,
+            "mmpipe": {"mmpipe-graphs": {"graph_mode_reported": "full_and_piecewise", "startup_s": 20.0,
+                                         "first_call_s": 1.5, "capture_s": 3.2, "memory_MiB": 120.0, "largest_alone_MiB": 110.0,
+                                         "graphs": 13, "replays": 500, "eager_steps": 0},
+                       "mmpipe-eager": {"startup_s": 9.0}}}
+
+
+def test_report():
+    text = bd.report(fake_result())
+    assert "NVIDIA H100" in text and "3000 GB/s" in text and "transformers 5.17" in text
+    graphs_b1 = next(line for line in text.splitlines() if line.startswith("| mmpipe graphs | 1 |"))
+    cells = [c.strip() for c in graphs_b1.strip("|").split("|")]
+    assert cells[2:9] == ["3", "333", "2", "67%", "40", "10.00x", "2.00x"]
+    assert "error: RuntimeError: compile failed" in text
+    assert "| transformers (dynamic cache) | 8 | 30 | 267 | 2 | 7% | n/a | 1.00x | n/a |" in text
+    assert "| mmpipe graphs | full_and_piecewise | 20.0 | 1.5 | 3.20 | 120 | 110 | 13 | 500 | 0 |" in text
+    assert "| mmpipe eager | n/a | 9.0 | n/a |" in text
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "decode.png"
+    assert bd.plot(fake_result(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert not bd.plot(fake_result(), str(tmp_path / "x.png"))
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_end_to_end_on_cpu(checkpoint, tmp_path, capsys):
+    """Every system's measurement loop on the tiny checkpoint (transformers' compile path traced
+    by dynamo with the eager backend; mmpipe with graph_mode="none", what the CPU runs)."""
+    args = parse(["--device", "cpu", "--dtype", "float32", "--checkpoint", checkpoint, "--batches", "1,3",
+                  "--prompt-tokens", "12", "--new-tokens", "2,5", "--repeats", "1",
+                  "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "partial.json")])
+    try:
+        result = bd.run_decode(args)
+    finally:
+        torch._dynamo.reset()
+    json.dumps(result)  # bench.main writes it with plain json.dump
+    partial = json.loads((tmp_path / "partial.json").read_text())  # written after each system
+    assert partial["partial"] and len(partial["rows"]) == len(result["rows"])
+    rows = {(r["system"], r["batch"]): r for r in result["rows"]}
+    assert set(rows) == {(s, b) for s in bd.SYSTEMS for b in (1, 3)}
+    for key, row in rows.items():
+        assert not row.get("error"), (key, row.get("error"))
+        assert len(row["t1_s"]) == 1 and len(row["t2_s"]) == 1 and row["floor_ms"] > 0
+        assert "fullgraph=False" not in (row.get("note") or "")  # the compiled decode step traces whole
+    assert set(result["mmpipe"]) == {"mmpipe-eager", "mmpipe-graphs"}
+    assert result["mmpipe"]["mmpipe-graphs"]["startup_s"] > 0
+    assert result["lm_weight_bytes"] == 4 * bd.lm_weight_params(bd.text_config_of(bd.read_config(checkpoint)))
+    out = capsys.readouterr().out
+    assert "### Decode speed" in out and "mmpipe graphs" in out

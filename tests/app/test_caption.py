@@ -1,0 +1,569 @@
+"""`mmpipe caption` with the bundled model: output formats, existing-caption policies, prompts,
+canonical inputs, errors, exact resume after SIGKILL, and two processes."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from mmpipe.app.caption import main
+from mmpipe.app.caption_io import PromptResolver, collect_images
+from mmpipe.app.tiny.scenes import make_scene
+from PIL import Image
+
+from tests.demo_helpers import EXPECTED, SAMPLE_DIR, wait_for
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CPU = ["--device", "cpu", "--quiet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_model_load_per_module():
+    """The in-process runs of this module share their Pipeline: the first run with a given set of
+    load arguments loads it, later runs with the same arguments get it back (its `close` waits
+    for the end of the module). The engine's results do not depend on what ran before it
+    (test_engine), so each run still sees what a fresh load gives; only the load time goes. A
+    load that fails (a bad --model, --device, --dtype) fails every time, as before."""
+    from mmpipe import Pipeline
+
+    loaded: dict[str, Any] = {}
+    load = Pipeline.from_pretrained
+
+    def from_pretrained(*args: Any, **kwargs: Any) -> Any:
+        key = repr((args, sorted(kwargs.items())))
+        if key not in loaded:
+            pipe = load(*args, **kwargs)
+            pipe.close = lambda: None  # `mmpipe caption` closes its pipeline after every run
+            loaded[key] = pipe
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Pipeline, "from_pretrained", from_pretrained)
+        yield
+    for pipe in loaded.values():
+        del pipe.close
+        pipe.close()
+
+
+@pytest.fixture()
+def dataset(tmp_path):
+    """The six sample scenes in a tree with a subfolder, spaces and non-ASCII names."""
+    root = tmp_path / "data set"
+    (root / "sub dir" / "ünï").mkdir(parents=True)
+    names = sorted(EXPECTED)
+    layout = {names[0]: "a.png", names[1]: "b c.png", names[2]: "sub dir/d.png", names[3]: "sub dir/ünï/é f.png",
+              names[4]: "sub dir/ünï/g.png", names[5]: "h.png"}
+    for src, dst in layout.items():
+        shutil.copy(os.path.join(SAMPLE_DIR, src), root / dst)
+    expected = {str(root / dst): EXPECTED[src] for src, dst in layout.items()}
+    return root, expected
+
+
+def sidecar(path: str) -> str:
+    return os.path.splitext(path)[0] + ".txt"
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+# ---------------------------------------------------------------------- formats
+
+
+def test_txt_sidecars_beside_the_images_and_mirrored_under_an_output_dir(dataset, tmp_path):
+    root, expected = dataset
+    assert main([str(root), "--format", "txt", *CPU]) == 0
+    for image, caption in expected.items():
+        assert open(sidecar(image), encoding="utf-8").read() == caption
+    out = tmp_path / "captions"
+    assert main([str(root), "--format", "txt", "--output-dir", str(out), "--prefix", "sks, ", "--suffix", ".",
+                 *CPU]) == 0
+    for image, caption in expected.items():
+        mirrored = out / os.path.relpath(sidecar(image), root)
+        assert mirrored.read_text(encoding="utf-8") == f"sks, {caption}."
+    assert not list(out.rglob("*.mmpipe-tmp")) and not list(root.rglob(".*"))
+
+
+def test_jsonl_metadata_and_csv(dataset, tmp_path):
+    root, expected = dataset
+    out = tmp_path / "c.jsonl"
+    assert main([str(root), "--output", str(out), *CPU]) == 0  # jsonl is implied by --output
+    assert {r["image"]: r["caption"] for r in read_jsonl(out)} == expected
+    assert main([str(root), "--format", "metadata", *CPU]) == 0
+    records = read_jsonl(root / "metadata.jsonl")
+    assert {str(root / r["file_name"]): r["text"] for r in records} == expected
+    assert all(not r["file_name"].startswith(("/", "..")) for r in records)
+    table = tmp_path / "c.csv"
+    assert main([str(root), "--format", "csv", "--output", str(table), *CPU]) == 0
+    rows = list(csv.reader(open(table, encoding="utf-8")))
+    assert rows[0] == ["image", "caption"] and dict(rows[1:]) == expected
+
+
+def test_existing_captions_skip_overwrite_append(dataset, tmp_path):
+    root, expected = dataset
+    first = next(iter(expected))
+    open(sidecar(first), "w").write("hand written")
+    assert main([str(root), "--format", "txt", *CPU]) == 0
+    assert open(sidecar(first)).read() == "hand written"  # skipped
+    assert main([str(root), "--format", "txt", "--append", "--separator", " | ", *CPU]) == 0
+    assert open(sidecar(first)).read() == f"hand written | {expected[first]}"
+    assert main([str(root), "--format", "txt", "--overwrite", *CPU]) == 0
+    assert all(open(sidecar(i)).read() == c for i, c in expected.items())
+    assert not list(root.rglob(".mmpipe-caption-*"))  # the journal goes when a run completes
+
+    out = tmp_path / "c.jsonl"
+    out.write_text(json.dumps({"image": first, "caption": "old"}) + "\n")
+    assert main([str(root), "--output", str(out), *CPU]) == 0
+    records = read_jsonl(out)
+    assert len(records) == 6 and records[0] == {"image": first, "caption": "old"}
+    assert main([str(root), "--output", str(out), "--append", "--separator", "; ", *CPU]) == 0
+    captions = {r["image"]: r["caption"] for r in read_jsonl(out)}
+    assert len(read_jsonl(out)) == 6 and captions[first] == f"old; {expected[first]}"
+    assert main([str(root), "--output", str(out), "--overwrite", *CPU]) == 0
+    assert {r["image"]: r["caption"] for r in read_jsonl(out)} == expected and len(read_jsonl(out)) == 6
+
+
+def test_prompt_file_and_per_directory_prompts(dataset, tmp_path, monkeypatch):
+    root, expected = dataset
+    (root / "sub dir" / "prompt.txt").write_text("What shapes are here?\n")
+    items, _ = collect_images([str(root)])
+    resolve = PromptResolver("global prompt", per_directory=True)
+    prompts = {os.path.relpath(i.path, root): resolve(i) for i in items}
+    assert prompts["a.png"] == "global prompt"
+    assert prompts[os.path.join("sub dir", "d.png")] == "What shapes are here?"
+    assert prompts[os.path.join("sub dir", "ünï", "g.png")] == "What shapes are here?"  # nearest parent
+    assert PromptResolver("global prompt", per_directory=False)(items[-1]) == "global prompt"
+
+    seen: dict[str, str] = {}
+    from mmpipe import Pipeline
+
+    original = Pipeline.chat_stream
+
+    def spy(self, conversations, *args, **kwargs):
+        def record():
+            for conv in conversations:
+                content = conv[0]["content"]
+                seen[content[0]["image"]] = content[1]["text"]
+                yield conv
+        return original(self, record(), *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "chat_stream", spy)
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("Describe this image.\n")
+    assert main([str(root), "--prompt-file", str(prompt_file), "--dir-prompts", "--format", "txt", *CPU]) == 0
+    assert seen[str(root / "a.png")] == "Describe this image."
+    assert seen[str(root / "sub dir" / "ünï" / "g.png")] == "What shapes are here?"
+
+
+# ---------------------------------------------------------------------- the defects of the old tool
+
+
+def test_a_torn_last_line_is_repaired_and_the_image_captioned_again(dataset, tmp_path):
+    root, expected = dataset
+    for name, fmt in (("c.jsonl", "jsonl"), ("c.csv", "csv")):
+        out = tmp_path / name
+        assert main([str(root), "--format", fmt, "--output", str(out), *CPU]) == 0
+        with open(out, "rb+") as handle:
+            handle.truncate(os.path.getsize(out) - 20)  # `truncate -s -20`
+        assert main([str(root), "--format", fmt, "--output", str(out), *CPU]) == 0
+        if fmt == "jsonl":
+            records = {r["image"]: r["caption"] for r in read_jsonl(out)}
+            assert len(read_jsonl(out)) == 6
+        else:
+            rows = list(csv.reader(open(out, encoding="utf-8")))[1:]
+            records = dict(rows)
+            assert len(rows) == 6
+        assert records == expected
+
+
+def test_a_caption_with_newlines_stays_one_csv_row_and_resumes_as_complete(dataset, tmp_path, monkeypatch,
+                                                                            capsys):
+    """A model may answer with line breaks: the CSV file still holds one row (and one line, the
+    unit its resume reads) per image, and a second run finds the file whole: nothing cut, redone
+    or repeated."""
+    root, expected = dataset
+    from mmpipe import Pipeline
+
+    original = Pipeline.chat_stream
+
+    def multi_line(self, *args, **kwargs):
+        for output in original(self, *args, **kwargs):
+            output.text = output.text.replace(" ", "\n", 1).replace(" ", "\r\n", 1)
+            yield output
+
+    monkeypatch.setattr(Pipeline, "chat_stream", multi_line)
+    table = tmp_path / "c.csv"
+    command = [str(root), "--format", "csv", "--output", str(table), "--device", "cpu"]
+    assert main(command) == 0
+    capsys.readouterr()
+    written = table.read_bytes()
+    with open(table, encoding="utf-8", newline="") as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0] == ["image", "caption"] and len(rows) == 1 + len(expected)
+    assert all(len(row) == 2 and "\n" not in row[1] and "\r" not in row[1] for row in rows[1:])
+    assert {image: caption.split() for image, caption in rows[1:]} == {i: c.split() for i, c in
+                                                                        expected.items()}
+    assert written.count(b"\n") == len(rows)  # a row is a line
+    assert main(command) == 0  # the resume
+    err = capsys.readouterr().err
+    assert "captioned 0 image(s)" in err and f"{len(expected)} already captioned" in err, err
+    assert table.read_bytes() == written
+
+
+def test_metadata_above_the_image_folder_is_relative_to_its_own_folder(tmp_path, monkeypatch):
+    """`--format metadata --output root/metadata.jsonl` for images in root/imgs: file_name is
+    `imgs/...` (imagefolder reads it relative to the metadata file), and a later run finds the
+    images it already captioned there."""
+    root = tmp_path / "root"
+    (root / "imgs").mkdir(parents=True)
+    names = sorted(EXPECTED)
+    for name in names[:2]:
+        shutil.copy(os.path.join(SAMPLE_DIR, name), root / "imgs" / name)
+    out = root / "metadata.jsonl"
+
+    def by_name() -> list[dict]:  # the records are in completion order
+        return sorted(read_jsonl(out), key=lambda r: r["file_name"])
+
+    command = [str(root / "imgs"), "--format", "metadata", "--output", str(out), *CPU]
+    assert main(command) == 0
+    assert by_name() == [{"file_name": f"imgs/{n}", "text": EXPECTED[n]} for n in names[:2]]
+
+    from mmpipe import Pipeline
+
+    asked: list[str] = []
+    original = Pipeline.chat_stream
+
+    def spy(self, conversations, *args, **kwargs):
+        def record():
+            for conv in conversations:
+                asked.append(os.path.basename(conv[0]["content"][0]["image"]))
+                yield conv
+        return original(self, record(), *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "chat_stream", spy)
+    shutil.copy(os.path.join(SAMPLE_DIR, names[2]), root / "imgs" / names[2])
+    assert main(command) == 0
+    assert asked == [names[2]]  # only the new image
+    assert by_name() == [{"file_name": f"imgs/{n}", "text": EXPECTED[n]} for n in names[:3]]
+
+
+def test_inputs_are_matched_by_one_canonical_form(dataset, tmp_path, monkeypatch):
+    root, expected = dataset
+    monkeypatch.chdir(root.parent)
+    out = tmp_path / "c.jsonl"
+    assert main(["data set", "--output", str(out), *CPU]) == 0
+    assert main(["./data set/", "--output", str(out), *CPU]) == 0
+    assert main(["data set", "data set/*.png", str(root / "a.png"), "--output", str(out), *CPU]) == 0
+    assert len(read_jsonl(out)) == 6
+    link = tmp_path / "link"
+    os.symlink(root, link)
+    assert main([str(link), "--output", str(out), *CPU]) == 0
+    assert len(read_jsonl(out)) == 6
+
+
+def test_no_input_vanishes(tmp_path, capsys):
+    odd = tmp_path / "x.jpg"  # a directory named like an image
+    odd.mkdir()
+    shutil.copy(os.path.join(SAMPLE_DIR, "scene_2.png"), odd / "inside.png")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    code = main([str(odd), str(tmp_path / "*.webp"), str(empty), str(tmp_path / "missing.png"), *CPU])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out.strip().endswith(f"inside.png\t{EXPECTED['scene_2.png']}")
+    assert f"{tmp_path / '*.webp'}: matches nothing" in captured.err
+    assert f"{empty}: directory has no images" in captured.err
+    assert f"{tmp_path / 'missing.png'}: no such file or directory" in captured.err
+
+
+BAD_FLAGS = [
+    (["--model", "/nonexistent"], "not a directory"),
+    (["--model", "{empty}"], "config.json"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--dtype", "foo"], "dtype='foo'"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--workers", "x"], "--workers"),
+    (["--format", "csv"], "--output"),
+    (["--temperature", "-1"], "temperature"),
+]
+
+
+def run_cli(argv: list[str], capfd: Any, caplog: Any) -> tuple[int, str]:
+    """`python -m mmpipe.cli ARGV` in this process: its exit code and its stderr, including the
+    warnings (and any logged traceback) that a fresh process would print through logging's
+    last-resort handler. Logging is put back as it was (the demo configures it)."""
+    from mmpipe import cli
+
+    root = logging.getLogger()
+    saved = root.level, root.handlers[:]
+    capfd.readouterr()
+    caplog.clear()
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's mistakes
+        code = exc.code
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+    err = capfd.readouterr().err
+    formatter = logging.Formatter()
+    logged = [formatter.format(r) + "\n" for r in caplog.records
+              if r.levelno >= logging.WARNING or r.exc_info]
+    return code, err + "".join(logged)
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[f[0][0] + "=" + f[0][1] for f in BAD_FLAGS])
+def test_command_line_mistakes_are_one_line_and_a_non_zero_exit(flags, message, tmp_path, capfd, caplog):
+    """In-process `mmpipe caption` (the command's own entry point in a fresh process is checked
+    by the next test and by the closed-pipe test)."""
+    if flags[:2] == ["--device", "cuda"] and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    flags = [f.replace("{empty}", str(tmp_path)) for f in flags]
+    code, stderr = run_cli(["caption", os.path.join(SAMPLE_DIR, "scene_0.png"), *flags], capfd, caplog)
+    assert code == 2, stderr
+    assert "Traceback" not in stderr and message in stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) <= 2, stderr  # argparse adds its usage line
+
+
+def test_every_subcommand_reports_a_bad_model_in_one_line(capfd, caplog, monkeypatch):
+    """`caption` as a fresh `python -m mmpipe.cli` process (whatever its imports print counts
+    too); `info` and `demo` in this process."""
+    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "caption", SAMPLE_DIR,
+                           "--model", "/nonexistent"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "/nonexistent" in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1, proc.stderr
+    commands = [["info", "--model", "/nonexistent", "--device", "cpu"]]
+    if __import__("importlib").util.find_spec("gradio"):
+        monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")  # what `mmpipe demo` sets, undone afterwards
+        commands.append(["demo", "--model", "/nonexistent", "--device", "cpu"])
+    for command in commands:
+        code, stderr = run_cli(command, capfd, caplog)
+        assert code == 2 and "Traceback" not in stderr and "/nonexistent" in stderr, (command, stderr)
+
+
+def test_a_closed_pipe_is_not_a_traceback(tmp_path):
+    for i in range(12):
+        shutil.copy(os.path.join(SAMPLE_DIR, f"scene_{i % 6}.png"), tmp_path / f"img{i:02d}.png")
+    proc = subprocess.run(f"{sys.executable} -m mmpipe.cli caption {tmp_path} --device cpu | head -1",
+                          shell=True, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert len(proc.stdout.splitlines()) == 1
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_failures_are_reported_once_and_listed_in_the_errors_file(dataset, tmp_path, capsys):
+    root, expected = dataset
+    bad = root / "bad"
+    bad.mkdir()
+    good = open(os.path.join(SAMPLE_DIR, "scene_0.png"), "rb").read()
+    (bad / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"x" * 200)
+    (bad / "truncated.png").write_bytes(good[: len(good) // 3])
+    (bad / "empty.png").write_bytes(b"")
+    (bad / "text.png").write_text("not an image at all")
+    Image.new("RGB", (2000, 8), (200, 30, 30)).save(bad / "thin.png")  # aspect ratio over the limit
+    errors = tmp_path / "errors.jsonl"
+    code = main([str(root), "--format", "txt", "--errors-file", str(errors), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 1
+    listed = {r["image"]: r["error"] for r in read_jsonl(errors)}
+    assert sorted(os.path.basename(p) for p in listed) == ["corrupt.png", "empty.png", "text.png", "thin.png",
+                                                           "truncated.png"]
+    for path in listed:
+        assert err.count(path) == 1, err  # once, not a warning plus a line
+    assert "captioned 6 image(s)" in err and "5 failed" in err
+    assert all(os.path.exists(sidecar(i)) for i in expected)
+    assert not any(os.path.exists(sidecar(p)) for p in listed)
+
+
+def test_fail_fast_quiet_and_empty_captions(dataset, tmp_path, capsys, monkeypatch):
+    root, expected = dataset
+    (root / "corrupt.png").write_bytes(b"garbage")
+    code = main([str(root), "--format", "txt", "--fail-fast", *CPU])
+    err = capsys.readouterr().err
+    assert code == 1 and "--fail-fast" in err
+    assert sum(os.path.exists(sidecar(i)) for i in expected) < len(expected)
+    assert "\r" not in err and "captioned" not in err  # --quiet: no bar, no summary; the failure still shows
+    assert "corrupt.png" in err
+
+    from mmpipe import Pipeline
+
+    original = Pipeline.chat_stream
+
+    def blank_first(self, *args, **kwargs):
+        for output in original(self, *args, **kwargs):
+            if output.index == 0:
+                output.text = "  \n"
+            yield output
+
+    monkeypatch.setattr(Pipeline, "chat_stream", blank_first)
+    (root / "corrupt.png").unlink()
+    for image in expected:
+        if os.path.exists(sidecar(image)):
+            os.remove(sidecar(image))
+    code = main([str(root), "--format", "txt", *CPU])
+    assert code == 1 and "empty caption" in capsys.readouterr().err
+    assert sum(os.path.exists(sidecar(i)) for i in expected) == len(expected) - 1
+
+
+# ---------------------------------------------------------------------- exact resume after a kill
+
+
+def _scenes(folder, count: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for seed in range(count):
+        make_scene(10_000 + seed).image.save(folder / f"s{seed:03d}.png")
+
+
+def _count(fmt: str, folder, out) -> int:
+    if fmt == "txt":
+        return len(list(folder.glob("*.txt")))
+    if not os.path.exists(out):
+        return 0
+    return max(0, sum(1 for _ in open(out, encoding="utf-8")) - (1 if fmt == "csv" else 0))
+
+
+def _captions(fmt: str, folder, out) -> list[tuple[str, str]]:
+    if fmt == "txt":
+        return sorted((str(p.with_suffix(".png")), p.read_text()) for p in folder.glob("*.txt"))
+    if fmt == "csv":
+        return sorted(tuple(r) for r in list(csv.reader(open(out, encoding="utf-8")))[1:])
+    key = "file_name" if fmt == "metadata" else "image"
+    text = "text" if fmt == "metadata" else "caption"
+    return sorted((str(folder / r[key]) if fmt == "metadata" else r[key], r[text]) for r in read_jsonl(out))
+
+
+class Killed(BaseException):
+    """Ends an in-process run where a SIGKILL would: not an Exception, so nothing in mmpipe
+    catches it. Only `finally` blocks run on the way out, and they write nothing (they abort the
+    engine's requests and close output files whose writes were flushed already)."""
+
+
+@contextlib.contextmanager
+def dies_in_write(fmt: str, after: int):
+    """The run inside dies in its (after+1)-th caption write, at the moment a SIGKILL does the
+    most harm: a record file is left with half a line, a sidecar with its temporary file written
+    but not renamed (under another process id, as a killed process leaves it). The `after`
+    writes before it are whole. The run must die (not finish)."""
+    from mmpipe.app import caption_io
+
+    written = [0]
+    with pytest.MonkeyPatch.context() as patch:
+        if fmt == "txt":
+            replace = os.replace
+
+            def dying_replace(src: Any, dst: Any) -> None:
+                if str(src).endswith(caption_io.TMP_MARK):
+                    if written[0] == after:  # the temporary file stays, named for the killed process
+                        folder, name = os.path.split(str(src))
+                        replace(src, os.path.join(folder, name.replace(f".{os.getpid()}.", ".1.")))
+                        raise Killed
+                    written[0] += 1
+                replace(src, dst)
+
+            patch.setattr(caption_io.os, "replace", dying_replace)
+        else:
+            write = caption_io.RecordFile.write
+
+            def dying_write(self: Any, item: Any, caption: str) -> None:
+                if written[0] == after:
+                    line = self.fmt.encode(item, caption)
+                    self._handle.write(line[: len(line) // 2])
+                    self._handle.flush()
+                    raise Killed
+                written[0] += 1
+                write(self, item, caption)
+
+            patch.setattr(caption_io.RecordFile, "write", dying_write)
+        with pytest.raises(Killed):
+            yield
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "metadata", "csv"])
+def test_killed_runs_resume_to_every_image_exactly_once(fmt, tmp_path):
+    """Killed twice (the second time while resuming), each time in the middle of a write, then
+    run to the end: every image captioned exactly once. In-process kills (`dies_in_write`); the
+    next test kills a real process."""
+    folder = tmp_path / "imgs"
+    _scenes(folder, 12)
+    out = {"txt": None, "jsonl": tmp_path / "c.jsonl", "metadata": folder / "metadata.jsonl",
+           "csv": tmp_path / "c.csv"}[fmt]
+    command = [str(folder), "--format", fmt, *CPU, "--workers", "1", "--batch-size", "2"]
+    if fmt in ("jsonl", "csv"):
+        command += ["--output", str(out)]
+    for kill_after in (3, 5):  # two moments, each after some outputs were written
+        before = _count(fmt, folder, out)
+        with dies_in_write(fmt, kill_after):
+            main(command)
+        assert _count(fmt, folder, out) >= before + kill_after
+    assert 0 < _count(fmt, folder, out) < 12
+    assert main(command) == 0
+    captions = _captions(fmt, folder, out)
+    assert len(captions) == 12 and len({p for p, _ in captions}) == 12
+    assert sorted(os.path.basename(p) for p, _ in captions) == [f"s{i:03d}.png" for i in range(12)]
+    assert all(c.strip() for _, c in captions)
+    assert not list(folder.glob(".*.mmpipe-tmp"))  # what the killed sidecar writes left is gone
+
+
+@pytest.mark.slow
+def test_a_killed_append_run_appends_each_caption_once(tmp_path):
+    """A real `mmpipe caption` process SIGKILLed mid-run, then resumed (in this process)."""
+    folder = tmp_path / "imgs"
+    _scenes(folder, 20)
+    for png in folder.glob("*.png"):
+        png.with_suffix(".txt").write_text("tag")
+    command = [str(folder), "--format", "txt", "--append", "--separator", ", ", "--device", "cpu", "--quiet",
+               "--workers", "1", "--batch-size", "2"]
+    appended = lambda: sum(p.read_text() != "tag" for p in folder.glob("*.txt"))  # noqa: E731
+    proc = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "caption", *command], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: appended() >= 5 or proc.poll() is not None, 120, "some appended captions")
+    assert proc.poll() is None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 0 < appended() < 20
+    assert main(command) == 0
+    from mmpipe import Pipeline, SamplingParams
+
+    images = sorted(folder.glob("*.png"))
+    with Pipeline.from_pretrained(device="cpu") as pipe:
+        oracle = pipe.caption([str(p) for p in images], sampling=SamplingParams(max_new_tokens=64))
+    assert [p.with_suffix(".txt").read_text() for p in images] == [f"tag, {c}" for c in oracle]
+    assert not list(folder.glob(".mmpipe-caption-*"))
+
+
+# ---------------------------------------------------------------------- several processes
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_captions_as_one(tmp_path):
+    """Two processes under torchrun, each running `mmpipe.app.caption` as `-m` does: first to a
+    record file (per-process parts merged), then to sidecars. One launch runs both commands
+    (tests/caption_runs.py), so the processes start once."""
+    folder = tmp_path / "imgs"
+    _scenes(folder, 12)
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    base = [str(folder), "--device", "cpu", "--quiet"]
+    assert main([*base, "--output", str(one)]) == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "-m", "tests.caption_runs", *base[:-1], "--output", str(two),
+                           "--then", *base, "--format", "txt"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shares = sorted(re.findall(r"rank (\d): captioned (\d+) image", proc.stderr))  # the txt run is quiet
+    assert shares == [("0", "6"), ("1", "6")], proc.stderr[-2000:]  # each image captioned by one process
+    assert sorted(map(json.dumps, read_jsonl(two))) == sorted(map(json.dumps, read_jsonl(one)))
+    assert not list(tmp_path.glob("two.jsonl.part*"))
+    assert {str(p.with_suffix(".png")): p.read_text() for p in folder.glob("*.txt")} == {
+        r["image"]: r["caption"] for r in read_jsonl(one)}

@@ -1,0 +1,211 @@
+"""The few-row matmul kernels (`mmpipe.kernels.gemv`) and the K-split partial sums that
+`add_rms_norm` adds up. CPU: the fallbacks and the partial-sum arithmetic. GPU: the kernels
+against cuBLAS and a float64 reference, padding invariance, the split's consumer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmpipe.kernels import gemv
+from mmpipe.kernels.fused import add_rms_norm, rms_norm_reference
+from mmpipe.kernels.gemv import PartialSums
+
+# ------------------------------------------------------------------------------------------- CPU
+
+
+def test_cpu_tensors_take_f_linear() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=g) for s in ((3, 24), (40, 24), (40,)))
+    assert not gemv.usable(x, w)
+    assert torch.equal(gemv.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(gemv.linear(x, w, out_dtype=torch.float64), F.linear(x, w).double())
+    assert torch.equal(gemv.linear_split(x, w), F.linear(x, w))
+
+
+def test_partial_sums_add_in_order_and_round_once() -> None:
+    g = torch.Generator().manual_seed(1)
+    sums = torch.randn(4, 3, 64, generator=g) * torch.tensor([1e4, 1.0, -1e4, 1e-3]).view(4, 1, 1)
+    total = PartialSums(sums, torch.bfloat16).total()
+    expected = (((sums[0] + sums[1]) + sums[2]) + sums[3]).to(torch.bfloat16)
+    assert total.dtype == torch.bfloat16 and torch.equal(total, expected)
+    # float32 addition is not associative: in index order 1e8 + 1 - 1e8 + 1 is 1, in reverse 0
+    cancel = torch.tensor([1e8, 1.0, -1e8, 1.0]).view(4, 1, 1).expand(4, 2, 8).contiguous()
+    assert torch.equal(PartialSums(cancel, torch.float32).total(), torch.ones(2, 8))
+
+
+def test_add_rms_norm_adds_partial_sums_like_their_total() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    parts = PartialSums(torch.randn(2, 3, 64, generator=g), torch.bfloat16)
+    w = torch.randn(64, generator=g).to(torch.bfloat16)
+    residual, normed = add_rms_norm(x, parts, w, 1e-6)
+    expected = x + parts.total()
+    assert torch.equal(residual, expected)
+    assert torch.equal(normed, rms_norm_reference(expected, w, 1e-6))
+
+
+def test_split_rule_gives_every_slice_work_and_splits_only_narrow_products() -> None:
+    for rows in (1, 2, 8, 32):
+        for n, k in ((2048, 11008), (2048, 2048), (22016, 2048), (64, 64), (151936, 2048)):
+            splits = gemv._splits(rows, n, k)
+            assert splits >= 1 and splits & (splits - 1) == 0
+            assert k // splits >= 512 or splits == 1, (rows, n, k, splits)
+    assert gemv._splits(1, 2048, 11008) > 1  # long K, one row: the serial loop is split
+    assert gemv._splits(8, 2048, 2048) > 1  # few output tiles: more programs
+    assert gemv._splits(8, 22016, 2048) == 1  # enough tiles already
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+SHAPES = [(100, 72), (257, 2048), (2048, 11008)]  # odd N, odd K, the 3B down projection's
+ROWS = [1, 2, 3, 8, 13, 24, 32]
+
+
+def _operands(rows: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_kernels_match_cublas(n: int, k: int, rows: int, bias: bool, dtype: torch.dtype) -> None:
+    x, w, b = _operands(rows, n, k, dtype, seed=rows * 7 + n)
+    b = b if bias else None
+    assert gemv.usable(x, w)
+    ours = gemv.kernel_linear(x, w, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    cublas = F.linear(x, w, b)
+    assert ours.dtype == dtype and ours.shape == (rows, n)
+    err = (ours.double() - exact).abs()
+    if dtype == torch.float32:  # no TF32: float32 accumulation error only
+        assert err.max().item() < 1e-5 * k**0.5, err.max().item()
+    else:  # one rounding to the dtype after a float32 sum: within an ulp of the exact product
+        bound = torch.finfo(dtype).eps * exact.abs() + 1e-3 * exact.abs().mean()
+        assert (err <= bound).all(), (err - bound).max().item()
+        assert (cublas.double() - exact).abs().max().item() > 0  # the comparison is not on exact values
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_split_products_are_partial_sums_of_the_same_product(rows: int) -> None:
+    for n, k in ((2048, 11008), (2048, 2048)) if rows > 1 else ((2048, 11008), (64, 20000)):
+        x, w, _ = _operands(rows, n, k, torch.float32, seed=rows + k)
+        split = gemv.linear_split(x, w)
+        assert isinstance(split, PartialSums) and 1 < split.sums.shape[0] <= gemv._splits(rows, n, k)
+        exact = F.linear(x.double(), w.double())
+        assert (split.total().double() - exact).abs().max().item() < 1e-5 * k**0.5
+        assert split.sums.abs().sum(dim=(1, 2)).min() > 0  # every slice holds a share of K
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_fused_norm_consumes_partial_sums_bit_exactly() -> None:
+    x, w, _ = _operands(8, 2048, 11008, torch.bfloat16, seed=3)
+    residual = torch.randn(8, 2048, device="cuda").to(torch.bfloat16)
+    norm_w = torch.rand(2048, device="cuda").to(torch.bfloat16) + 0.5
+    split = gemv.linear_split(x, w)
+    assert isinstance(split, PartialSums)
+    got = add_rms_norm(residual, split, norm_w, 1e-6)
+    want = add_rms_norm(residual, split.total(), norm_w, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_gated_product_equals_silu_mul_then_product(rows: int) -> None:
+    """The SiLU product formed while reading the down projection: the same bits as silu_mul's."""
+    from mmpipe.kernels.fused import silu_mul
+
+    for dtype in (torch.bfloat16, torch.float32):
+        _, w, _ = _operands(1, 2048, 11008, dtype, seed=rows)
+        gate_up = (torch.randn(rows, 2 * 11008, device="cuda") * 3).to(dtype)  # silu's curved part and tails
+        assert gemv.usable(gate_up, w, gated=True) and not gemv.usable(gate_up, w)
+        fused, plain = gemv.gated_linear_split(gate_up, w), gemv.linear_split(silu_mul(gate_up), w)
+        if isinstance(plain, PartialSums):
+            assert isinstance(fused, PartialSums) and torch.equal(fused.sums, plain.sums)
+        else:
+            assert torch.equal(fused, plain)
+    with pytest.raises(ValueError, match="gated_linear_split"):
+        gemv.gated_linear_split(gate_up[:, :11008], w)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_rows_do_not_depend_on_padding_rows() -> None:
+    """A decode batch padded to its bucket must compute its real rows bit for bit as unpadded."""
+    for real, bucket in ((2, 4), (3, 4), (5, 8), (13, 16), (20, 24), (24, 32)):
+        x, w, b = _operands(bucket, 2560, 2048, torch.bfloat16, seed=real)
+        x[real:] = float("nan")  # graph padding rows hold whatever the buffer held
+        padded = gemv.kernel_linear(x, w, b)
+        alone = gemv.kernel_linear(x[:real].contiguous(), w, b)
+        assert torch.equal(padded[:real], alone), (real, bucket)
+        split_p, split_a = gemv.linear_split(x, w), gemv.linear_split(x[:real].contiguous(), w)
+        assert torch.equal(split_p.total()[:real], split_a.total()), (real, bucket)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_float32_output_is_the_rounded_product_widened() -> None:
+    """The LM head: logits rounded to the model dtype, then widened, in one kernel."""
+    for rows in (1, 4):
+        x, w, _ = _operands(rows, 1000, 256, torch.bfloat16, seed=rows)
+        logits = gemv.kernel_linear(x, w, out_dtype=torch.float32)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, gemv.kernel_linear(x, w).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_switch_and_unsupported_inputs_fall_back(switch) -> None:
+    x, w, _ = _operands(4, 64, 64, torch.bfloat16, seed=0)
+    assert gemv.usable(x, w)
+    assert not gemv.usable(torch.randn(gemv.MAX_ROWS + 1, 64, device="cuda").to(torch.bfloat16), w)
+    assert not gemv.usable(x, w.t().contiguous().t())  # column-major weight
+    assert not gemv.usable(x.float(), w)  # mixed dtypes
+    switch("MMPIPE_GEMV", "0")
+    assert not gemv.usable(x, w)
+    assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+    with pytest.raises(ValueError, match="kernel_linear"):
+        gemv.kernel_linear(x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu
+def test_linear_routes_several_rows_of_a_narrow_product_to_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several rows x few output tiles (qkv) go to cuBLAS; one row, or many tiles, to the kernels."""
+    calls = []
+    monkeypatch.setattr(gemv, "kernel_linear", lambda *a, **k: calls.append(a[1].shape) or F.linear(a[0], a[1]))
+    for rows, n in ((8, 2560), (1, 2560), (8, 22016)):
+        x, w, _ = _operands(rows, n, 256, torch.bfloat16, seed=rows)
+        gemv.linear(x, w)
+    assert calls == [(2560, 256), (22016, 256)]
+
+
+def test_allowed_turns_the_kernels_off_in_its_block_and_thread() -> None:
+    import threading
+
+    if gemv.triton is None:
+        pytest.skip("needs Triton")
+    seen = []
+    assert gemv.enabled()
+    with gemv.allowed(False):
+        assert not gemv.enabled()
+        with gemv.allowed(True):
+            assert gemv.enabled()
+        assert not gemv.enabled()
+        worker = threading.Thread(target=lambda: seen.append(gemv.enabled()))
+        worker.start()
+        worker.join()
+    assert gemv.enabled() and seen == [True]  # another thread keeps its own setting
