@@ -15,8 +15,9 @@ memory and returns at once (`PendingDecode.get()` waits for it), so the engine c
 launch the next step first; since the rows advance on the device, each request's `seq_len`
 then counts its token in flight.
 
-The step (`DecodeGraphRunner.body`) is embedding -> layers -> final norm -> LM head -> sampler
--> advance. It runs eagerly with exactly the batch's rows, or as the graph of the smallest
+The step (`DecodeGraphRunner.step_fn`; `body(key)` is its graph-runner form, see
+`mmpipe.graphs.runner`) is embedding -> layers -> final norm -> LM head -> sampler -> advance.
+It runs eagerly with exactly the batch's rows, or as the graph of the smallest
 bucket >= rows, keyed by (bucket, sampler variant): the variant's host booleans choose which
 sampler stages exist (greedy-only steps skip sorting and noise). Graphs of the default variant
 are captured at start, largest bucket first, into one memory pool shared by every language-model
