@@ -265,7 +265,7 @@ def engine_panel(pipe: Any) -> str:
     used = kv["total"] - kv["free"]
     rows = [
         ("Device", f"{pipe.device}, {str(pipe.dtype).removeprefix('torch.')}"),
-        ("LM graph mode", stats["graph_mode"]),
+        ("Graph mode", stats["graph_mode"]),
         ("Requests", f"{requests['running']} running, {requests['waiting']} waiting"),
         ("KV pages", f"{used} / {kv['total']} used ({kv['page_size']} tokens each)"),
         ("ViT graphs", _graphs(stats["vit"])),

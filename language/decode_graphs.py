@@ -245,11 +245,14 @@ class DecodeGraphRunner(GraphRunner):
         bucket = self.size_for(n)
         if self.enabled and bucket is None:
             self.fallback("decode batch of %d rows runs eagerly (largest graph bucket %d)", n, self.buckets[-1])
-        # Host lengths only for a backend that needs them (the reference; CUDA reads the device).
-        host_lens = None if capturable(self.lm.attention) else (self.lens[:n] + 1).tolist()
+
+        def eager() -> SampleResult:
+            # Host lengths only for a backend that needs them (the reference; CUDA reads the device).
+            host_lens = None if capturable(self.lm.attention) else (self.lens[:n] + 1).tolist()
+            return self.step_fn(n, variant, host_lens, bucket_for(self.buckets, n) or n)()
+
         try:
-            result, _ = self.run(None if bucket is None else (bucket, variant),
-                                 lambda: self.step_fn(n, variant, host_lens, bucket_for(self.buckets, n) or n)())
+            result, _ = self.run(None if bucket is None else (bucket, variant), eager)
             pending = PendingDecode(HostTokens(result, n, variant.logprobs > 0), rows)
         except BaseException:
             self.reset()

@@ -35,15 +35,16 @@ class ModelSpec:
     vision_model: Callable[..., nn.Module]  # (config, attention backend)
     text_config: Callable[[dict[str, Any]], Any]
     language_model: Callable[..., nn.Module]  # (config, attention backend)
-    # What the engine runs per family (each a class or function of the family's own modules):
-    preprocess: Callable[..., Any] = preprocess_image  # (PIL image, ImageProcessorConfig) -> ImageInput
-    positions: Callable[..., Any] = mrope_positions  # (ids, grids, image token, merge) -> (positions, delta)
-    pack_meta: Callable[..., Any] = build_pack_meta  # (grids, merge, window, patch) -> the ViT pack's layout
-    vit_runner: Callable[..., Any] = ViTGraphRunner
-    vit_buckets: Callable[..., list[int]] = default_buckets  # (max patches, merge unit) -> graph sizes
-    prefill_runner: Callable[..., Any] = PrefillRunner
-    decode_runner: Callable[..., Any] = DecodeGraphRunner
-    kv_cache: Any = KVCache
+    # What the engine runs per family (each a class or function of the family's own modules; no
+    # defaults, so a new family names every one and never runs another family's code by omission):
+    preprocess: Callable[..., Any]  # (PIL image, ImageProcessorConfig) -> ImageInput
+    positions: Callable[..., Any]  # (ids, grids, image token, merge) -> (positions, delta)
+    pack_meta: Callable[..., Any]  # (grids, merge, window, patch) -> the ViT pack's layout
+    vit_runner: Callable[..., Any]  # a GraphRunner over the ViT
+    vit_buckets: Callable[..., list[int]]  # (max patches, merge unit) -> graph sizes
+    prefill_runner: Callable[..., Any]
+    decode_runner: Callable[..., Any]
+    kv_cache: Any
     image_token: str = "<|image_pad|>"
     vision_start_token: str = "<|vision_start|>"
 
@@ -55,6 +56,14 @@ REGISTRY: dict[str, ModelSpec] = {
         vision_model=Qwen25VisionTransformer,
         text_config=TextConfig.from_hf,
         language_model=Qwen2LanguageModel,
+        preprocess=preprocess_image,
+        positions=mrope_positions,
+        pack_meta=build_pack_meta,
+        vit_runner=ViTGraphRunner,
+        vit_buckets=default_buckets,
+        prefill_runner=PrefillRunner,
+        decode_runner=DecodeGraphRunner,
+        kv_cache=KVCache,
     ),
 }
 

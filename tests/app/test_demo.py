@@ -303,7 +303,7 @@ def test_gpu_demo_answers_with_graphs_from_many_threads_and_stops_cleanly():
         for part in ("Prefill graphs", "Decode graphs"):
             live = re.search(part + r" \| (\d+) live", engine)
             assert live and int(live.group(1)) > 0, engine
-        assert "LM graph mode | full_and_piecewise" in engine
+        assert "Graph mode | full_and_piecewise" in engine
         gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_2.png")]}, [],
                               max_new_tokens=200)
         next(gen)
