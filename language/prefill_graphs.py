@@ -3,7 +3,12 @@
 Every prefill reads slices of two buffers allocated once at `max_prefill_tokens` rows:
 `input_embeds [max_tokens, hidden]` and `positions [max_tokens, 3]`. Text-token embeddings are
 gathered straight into their rows and each image's merged ViT output is copied into its rows (one
-copy per image span, no concatenation).
+copy per image span, no concatenation). A deepstack model (Qwen3-VL, `lm.deepstack_levels` > 0)
+has one more buffer per level, `deepstack[l] [max_tokens, hidden]`: an image span's values are
+[rows, 1 + levels, hidden], level 0 going to `input_embeds` and level l to `deepstack[l-1]`. Every
+forward reads all the deepstack buffers, whatever the step holds, and rows without image tokens
+read zeros there (the rows a step wrote are zeroed again before the next step): a graph captured
+on a text-only step replays an image step correctly, because the image path is the only path.
 
 Piecewise mode (graph modes `piecewise`, `full_and_piecewise`): the forward over the buffers is
 traced once by `torch.compile` with `mmpipe.graphs.piecewise.PiecewiseBackend`, the token
@@ -111,6 +116,10 @@ class PrefillRunner(GraphRunner):
         # KV slots of the rows; each step sets its padding rows (past its tokens) to the dummy slot.
         self.dummy_slot = DUMMY_PAGE * kv.page_size
         self.slots = torch.full((max_tokens,), self.dummy_slot, dtype=torch.int64, device=device)
+        self.levels = int(getattr(lm, "deepstack_levels", 0))
+        self.deepstack = [torch.zeros(max_tokens, lm.hidden_size, dtype=dtype, device=device)
+                          for _ in range(self.levels)]
+        self._written: list[tuple[int, int]] = []  # deepstack rows the last step wrote (zeroed before the next)
         graphs = graphs or GraphConfig(enabled=False)
         schedule = {min(int(s), max_tokens) for s in graphs.buckets or default_prefill_schedule(max_tokens)}
         super().__init__("prefill", device, schedule, piecewise and graphs.enabled is not False, lm.attention,
@@ -162,17 +171,36 @@ class PrefillRunner(GraphRunner):
         size = self.rows_for(n)
         stage_rows(self.lm.embed_tokens.weight, token_ids, positions, meta.slot_mapping, count, self.input_embeds,
                    self.positions, self.slots, size, self.dummy_slot)
-        for span in images:
-            self.input_embeds[span.row:span.row + span.values.shape[0]].copy_(span.values)
+        self._write_images(images)
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             if self.compiled is None:
                 eager = lambda: self.lm(self.input_embeds[:n], self.positions[:n].t(), self.kv.layers,  # noqa: E731
-                                        meta.slot_mapping)
+                                        meta.slot_mapping, [level[:n] for level in self.deepstack])
                 return self.run(None, eager)[0]
             output, graphed = self.run(self.size_for(n), lambda: self._run_without_graphs(size))
             if graphed:
                 self.padded_tokens += size - n
             return output
+
+    def _write_images(self, images: Sequence[ImageSpan]) -> None:
+        """Image rows into the fixed buffers; deepstack rows of the previous step back to zero."""
+        for lo, hi in self._written:
+            for level in self.deepstack:
+                level[lo:hi].zero_()
+        self._written = []
+        for span in images:
+            values, lo = span.values, span.row
+            hi = lo + values.shape[0]
+            if not self.levels:
+                self.input_embeds[lo:hi].copy_(values)
+                continue
+            if values.dim() != 3 or values.shape[1] != 1 + self.levels:
+                raise ValueError(f"image rows {lo}..{hi}: expected [rows, {1 + self.levels}, hidden] features "
+                                 f"(main + {self.levels} deepstack levels), got {tuple(values.shape)}")
+            self.input_embeds[lo:hi].copy_(values[:, 0])
+            for level, buffer in enumerate(self.deepstack, start=1):
+                buffer[lo:hi].copy_(values[:, level])
+            self._written.append((lo, hi))
 
     def lookup(self, size: Any) -> Any:
         assert self.cache is not None
@@ -201,7 +229,10 @@ class PrefillRunner(GraphRunner):
         torch._dynamo.mark_dynamic(positions, 0, min=2, max=bound)
         slots = self.slots[:size]
         torch._dynamo.mark_dynamic(slots, 0, min=2, max=bound)
-        return self.compiled(embeds, positions, self.kv.layers, slots)
+        deepstack = [level[:size] for level in self.deepstack]
+        for level in deepstack:
+            torch._dynamo.mark_dynamic(level, 0, min=2, max=bound)
+        return self.compiled(embeds, positions, self.kv.layers, slots, deepstack)
 
     # ------------------------------------------------------------------ capture
 
@@ -294,8 +325,8 @@ def _fresh_forward(lm: Any) -> Any:
     code object: runners of different models (or two Pipelines of one model) would otherwise share
     one cache and count against one recompile limit."""
     def forward(input_embeds: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                slot_mapping: torch.Tensor) -> torch.Tensor:
-        return lm(input_embeds, positions.t(), kv_cache, slot_mapping)  # positions [T, 3] -> [3, T]
+                slot_mapping: torch.Tensor, deepstack: list[torch.Tensor]) -> torch.Tensor:
+        return lm(input_embeds, positions.t(), kv_cache, slot_mapping, deepstack)  # positions [T, 3] -> [3, T]
 
     code = forward.__code__.replace(co_name=f"prefill_forward_{id(lm):x}")
     return types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)

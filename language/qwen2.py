@@ -1,4 +1,8 @@
-"""Qwen2 decoder (the language model of Qwen2-VL and Qwen2.5-VL) with M-RoPE, over flat tokens.
+"""Qwen2 decoder (the language model of Qwen2-VL and Qwen2.5-VL) with M-RoPE, over flat tokens;
+with its config's switches also the dense Qwen3 decoder of Qwen3-VL (`language/qwen3.py`): no QKV
+bias, q/k RMSNorm per head (fused into the rotary + KV write), interleaved M-RoPE (a different
+frequency-to-axis map of the same tables), and deepstack (extra features added to the residual
+stream after each of the first layers, at the rows the caller fills; zeros elsewhere).
 
 Tokens of all sequences in a step are concatenated: hidden states are [T, hidden], positions
 [3, T]. Attention's per-step metadata comes from the forward context, so `forward` has only
@@ -47,18 +51,22 @@ class TextConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    head_dim: int = 0  # 0: hidden_size // num_heads (Qwen3 configs name it, and it may differ)
+    qkv_bias: bool = True
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before the rotation
+    mrope_interleaved: bool = False  # Qwen3: frequency i takes axis i % 3 (within the sections)
+    deepstack_levels: int = 0  # Qwen3-VL: features added after each of the first N layers
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "TextConfig":
-        """Read the nested `text_config` (transformers 5) or the flat layout of published checkpoints."""
-        tc = dict(cfg.get("text_config") or {})
-        for key, value in cfg.items():  # flat layout: text fields at the top level
-            if key not in ("text_config", "vision_config"):
-                tc.setdefault(key, value)
+    def from_hf(cls, cfg: dict[str, Any], default_section: tuple[int, ...] = (16, 24, 24), **family: Any
+                ) -> "TextConfig":
+        """Read the nested `text_config` (transformers 5) or the flat layout of published checkpoints.
+        `family`: the fields a family fixes rather than reads (e.g. Qwen3's q/k norms)."""
+        tc = text_fields(cfg)
         rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
         theta = rope.get("rope_theta", tc.get("rope_theta", 1_000_000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -77,14 +85,16 @@ class TextConfig:
                 num_kv_heads=int(tc.get("num_key_value_heads") or tc["num_attention_heads"]),
                 rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
-                mrope_section=tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24))),
+                mrope_section=tuple(int(s) for s in rope.get("mrope_section", default_section)),
                 hidden_act=str(tc.get("hidden_act", "silu")),
                 tie_word_embeddings=tie,
                 max_position_embeddings=int(tc.get("max_position_embeddings", 32768)),
+                head_dim=int(tc.get("head_dim") or 0),
+                **family,
             )
         except KeyError as exc:
             raise CheckpointError(f"config.json: the language model config lacks {exc.args[0]!r}") from None
-        if out.hidden_size % out.num_heads or out.num_heads % out.num_kv_heads:
+        if (not tc.get("head_dim") and out.hidden_size % out.num_heads) or out.num_heads % out.num_kv_heads:
             raise CheckpointError("config.json: hidden_size, num_attention_heads and num_key_value_heads "
                                   "are inconsistent")
         if sum(out.mrope_section) * 2 != out.head_dim:
@@ -93,12 +103,26 @@ class TextConfig:
         return out
 
 
-class MRotary(nn.Module):
-    """Rotary tables for M-RoPE: frequency band i uses the t, h or w position per `mrope_section`."""
+def text_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config fields: nested `text_config` (transformers 5), else the flat
+    layout of published checkpoints (text fields at the top level)."""
+    tc = dict(cfg.get("text_config") or {})
+    for key, value in cfg.items():
+        if key not in ("text_config", "vision_config"):
+            tc.setdefault(key, value)
+    return tc
 
-    def __init__(self, head_dim: int, theta: float, section: tuple[int, ...]) -> None:
+
+class MRotary(nn.Module):
+    """Rotary tables for M-RoPE: frequency i uses the t, h or w position. Chunked (Qwen2-VL,
+    Qwen2.5-VL): the first `mrope_section[0]` frequencies take t, the next h, the rest w.
+    Interleaved (Qwen3-VL): frequency i takes h if i % 3 == 1 and i < 3 * section[1], w if
+    i % 3 == 2 and i < 3 * section[2], else t. Only this map differs; the tables' layout is the
+    same, so the rotary kernels serve both."""
+
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, ...], interleaved: bool = False) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.section = head_dim, theta, section
+        self.head_dim, self.theta, self.section, self.interleaved = head_dim, theta, section, interleaved
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.register_buffer("axis", self._axis(), persistent=False)
 
@@ -106,7 +130,12 @@ class MRotary(nn.Module):
         return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
 
     def _axis(self) -> torch.Tensor:
-        return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(self.section)])
+        if not self.interleaved:
+            return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(self.section)])
+        axis = torch.zeros(self.head_dim // 2, dtype=torch.long)
+        for dim in (1, 2):
+            axis[dim: 3 * self.section[dim]: 3] = dim
+        return axis
 
     def init_buffers(self) -> None:
         device = self.inv_freq.device
@@ -127,8 +156,11 @@ class Qwen2Attention(nn.Module):
         self.attention = attention
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
@@ -138,13 +170,15 @@ class Qwen2Attention(nn.Module):
         k_cache, v_cache = kv_cache
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
         v = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)[:, self.num_heads + self.num_kv_heads:]
+        q_norm = self.q_norm.weight if self.q_norm is not None else None
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
         if torch.compiler.is_compiling():  # rotary + KV write stay in the pieces; attention is the split point
             q, k = torch.ops.mmpipe.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
-                                                  self.num_kv_heads, self.head_dim)
+                                                  self.num_kv_heads, self.head_dim, q_norm, k_norm, self.eps)
             torch.ops.mmpipe.lm_attention(q, k, v, out, self.layer)
         else:  # a custom op's dispatch costs more host time than the kernels take
             q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
-                                       self.num_kv_heads, self.head_dim)
+                                       self.num_kv_heads, self.head_dim, q_norm, k_norm, self.eps)
             attention(q, k, v, out, self.layer, self.attention)
         return gemv.linear_split(out.view(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
@@ -159,14 +193,20 @@ class Qwen2DecoderLayer(nn.Module):
 
     def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x + attn(input_norm(x)), then + mlp(post_norm(.)); takes input_norm(x) precomputed and
         returns the new residual with `next_norm` of it, so every residual add is fused with the
-        norm after it (one kernel, transformers' rounding: the sum rounded, then normed)."""
+        norm after it (one kernel, transformers' rounding: the sum rounded, then normed). `extra`
+        (deepstack features, zero on rows without any) is added after the MLP's sum, rounded as
+        transformers adds it."""
         post = self.post_attention_layernorm
         residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin, kv_cache, slot_mapping),
                                         post.weight, post.eps)
-        return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
+        mlp_out = self.mlp(normed)
+        if extra is not None:
+            residual = residual + mlp_out  # prefill only: a tensor, never K-split partial sums
+            mlp_out = extra
+        return add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps)
 
 
 def _is_decode_step() -> bool:
@@ -182,7 +222,7 @@ class Qwen2LanguageModel(nn.Module):
         self.cfg = cfg
         self.attention = attention if attention is not None else TorchLMAttention(cfg.head_dim**-0.5)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = MRotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = MRotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, i, self.attention) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -208,6 +248,11 @@ class Qwen2LanguageModel(nn.Module):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    @property
+    def deepstack_levels(self) -> int:
+        """Feature levels the prefill adds after the first layers (one input buffer each)."""
+        return self.cfg.deepstack_levels
+
     def embed(self, token_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings [T, hidden], written into `out` (e.g. rows of a fixed buffer) when given."""
         if out is None:
@@ -215,26 +260,31 @@ class Qwen2LanguageModel(nn.Module):
         return torch.index_select(self.embed_tokens.weight, 0, token_ids, out=out)
 
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor) -> torch.Tensor:
+                kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                deepstack: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """input_embeds [T, hidden], positions [3, T] -> final-normed hidden states [T, hidden].
+        `deepstack`: [T, hidden] features added after layer i (i < len), zero on rows that have
+        none; a prefill of a deepstack model always passes all levels (decode passes none).
         `kv_caches`: each layer's paged (K, V) [pages, page_size, kv_heads, head_dim]; row t's new
         K/V go to flat slot `slot_mapping[t]` (padded rows: the dummy page). Per-layer tensors (not
         one cache indexed by layer) keep the layers' traced pieces identical, so a compiler
         compiles one for all. The few-row kernels (`gemv`) serve decode steps only, so an eager
         prefill matches the compiled one bit for bit."""
         if torch.compiler.is_compiling():
-            return self._forward(input_embeds, positions, kv_caches, slot_mapping)
+            return self._forward(input_embeds, positions, kv_caches, slot_mapping, deepstack)
         with gemv.allowed(_is_decode_step()):
-            return self._forward(input_embeds, positions, kv_caches, slot_mapping)
+            return self._forward(input_embeds, positions, kv_caches, slot_mapping, deepstack)
 
     def _forward(self, input_embeds: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor) -> torch.Tensor:
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                 deepstack: Sequence[torch.Tensor]) -> torch.Tensor:
         cos, sin = self.rotary(positions, input_embeds.dtype)
         first = self.layers[0].input_layernorm
         residual, normed = add_rms_norm(input_embeds, None, first.weight, first.eps)
         for index, layer in enumerate(self.layers):
             following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
-            residual, normed = layer(residual, normed, cos, sin, kv_caches[index], slot_mapping, following)
+            extra = deepstack[index] if index < len(deepstack) else None
+            residual, normed = layer(residual, normed, cos, sin, kv_caches[index], slot_mapping, following, extra)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,17 +20,21 @@ from mmpipe.language.kv_cache import KVCache
 from mmpipe.language.mrope import mrope_positions
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
+from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
 from mmpipe.vision.attention import make_vision_attention
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
+from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransformer
+from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer, qwen3_vision_config
 from mmpipe.weights import load_checkpoint, materialize, prepare_for_kernels, read_json
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str
+    family: str  # the name users know (`mmpipe info`, the README's table)
     vision_config: Callable[[dict[str, Any]], Any]
     vision_model: Callable[..., nn.Module]  # (config, attention backend)
     text_config: Callable[[dict[str, Any]], Any]
@@ -49,23 +53,26 @@ class ModelSpec:
     vision_start_token: str = "<|vision_start|>"
 
 
-REGISTRY: dict[str, ModelSpec] = {
-    "Qwen2_5_VLForConditionalGeneration": ModelSpec(
-        architecture="Qwen2_5_VLForConditionalGeneration",
-        vision_config=VisionConfig.from_hf,
-        vision_model=Qwen25VisionTransformer,
-        text_config=TextConfig.from_hf,
-        language_model=Qwen2LanguageModel,
-        preprocess=preprocess_image,
-        positions=mrope_positions,
-        pack_meta=build_pack_meta,
-        vit_runner=ViTGraphRunner,
-        vit_buckets=default_buckets,
-        prefill_runner=PrefillRunner,
-        decode_runner=DecodeGraphRunner,
-        kv_cache=KVCache,
-    ),
-}
+def _qwen_vl(architecture: str, family: str, vision_config: Callable[[dict[str, Any]], Any],
+             vision_model: Callable[..., nn.Module], text_config: Callable[[dict[str, Any]], Any],
+             language_model: Callable[..., nn.Module]) -> ModelSpec:
+    """A Qwen-VL family: its own towers and configs; the Qwen preprocessing, M-RoPE positions and
+    pack layout (windows only where the tower has them), and the common runners and KV cache."""
+    return ModelSpec(
+        architecture=architecture, family=family, vision_config=vision_config, vision_model=vision_model,
+        text_config=text_config, language_model=language_model, preprocess=preprocess_image,
+        positions=mrope_positions, pack_meta=build_pack_meta, vit_runner=ViTGraphRunner,
+        vit_buckets=default_buckets, prefill_runner=PrefillRunner, decode_runner=DecodeGraphRunner, kv_cache=KVCache)
+
+
+REGISTRY: dict[str, ModelSpec] = {spec.architecture: spec for spec in (
+    _qwen_vl("Qwen2_5_VLForConditionalGeneration", "Qwen2.5-VL", VisionConfig.from_hf, Qwen25VisionTransformer,
+             TextConfig.from_hf, Qwen2LanguageModel),
+    _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2-VL", FullAttentionVisionConfig.qwen2_vl,
+             Qwen2VisionTransformer, TextConfig.from_hf, Qwen2LanguageModel),
+    _qwen_vl("Qwen3VLForConditionalGeneration", "Qwen3-VL", qwen3_vision_config, Qwen3VisionTransformer,
+             qwen3_text_config, Qwen3LanguageModel),
+)}
 
 
 def spec_for(hf_config: dict[str, Any], where: str) -> ModelSpec:
@@ -75,7 +82,7 @@ def spec_for(hf_config: dict[str, Any], where: str) -> ModelSpec:
             return REGISTRY[arch]
     raise UnsupportedModelError(
         f"{where}: architecture {archs or hf_config.get('model_type')!r} is not supported; "
-        f"supported: {', '.join(sorted(REGISTRY))}")
+        f"supported: {', '.join(f'{spec.family} ({arch})' for arch, spec in REGISTRY.items())}")
 
 
 @dataclass

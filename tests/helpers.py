@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from mmpipe.app.tiny.synthetic import build_tokenizer, qwen2_5_vl_config, random_model, write_checkpoint
+from mmpipe.app.tiny.synthetic import FAMILY_CONFIGS, build_tokenizer, model_class, random_model, write_checkpoint
 from PIL import Image
 
 CORPUS = ["Tell me a story about a fox.", "Describe this image.", "compare the two pictures",
@@ -19,13 +19,14 @@ def make_tokenizer():
     return build_tokenizer(CORPUS, vocab_size=400)
 
 
-def make_checkpoint(path: str, *, tie: bool = False, layout: str = "published", seed: int = 0,
+def make_checkpoint(path: str, *, tie: bool = False, layout: str | None = None, seed: int = 0,
                     vision: dict[str, Any] | None = None, text: dict[str, Any] | None = None,
-                    logit_scale: float = 8.0, **write_kwargs: Any) -> str:
-    """A tiny random Qwen2.5-VL checkpoint. `logit_scale` sharpens the head so greedy decoding
-    has clear winners (a random head gives near-ties that any rounding could flip)."""
+                    logit_scale: float = 8.0, family: str = "qwen2_5_vl", **write_kwargs: Any) -> str:
+    """A tiny random checkpoint of a family (default Qwen2.5-VL). `logit_scale` sharpens the head
+    so greedy decoding has clear winners (a random head gives near-ties that any rounding could
+    flip). `layout` None: as transformers writes the family."""
     tokenizer = make_tokenizer()
-    config = qwen2_5_vl_config(tokenizer, vision=vision, text=text, tie_word_embeddings=tie)
+    config = FAMILY_CONFIGS[family](tokenizer, vision=vision, text=text, tie_word_embeddings=tie)
     model = random_model(config, seed=seed, logit_scale=1.0 if tie else logit_scale)
     if tie:  # the head is the embedding: sharpen both
         with torch.no_grad():
@@ -51,13 +52,15 @@ def png_bytes(image: Image.Image, **kwargs: Any) -> bytes:
 
 
 def hf_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """transformers' model of the checkpoint's family, the numerical oracle."""
+    from transformers import AutoConfig
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return model_class(config).from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def hf_inputs(path: str, conversation: Sequence[dict[str, Any]], device: str = "cpu") -> dict[str, torch.Tensor]:
-    """What transformers' Qwen2.5-VL processor produces: the chat template rendered, each
+    """What transformers' Qwen-VL processors produce: the chat template rendered, each
     <|image_pad|> repeated once per merged patch, then tokenised; pixels from the PIL processor."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

@@ -1,7 +1,9 @@
 """Lazy CUDA graphs for the vision encoder, keyed by bucketed patch count.
 
-Captured region: every ViT block and the patch merger, plus the un-permutation of merged rows.
-Outside it, per call: patch embedding, rotary tables, window order, and segment boundaries,
+Captured region: every ViT block and the patch mergers (Qwen3-VL: the main one and the deepstack
+ones, returned together as [merged, levels, dim]), plus the un-permutation of merged rows.
+Outside it, per call: patch embedding (with Qwen3-VL's interpolated position embedding), rotary
+tables, window order (towers with windowed blocks), and segment boundaries,
 written into static buffers that were allocated once at the largest bucket and are only sliced.
 
 A pack of images with N patches runs in the graph of the smallest bucket >= N (captured the
@@ -58,7 +60,9 @@ class ViTGraphRunner(GraphRunner):
                          vit.attention, memory, max_graphs)
         self.buckets = self.sizes
         self.max_images = max_images
-        self.window_merged = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+        # Towers without windowed blocks (window_size None) have no window segments to lay out.
+        self.windowed = cfg.window_size is not None
+        self.window_merged = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size if self.windowed else 0
         self.window_patches = self.window_merged**2 * self.unit
         if not self.enabled:
             return
@@ -69,7 +73,8 @@ class ViTGraphRunner(GraphRunner):
         self.cos = torch.zeros(largest, cfg.head_dim, dtype=torch.float32, device=device)
         self.sin = torch.zeros(largest, cfg.head_dim, dtype=torch.float32, device=device)
         self.cu_full = torch.zeros(self.full_slots() + 1, dtype=torch.int32, device=device)
-        self.cu_window = torch.zeros(self.window_slots(largest) + 1, dtype=torch.int32, device=device)
+        self.cu_window = (torch.zeros(self.window_slots(largest) + 1, dtype=torch.int32, device=device)
+                          if self.windowed else None)
         self.inverse = torch.arange(largest // self.unit, dtype=torch.int64, device=device)
         self.identity = self.inverse.clone()  # padding rows map to themselves
 
@@ -83,6 +88,8 @@ class ViTGraphRunner(GraphRunner):
         return full_segment_slots(self.max_images)
 
     def window_slots(self, bucket: int) -> int:
+        if not self.windowed:
+            return 0
         return window_segment_slots(bucket, self.unit, self.window_merged, self.max_images)
 
     def bucket_for(self, patches: int, images: int) -> int | None:
@@ -115,18 +122,21 @@ class ViTGraphRunner(GraphRunner):
         """Write the pack into the static buffers; False if its layout does not fit the bucket."""
         n, vit = meta.num_patches, self.vit
         pad = bucket - n
-        window_pad = [self.window_patches] * (pad // self.window_patches)
-        if pad % self.window_patches:
-            window_pad.append(pad % self.window_patches)
+        window_pad: list[int] = []
+        if self.windowed:
+            window_pad = [self.window_patches] * (pad // self.window_patches)
+            if pad % self.window_patches:
+                window_pad.append(pad % self.window_patches)
         slots = self.window_slots(bucket)
         if len(meta.window_lengths) + len(window_pad) > slots or len(meta.full_lengths) + 1 > self.full_slots():
             return False
         order = to_device(meta.patch_order, self.device)
         positions = to_device(meta.positions, self.device)
-        vit.embed(pixel_values, order, out=self.hidden[:n])  # straight into the static inputs
+        vit.embed(pixel_values, order, meta, out=self.hidden[:n])  # straight into the static inputs
         vit.rotary_tables(positions, order, out=(self.cos[:n], self.sin[:n]))
         copy_into(self.cu_full[: self.full_slots() + 1], _boundaries(meta.full_lengths + [pad], self.full_slots()))
-        copy_into(self.cu_window[: slots + 1], _boundaries(meta.window_lengths + window_pad, slots))
+        if self.cu_window is not None:
+            copy_into(self.cu_window[: slots + 1], _boundaries(meta.window_lengths + window_pad, slots))
         merged = meta.num_merged
         copy_into(self.inverse[:merged], meta.merged_inverse)
         self.inverse[merged: bucket // self.unit].copy_(self.identity[merged: bucket // self.unit])
@@ -135,7 +145,8 @@ class ViTGraphRunner(GraphRunner):
     def body(self, bucket: Any) -> Callable[[], torch.Tensor]:
         """The captured region for `bucket`: blocks and merger over the static buffers."""
         full = Segments(self.cu_full[: self.full_slots() + 1], bucket, [])
-        windows = Segments(self.cu_window[: self.window_slots(bucket) + 1], self.window_patches, [])
+        windows = (Segments(self.cu_window[: self.window_slots(bucket) + 1], self.window_patches, [])
+                   if self.cu_window is not None else None)
         hidden, cos, sin = self.hidden[:bucket], self.cos[:bucket], self.sin[:bucket]
         inverse = self.inverse[: bucket // self.unit]
 

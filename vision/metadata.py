@@ -47,9 +47,12 @@ class VisionPackMeta:
         return int(self.merged_inverse.shape[0])
 
 
-def build_pack_meta(grids: Sequence[Grid], merge_size: int, window_size: int, patch_size: int) -> VisionPackMeta:
+def build_pack_meta(grids: Sequence[Grid], merge_size: int, window_size: int | None, patch_size: int
+                    ) -> VisionPackMeta:
+    """The pack's layout. `window_size` None: a tower without windowed blocks (Qwen2-VL, Qwen3-VL):
+    patches keep their order (the permutations are identities) and there are no windows."""
     unit = merge_size * merge_size
-    window_merged = window_size // merge_size // patch_size
+    window_merged = window_size // merge_size // patch_size if window_size is not None else None
     patch_orders, inverses, positions = [], [], []
     full_lengths: list[int] = []
     window_lengths: list[int] = []
@@ -57,7 +60,10 @@ def build_pack_meta(grids: Sequence[Grid], merge_size: int, window_size: int, pa
     patch_offset = 0
     for grid in grids:
         t, h, w = (int(v) for v in grid)
-        order, win_lens = _window_layout(t, h, w, merge_size, window_merged)
+        if window_merged is None:
+            order, win_lens = _identity_layout(t * h * w), []
+        else:
+            order, win_lens = _window_layout(t, h, w, merge_size, window_merged)
         merged = t * h * w // unit
         patch_orders.append(order + patch_offset)
         inverses.append(np.argsort(order[::unit] // unit, kind="stable") + patch_offset // unit)
@@ -88,6 +94,13 @@ def segments_of(lengths: Sequence[int], device: torch.device, max_len: int | Non
     lengths = [int(n) for n in lengths]
     bound = max(lengths, default=0) if max_len is None else max_len
     return Segments(cu_seqlens_of(lengths, device), bound, lengths)
+
+
+@lru_cache(maxsize=4096)
+def _identity_layout(patches: int) -> np.ndarray:
+    order = np.arange(patches, dtype=np.int64)
+    order.setflags(write=False)
+    return order
 
 
 @lru_cache(maxsize=4096)

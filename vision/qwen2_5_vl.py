@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
-from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
+from mmpipe.vision.layers import VisionRotary, VisionSelfAttention, encode_eager
+from mmpipe.vision.metadata import Segments, VisionPackMeta
 from torch import nn
 
 from mmpipe.errors import CheckpointError
-from mmpipe.graphs.transfer import to_device
-from mmpipe.kernels.fused import add_rms_norm, rotary_qk
-from mmpipe.kernels.vision_rotary import rotary_tables
+from mmpipe.kernels.fused import add_rms_norm
 from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.norm import RMSNorm
 from mmpipe.layers.weight_map import WeightMap
@@ -78,22 +78,6 @@ class VisionConfig:
         return out
 
 
-class VisionSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-                attention: VisionAttention) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # rotated in float32, as the reference
-        out = attention.forward(q, k, v, seg)
-        return self.proj(out.reshape(n, -1))
-
-
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -114,7 +98,8 @@ class VisionBlock(nn.Module):
 class PatchMerger(nn.Module):
     def __init__(self, out_dim: int, context_dim: int, merge_size: int) -> None:
         super().__init__()
-        self.hidden = context_dim * merge_size * merge_size
+        self.unit = merge_size * merge_size
+        self.hidden = context_dim * self.unit
         self.ln_q = RMSNorm(context_dim)
         self.fc1 = nn.Linear(self.hidden, self.hidden)
         self.fc2 = nn.Linear(self.hidden, out_dim)
@@ -124,28 +109,7 @@ class PatchMerger(nn.Module):
 
     def project(self, normed: torch.Tensor) -> torch.Tensor:
         """The MLP on rows already normalised by ln_q, merge_size^2 rows at a time."""
-        return self.fc2(F.gelu(self.fc1(normed.view(-1, self.hidden))))
-
-
-class VisionRotary(nn.Module):
-    """Axial 2-D rotary: a quarter of the head dim for rows, a quarter for columns, doubled."""
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self) -> torch.Tensor:
-        dim = self.head_dim // 2
-        return 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-
-    def init_buffers(self) -> None:
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
-
-    def forward(self, positions: torch.Tensor, order: torch.Tensor,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, head_dim] float32 of the patches `order` picks from positions [P, 2]."""
-        return rotary_tables(positions, order, self.inv_freq, out)
+        return self.fc2(F.gelu(self.fc1(rearrange(normed, "(blocks unit) d -> blocks (unit d)", unit=self.unit))))
 
 
 class Qwen25VisionTransformer(nn.Module):
@@ -166,7 +130,7 @@ class Qwen25VisionTransformer(nn.Module):
 
     # ---- outside the graph
 
-    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor,
+    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor, meta: VisionPackMeta | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
         """Patch embedding of the window-ordered patches: [N, C*T*P*P] -> [N, hidden] (into `out`)."""
         x = pixel_values.index_select(0, patch_order).to(self.patch_embed.weight.dtype)
@@ -193,14 +157,7 @@ class Qwen25VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
         """Encode a pack of images eagerly: [N, patch_dim] -> [N / merge_unit, out_dim]."""
-        device = pixel_values.device
-        order = to_device(meta.patch_order, device)
-        hidden = self.embed(pixel_values, order)
-        cos, sin = self.rotary_tables(to_device(meta.positions, device), order)
-        full = segments_of(meta.full_lengths, device)
-        windows = segments_of(meta.window_lengths, device)
-        inverse = to_device(meta.merged_inverse, device)
-        return self.forward_blocks(hidden, cos, sin, full, windows, inverse)
+        return encode_eager(self, pixel_values, meta)
 
     # ---- weights
 

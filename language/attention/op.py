@@ -17,7 +17,7 @@ plain functions: a custom op's dispatch costs tens to hundreds of microseconds o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional  # torch.library reads the annotations: Optional, not `X | None`
 
 import torch
 
@@ -50,14 +50,17 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, laye
 @torch.library.custom_op("mmpipe::rope_kv_write", mutates_args=("k_cache", "v_cache"))
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+                  head_dim: int, q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
+                               q_norm, k_norm, eps)
     return q, k
 
 
 @rope_kv_write.register_fake
 def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-      slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+      slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+      q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None, eps: float = 1e-6
       ) -> tuple[torch.Tensor, torch.Tensor]:
     n = qkv.shape[0]
     return (qkv.new_empty(n, num_heads, head_dim), qkv.new_empty(n, num_kv_heads, head_dim))

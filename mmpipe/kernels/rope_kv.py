@@ -32,14 +32,15 @@ from __future__ import annotations
 import torch
 
 from mmpipe.kernels import pdl, tl, triton
-from mmpipe.kernels.fused import rotate_half
+from mmpipe.kernels.fused import rms_norm_reference, rotate_half
 from mmpipe.kernels.launch import launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
 
 
 def rope_qk_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rope_qk_write_kv` in plain PyTorch, in the model's rounding order (any device)."""
     n = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -47,6 +48,8 @@ def rope_qk_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.
     q = q.view(n, num_heads, head_dim)
     k = k.view(n, num_kv_heads, head_dim)
     v = v.view(n, num_kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:  # Qwen3: RMSNorm of every head before the rotation
+        q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
     c, s = cos[:n].unsqueeze(1), sin[:n].unsqueeze(1)
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
@@ -57,20 +60,24 @@ def rope_qk_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 def rope_qk_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2*Hkv) * D] (output of the fused qkv projection, bias included); cos, sin [T, D]
     in qkv's dtype (duplicated-halves layout). Returns q [T, H, D] rotated (contiguous), k [T, Hkv, D]
     rotated (contiguous), v [T, Hkv, D] (a view of qkv), and writes the rotated k and v of row t into
     cache slot slot_mapping[t] (flat slot = page*page_size+offset; caches are [pages, page_size, Hkv,
-    D]). slot_mapping has exactly T entries (padded rows point at a reserved dummy page).
+    D]). slot_mapping has exactly T entries (padded rows point at a reserved dummy page). With
+    `q_norm` and `k_norm` ([D] weights, Qwen3's per-head RMSNorm), every q and k head is normalised
+    before its rotation, in the same kernel (float32 statistics, rounded to the dtype, then scaled
+    by the weight and rounded again: transformers' order).
 
     Graph-safe: no host sync, output shapes depend only on T. One Triton kernel on CUDA, the
     reference elsewhere; both give the same bits."""
     if triton is not None and qkv.is_cuda:
         return rope_qk_write_kv_triton(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                                       head_dim)
+                                       head_dim, q_norm, k_norm, eps)
     return rope_qk_write_kv_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                                      head_dim)
+                                      head_dim, q_norm, k_norm, eps)
 
 
 if triton is not None:
@@ -100,13 +107,28 @@ if triton is not None:
 
 
     @triton.jit
+    def _head_norm(x1, x2, w_ptr, j, jmask, eps, DIM: tl.constexpr, HALF: tl.constexpr, NO_FMA: tl.constexpr):
+        """RMSNorm of every head (rows of the two halves): float32 statistics, normalised values
+        rounded to x's dtype, times the weight, rounded again (the reference's order)."""
+        dt = x1.dtype
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        var = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / DIM
+        r = tl.math.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + j, mask=jmask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+        y1 = _mul(w1, (a * r).to(dt).to(tl.float32), NO_FMA).to(dt)
+        y2 = _mul(w2, (b * r).to(dt).to(tl.float32), NO_FMA).to(dt)
+        return y1, y2
+
+
+    @triton.jit
     def _rope_qk_write_kv_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr,
+        qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, eps,
         stride_t, stride_c, stride_s, stride_q, stride_k,
         stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr,
         H_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, NO_FMA: tl.constexpr, PDL: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, QK_NORM: tl.constexpr, NO_FMA: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -123,6 +145,8 @@ if triton is not None:
         mask = (h < HEADS) & jmask
         x1 = tl.load(row + h * DIM + j, mask=mask, other=0.0)
         x2 = tl.load(row + h * DIM + HALF + j, mask=mask, other=0.0)
+        if QK_NORM:
+            x1, x2 = _head_norm(x1, x2, qn_ptr, j, jmask, eps, DIM, HALF, NO_FMA)
         o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, NO_FMA)
         tl.store(q_ptr + t * stride_q + h * DIM + j, o1, mask=mask)
         tl.store(q_ptr + t * stride_q + h * DIM + HALF + j, o2, mask=mask)
@@ -135,6 +159,8 @@ if triton is not None:
         mask = (g < KV_HEADS) & jmask
         x1 = tl.load(row + (HEADS + g) * DIM + j, mask=mask, other=0.0)
         x2 = tl.load(row + (HEADS + g) * DIM + HALF + j, mask=mask, other=0.0)
+        if QK_NORM:
+            x1, x2 = _head_norm(x1, x2, kn_ptr, j, jmask, eps, DIM, HALF, NO_FMA)
         o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, NO_FMA)
         tl.store(k_ptr + t * stride_k + g * DIM + j, o1, mask=mask)
         tl.store(k_ptr + t * stride_k + g * DIM + HALF + j, o2, mask=mask)
@@ -151,7 +177,8 @@ if triton is not None:
 
 def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                            head_dim: int, no_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                            eps: float = 1e-6, no_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel behind `mmpipe.kernels.rope_kv.rope_qk_write_kv` (same arguments and results).
     `no_fma=False` replaces the inline-PTX products with plain ones, for the Triton interpreter
     only (it has no inline asm, and numpy never contracts)."""
@@ -169,6 +196,9 @@ def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         if cache.shape[2:] != (num_kv_heads, head_dim) or cache.stride(3) != 1:
             raise ValueError(f"cache {tuple(cache.shape)}: expected [pages, page_size, {num_kv_heads}, {head_dim}]"
                              " with unit last stride")
+    norm = q_norm is not None and k_norm is not None
+    if norm and (q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):  # type: ignore[union-attr]
+        raise ValueError(f"q_norm / k_norm: expected [{head_dim}] weights")
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = qkv.view(n, num_heads + 2 * num_kv_heads, head_dim)[:, num_heads + num_kv_heads:]
@@ -176,14 +206,14 @@ def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         half = head_dim // 2
         launch(
             _rope_qk_write_kv_kernel, (n,),
-            qkv, cos, sin, slot_mapping, q, k, k_cache, v_cache,
-            qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0),
+            qkv, cos, sin, slot_mapping, q, k, k_cache, v_cache, q_norm if norm else qkv, k_norm if norm else qkv,
+            eps, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEADS=num_heads, KV_HEADS=num_kv_heads, DIM=head_dim, HALF=half,
             H_PAD=next_power_of_2(num_heads), KV_PAD=next_power_of_2(num_kv_heads),
             HALF_PAD=next_power_of_2(half), D_PAD=next_power_of_2(head_dim),
-            PAGE_SIZE=k_cache.shape[1], NO_FMA=no_fma, PDL=(on := pdl.enabled(qkv)),
+            PAGE_SIZE=k_cache.shape[1], QK_NORM=norm, NO_FMA=no_fma, PDL=(on := pdl.enabled(qkv)),
             num_warps=4, launch_pdl=on,
         )
     return q, k, v

@@ -88,7 +88,7 @@ def test_unsupported_architecture(checkpoint, tmp_path):
     config = json.load(open(config_file))
     config["architectures"] = ["LlavaForConditionalGeneration"]
     json.dump(config, open(config_file, "w"))
-    with pytest.raises(UnsupportedModelError, match="LlavaForConditionalGeneration.*supported: Qwen2_5_VL"):
+    with pytest.raises(UnsupportedModelError, match="LlavaForConditionalGeneration.*supported: Qwen2.5-VL .Qwen2_5_VL.*Qwen3-VL"):
         Pipeline.from_pretrained(path, device="cpu")
 
 

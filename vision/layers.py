@@ -1,0 +1,129 @@
+"""Pieces the Qwen vision towers share: the self-attention with 2-D rotary, the rotary tables,
+the LayerNorm block with a plain MLP (Qwen2-VL, Qwen3-VL), the LayerNorm patch merger, and the
+eager encode of a pack (the graph runner's fallback and the reference for its graphs).
+
+Every tower splits its forward the same way, so one graph runner serves all of them:
+`embed(pixels, order, meta, out)` and `rotary_tables(positions, order, out)` run outside the
+graph and write its static inputs; `forward_blocks(hidden, cos, sin, full, windows, inverse)` is
+the captured region (blocks and mergers; nothing in it depends on host values).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from mmpipe.vision.attention import VisionAttention
+from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
+from torch import nn
+
+from mmpipe.graphs.transfer import to_device
+from mmpipe.kernels.fused import rotary_qk
+from mmpipe.kernels.vision_rotary import rotary_tables
+from mmpipe.layers.mlp import activation
+
+
+class VisionSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+                attention: VisionAttention) -> torch.Tensor:
+        q, k, v = rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # rotated in float32, as the reference
+        out = attention.forward(q, k, v, seg)
+        return self.proj(rearrange(out, "n heads d -> n (heads d)"))
+
+
+class VisionRotary(nn.Module):
+    """Axial 2-D rotary: a quarter of the head dim for rows, a quarter for columns, doubled."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        dim = self.head_dim // 2
+        return 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+    def init_buffers(self) -> None:
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, order: torch.Tensor,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, head_dim] float32 of the patches `order` picks from positions [P, 2]."""
+        return rotary_tables(positions, order, self.inv_freq, out)
+
+
+class PlainMLP(nn.Module):
+    """fc2(act(fc1(x))): the vision MLP of Qwen2-VL (QuickGELU) and Qwen3-VL (GELU-tanh)."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, bias=True)
+        self.fc2 = nn.Linear(hidden, dim, bias=True)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class LayerNormBlock(nn.Module):
+    """x + attn(norm1(x)), then + mlp(norm2(.)), LayerNorms with bias (eps 1e-6)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, act: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = VisionSelfAttention(dim, num_heads)
+        self.mlp = PlainMLP(dim, mlp_dim, act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+                attention: VisionAttention) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, seg, attention)
+        return x + self.mlp(self.norm2(x))
+
+
+class LayerNormMerger(nn.Module):
+    """Each merge block's m*m patch rows become one row of the language model's width:
+    LayerNorm, concatenation of the block's rows, fc1, GELU, fc2. `postshuffle`: the norm runs
+    on the concatenated row (Qwen3-VL's deepstack mergers) instead of on each patch row."""
+
+    def __init__(self, context_dim: int, out_dim: int, merge_size: int, postshuffle: bool = False) -> None:
+        super().__init__()
+        self.unit = merge_size * merge_size
+        self.hidden = context_dim * self.unit
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.hidden if postshuffle else context_dim, eps=1e-6)
+        self.fc1 = nn.Linear(self.hidden, self.hidden)
+        self.fc2 = nn.Linear(self.hidden, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.postshuffle:
+            x = self.norm(self.gather(x))
+        else:
+            x = self.gather(self.norm(x))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, d] patch rows in merge-block order -> [N / unit, unit * d], one row per block."""
+        return rearrange(x, "(blocks unit) d -> blocks (unit d)", unit=self.unit)
+
+
+def encode_eager(vit: Any, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
+    """A pack through a tower without graphs: the same three calls the graph runner makes, on
+    tensors of the pack's own size."""
+    device = pixel_values.device
+    order = to_device(meta.patch_order, device)
+    hidden = vit.embed(pixel_values, order, meta)
+    cos, sin = vit.rotary_tables(to_device(meta.positions, device), order)
+    full = segments_of(meta.full_lengths, device)
+    windows = segments_of(meta.window_lengths, device)
+    inverse = to_device(meta.merged_inverse, device)
+    return vit.forward_blocks(hidden, cos, sin, full, windows, inverse)
