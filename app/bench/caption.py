@@ -10,7 +10,7 @@
 3. Optionally `mmpipe caption --gpus N` as a user runs it (`--gpus 1,2`): data parallel, one
    process per GPU; throughput counts from the moment every process is captioning.
 
-Qwen2.5-VL-3B-shaped random weights (app/bench/main.py), 448x448 JPEG files, `--new-tokens` tokens
+Qwen2.5-VL-3B-shaped random weights (or `--shape`, app/bench/shapes.py), 448x448 JPEG files, `--new-tokens` tokens
 per image (min_new_tokens = max_new_tokens, greedy).
 """
 
@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from mmpipe.app.bench.main import build_3b_checkpoint, hf_generate_batched, table
+from mmpipe.app.bench.main import hf_generate_batched, table
+from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint
 from PIL import Image
 
 
@@ -46,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", default="", help="comma-separated process counts for `mmpipe caption --gpus`")
     parser.add_argument("--cli-images", type=int, default=512, help="at least this many files in the folder that "
                         "--gpus captions (all of it)")
-    parser.add_argument("--checkpoint", default=None, help="reuse (or create) the 3B-shaped checkpoint here")
+    add_shape_argument(parser)
+    parser.add_argument("--checkpoint", default=None, help="reuse (or create) the random checkpoint here")
     parser.add_argument("--workdir", default=None, help="where the JPEG files go (default: a temporary folder)")
 
 
@@ -75,7 +77,8 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
     from mmpipe.pipeline import caption_conversation
 
     work = args.workdir or tempfile.mkdtemp(prefix="mmpipe-bench-caption-")
-    ckpt = build_3b_checkpoint(args.checkpoint or os.path.join(tempfile.gettempdir(), "mmpipe-3b-random"))
+    ckpt = build_checkpoint(args.checkpoint, args.shape)
+    label = SHAPES[args.shape].label
     sizes = _sizes(args.images)
     hf_sizes = _sizes(args.hf_images) if args.hf_images is not None else sizes
     paths = write_jpegs(os.path.join(work, "images"), max(sizes + hf_sizes + [args.cli_images if args.gpus else 0]))
@@ -85,9 +88,9 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
     seconds: dict[tuple[str, int], float] = {}
 
     if hf_sizes:
-        from transformers import Qwen2_5_VLForConditionalGeneration
+        from mmpipe.app.bench.shapes import hf_model
 
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+        model = hf_model(ckpt)
         with torch.inference_mode():
             hf_generate_batched(model, ckpt, paths[:4], prompt, 4, 4)  # warm-up
             for n in hf_sizes:
@@ -136,7 +139,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
                 key = "on" if overlap else "off"
                 summaries[key], top_kernels[key] = profile_run(
                     pipe, convs[:args.timeline_images], params, overlap, _timeline_path(args.timeline, overlap),
-                    f"mmpipe captioning {args.timeline_images} JPEG files (3B shape, bf16, {args.new_tokens} tokens), "
+                    f"mmpipe captioning {args.timeline_images} JPEG files ({label} shape, bf16, {args.new_tokens} tokens), "
                     f"overlap {'on' if overlap else 'off'}, {device}")
         engine.drain()
         engine.overlap = configured[0]  # the statistics report the configuration, not the last run
@@ -156,7 +159,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
             if count == n:
                 rows.append([name, n, round(sec, 2), round(n / sec, 1), round(n * args.new_tokens / sec),
                              f"{base / sec:.1f}x" if base else "-"])
-    print(f"448x448 JPEG files, {args.new_tokens} new tokens each, Qwen2.5-VL-3B-shaped random weights, bfloat16, "
+    print(f"448x448 JPEG files, {args.new_tokens} new tokens each, {label}-shaped random weights, bfloat16, "
           f"{device}; file decoding included\n")
     print(table("Captioning files, same process", ["system", "files", "seconds", "images/s", "generated tok/s",
                                                      "vs transformers"], rows))

@@ -31,21 +31,12 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
 import torch
-from mmpipe.app.bench.main import QWEN25_VL_3B_TEXT, QWEN25_VL_3B_VISION, build_3b_checkpoint, table
-
-QWEN25_VL_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                                          "mrope_section": [16, 24, 24]})
-QWEN25_VL_7B_VISION = dict(QWEN25_VL_3B_VISION, out_hidden_size=3584)
-# shape -> (vision config, text config, tied head)
-SHAPES = {"3b": (QWEN25_VL_3B_VISION, QWEN25_VL_3B_TEXT, True),
-          "7b": (QWEN25_VL_7B_VISION, QWEN25_VL_7B_TEXT, False)}
+from mmpipe.app.bench.main import table
+from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint, default_checkpoint_dir
 
 SYSTEMS = ("hf", "hf-static", "mmpipe-eager", "mmpipe-graphs")
 LABELS = {"hf": "transformers (dynamic cache)",
@@ -78,8 +69,7 @@ def system_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `decode` subcommand's options (bench.py adds --json to every subcommand)."""
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="3b",
-                        help="Qwen2.5-VL-3B (tied head) or -7B (untied) shape, random weights")
+    add_shape_argument(parser)
     parser.add_argument("--batches", type=int_list, default=[1, 8, 32, 128],
                         help="comma-separated batch sizes")
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -107,7 +97,7 @@ def check_args(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- pure arithmetic
 
 def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a Qwen2.5-VL config.json (nested or flat)."""
+    """The language model's part of a Qwen-VL config.json (nested or flat)."""
     text = dict(config.get("text_config") or config)
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
         text["tie_word_embeddings"] = config["tie_word_embeddings"]
@@ -125,7 +115,8 @@ def lm_weight_params(text: dict[str, Any]) -> int:
     h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
     heads, kv_heads, dim = text["num_attention_heads"], text["num_key_value_heads"], head_dim_of(text)
     q, kv = heads * dim, kv_heads * dim
-    attention = h * q + q + 2 * (h * kv + kv) + q * h
+    bias = bool(text.get("attention_bias", True))  # Qwen2: q/k/v biases; Qwen3: none (its configs say so)
+    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if bias else 0)
     mlp = 3 * h * inter
     per_layer = attention + mlp + 2 * h
     return layers * per_layer + h + text["vocab_size"] * h
@@ -266,7 +257,7 @@ def header_line(result: dict[str, Any]) -> str:
     n1, n2 = result["new_tokens"]
     return (f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}; "
             f"device-to-device copy {result['copy_GBps']:.0f} GB/s (read + write); "
-            f"Qwen2.5-VL-{result['shape'].upper()}-shaped LM, random weights, {result['dtype']}; "
+            f"{SHAPES[result['shape']].label}-shaped LM, random weights, {result['dtype']}; "
             f"{result['prompt_tokens']}-token prompts, ms/step = (t({n2}) - t({n1})) / {n2 - n1} new tokens; "
             f"floor = ({result['lm_weight_bytes'] / 1e9:.2f} GB of LM weights + KV at context "
             f"{result['mean_context']:g}) / copy bandwidth")
@@ -316,7 +307,7 @@ def plot(result: dict[str, Any], path: str) -> bool:
     left.set_yscale("log")
     right.set_ylim(bottom=0)
     left.legend(fontsize=8)
-    fig.suptitle(f"Decode, Qwen2.5-VL-{result['shape'].upper()}-shaped LM, {result['dtype']}, "
+    fig.suptitle(f"Decode, {SHAPES[result['shape']].label}-shaped LM, {result['dtype']}, "
                  f"{result['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -325,29 +316,6 @@ def plot(result: dict[str, Any], path: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- checkpoint and prompts
-
-def build_checkpoint(path: str, shape: str, device: str = "cuda") -> str:
-    """A Qwen2.5-VL checkpoint of `shape` with random bfloat16 weights (the 3B one is bench.py's)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    if shape == "3b":
-        return build_3b_checkpoint(path)
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from mmpipe.app.tiny.synthetic import build_tokenizer, qwen2_5_vl_config, write_checkpoint
-
-    vision, text, tied = SHAPES[shape]
-    tokenizer = build_tokenizer(vocab_size=512)
-    config = qwen2_5_vl_config(tokenizer, vision=vision, text=text, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
-    write_checkpoint(path, model, tokenizer, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return path
-
 
 def read_config(path: str) -> dict[str, Any]:
     with open(os.path.join(path, "config.json")) as handle:
@@ -581,8 +549,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     clock = time.perf_counter()
     n1, n2 = args.new_tokens
     batches = list(args.batches)
-    path = args.checkpoint or os.path.join(tempfile.gettempdir(), f"mmpipe-{args.shape}-random")
-    path = build_checkpoint(path, args.shape, str(device))
+    path = build_checkpoint(args.checkpoint or default_checkpoint_dir(args.shape), args.shape, str(device))
     _log(clock, f"checkpoint {path}")
     text = text_config_of(read_config(path))
     elem = torch.empty(0, dtype=_torch_dtype(args.dtype)).element_size()
@@ -619,10 +586,12 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
 
     hf_systems = [s for s in args.systems if s.startswith("hf")]
     if hf_systems:
-        from transformers import Qwen2_5_VLForConditionalGeneration
+        from mmpipe.app.tiny.synthetic import model_class
+        from transformers import AutoConfig
 
         _raise_recompile_limit(64)  # one compile per batch shape, plus automatic-dynamic ones
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=_torch_dtype(args.dtype))
+        model = model_class(AutoConfig.from_pretrained(path, local_files_only=True)).from_pretrained(
+            path, dtype=_torch_dtype(args.dtype))
         model = model.to(device).eval()
         _log(clock, "transformers model loaded")
         for system in hf_systems:

@@ -22,14 +22,7 @@ import time
 from typing import Any, Callable
 
 import torch
-
-QWEN25_VL_3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                           fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2)
-QWEN25_VL_3B_TEXT = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                         num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                                          "mrope_section": [16, 24, 24]})
+from mmpipe.app.bench.shapes import QWEN25_VL_3B_TEXT, QWEN25_VL_3B_VISION, SHAPES, add_shape_argument  # noqa: F401
 
 
 def median_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
@@ -256,21 +249,9 @@ def run_kernels(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_3b_checkpoint(path: str) -> str:
     """A Qwen2.5-VL-3B-shaped checkpoint with random bfloat16 weights."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from mmpipe.app.bench.shapes import build_checkpoint
 
-    from mmpipe.app.tiny.synthetic import build_tokenizer, qwen2_5_vl_config, write_checkpoint
-
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    tokenizer = build_tokenizer(vocab_size=512)
-    config = qwen2_5_vl_config(tokenizer, vision=QWEN25_VL_3B_VISION, text=QWEN25_VL_3B_TEXT, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
-    write_checkpoint(path, model, tokenizer, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return build_checkpoint(path, "3b")
 
 
 def hf_generate_batched(model: Any, path: str, images: list[Any], prompt: str, new_tokens: int,
@@ -368,27 +349,40 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- ViT graphs
 
-def vision_pair(depth: int | None = None):
-    """transformers' Qwen2.5-VL-3B vision tower with random weights, and mmpipe's with the same weights."""
-    from mmpipe.vision.attention import make_vision_attention
-    from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+_HF_VISION_CLASSES = {"qwen2_5_vl": "models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
+                      "qwen2_vl": "models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel",
+                      "qwen3_vl": "models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel"}
 
+
+def vision_pair(depth: int | None = None, shape: str = "3b"):
+    """transformers' vision tower of `shape` with random weights, and mmpipe's with the same weights."""
+    import importlib
+
+    from mmpipe.app.bench.shapes import hf_config
+    from mmpipe.vision.attention import make_vision_attention
+
+    from mmpipe.models import spec_for
     from mmpipe.weights import prepare_for_kernels
 
-    shape = dict(QWEN25_VL_3B_VISION, **({"depth": depth} if depth else {}))
-    hf_config = Qwen2_5_VLConfig(vision_config=shape)
+    spec = SHAPES[shape]
+    vision = dict(spec.vision, **({"depth": depth} if depth else {}))
+    if depth and "deepstack_visual_indexes" in vision:
+        vision["deepstack_visual_indexes"] = [i for i in vision["deepstack_visual_indexes"] if i < depth]
+    config = hf_config(shape)
+    config = type(config)(**{**config.to_dict(), "vision_config": {**config.vision_config.to_dict(), **vision}})
+    module, name = _HF_VISION_CLASSES[spec.family].rsplit(".", 1)
+    hf_class = getattr(importlib.import_module(f"transformers.{module}"), name)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf_config.vision_config).to(torch.bfloat16).eval()
-    cfg = VisionConfig.from_hf({"vision_config": shape})
+        hf = hf_class._from_config(config.vision_config).to(torch.bfloat16).eval()
+    family = spec_for(config.to_dict(), shape)
+    cfg = family.vision_config(config.to_dict())
     with torch.device("cuda"):
-        ours = Qwen25VisionTransformer(cfg).to(torch.bfloat16).eval()
+        ours = family.vision_model(cfg).to(torch.bfloat16).eval()
     ours.rotary.init_buffers()
     weights = ours.weight_map()
     loaded, unexpected = weights.load(hf.state_dict().items())
-    assert not unexpected and weights.expected_names() <= loaded
+    assert not unexpected and weights.expected_names() <= loaded, (unexpected, weights.expected_names() - loaded)
     prepare_for_kernels(ours)
     ours.attention = make_vision_attention("auto", torch.device("cuda"), torch.bfloat16)
     return hf, ours
@@ -430,9 +424,13 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
     from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
     from PIL import Image
 
-    hf, ours = vision_pair()
+
+    shape = SHAPES[args.shape]
+    hf, ours = vision_pair(shape=args.shape)
     runner = ViTGraphRunner(ours, torch.device("cuda"), default_buckets(16384))
-    image_cfg = ImageProcessorConfig(max_pixels=1344 * 1344)
+    qwen3 = shape.family == "qwen3_vl"
+    image_cfg = ImageProcessorConfig(max_pixels=1344 * 1344, patch_size=ours.cfg.patch_size,
+                                     **({"image_mean": (0.5,) * 3, "image_std": (0.5,) * 3} if qwen3 else {}))
     rows = []
     with torch.inference_mode():
         for side in (224, 448, 896, 1344):
@@ -456,25 +454,31 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
 
             reference = hf_run()
             agree = max(((x.double() - reference.double()).norm() / reference.double().norm()).item()
-                        for x in (eager_run(), graph_run()))
+                        for x in (main_level(eager_run()), main_level(graph_run())))
             t_hf, t_eager, t_graph = _wall_ms(hf_run), _wall_ms(eager_run), _wall_ms(graph_run)
             floor = _kernel_ms(graph_run) or _kernel_ms(eager_run)  # graph kernels may be invisible
             rows.append([f"{side} px", processed.num_patches, round(t_hf, 2), round(t_eager, 2), round(t_graph, 2),
                          round(floor, 2), f"{t_hf / t_graph:.1f}x", f"{t_graph / floor:.2f}x", f"{agree:.1e}"])
-        beside = vit_beside_decode(runner, image_cfg)
+        beside = vit_beside_decode(runner, image_cfg) if args.shape == "3b" else []
     stats = runner.stats()
     runner.close()
-    print(f"{torch.cuda.get_device_name()}, Qwen2.5-VL-3B vision tower (random weights), bfloat16, one image "
+    print(f"{torch.cuda.get_device_name()}, {shape.label} vision tower (random weights), bfloat16, one image "
           "per call, ms (median of 15)\n")
     print(table("ViT latency per image", ["image", "patches", "transformers eager", "mmpipe eager", "mmpipe graph",
                                           "graph kernel sum", "transformers / graph", "graph / kernel sum",
                                           "max rel diff vs transformers"], rows))
-    print(table("A ViT pack (16 x 448 px, graph) beside decode-shaped work (the 3B LM's projections and head at "
-                "batch 256, one graph per step), ms: run one after the other, or the ViT on a second stream",
-                ["decode steps", "ViT alone", "decode alone", "one after the other", "ViT on its own stream",
-                 "gain"], beside))
-    memory = vit_memory(ours)
+    if beside:
+        print(table("A ViT pack (16 x 448 px, graph) beside decode-shaped work (the 3B LM's projections and head at "
+                    "batch 256, one graph per step), ms: run one after the other, or the ViT on a second stream",
+                    ["decode steps", "ViT alone", "decode alone", "one after the other", "ViT on its own stream",
+                     "gain"], beside))
+    memory = vit_memory(ours) if not args.quick else {}
     return {"latency": rows, "graph_stats": stats, "memory": memory, "vit_beside_decode": beside}
+
+
+def main_level(merged: torch.Tensor) -> torch.Tensor:
+    """The main merger's rows of a tower's output (Qwen3-VL's also holds the deepstack levels)."""
+    return merged[:, 0] if merged.dim() == 3 else merged
 
 
 def vit_beside_decode(runner: Any, image_cfg: Any, batch: int = 256) -> list[list[Any]]:
@@ -581,7 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--kv-pages", type=int, default=8192)
     tp.add_argument("--checkpoint", default=None, help="reuse (or create) the 3B-shaped checkpoint here")
     tp.add_argument("--engine", default=None, help="JSON of EngineConfig overrides")
-    sub.add_parser("vit", help="ViT latency: transformers vs mmpipe eager vs graph; graph memory by mode")
+    vit = sub.add_parser("vit", help="ViT latency: transformers vs mmpipe eager vs graph; graph memory by mode")
+    add_shape_argument(vit)
+    vit.add_argument("--quick", action="store_true", help="latency only (no graph-memory runs)")
     from mmpipe.app.bench import decode as decode_bench  # (not this module's kernel bench_decode)
 
     decode_bench.add_arguments(sub.add_parser("decode", help="LM decode speed: transformers (dynamic, static + "

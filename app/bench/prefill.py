@@ -1,4 +1,4 @@
-"""`mmpipe bench prefill`: time to first token on the 3B shape, one process, side by side.
+"""`mmpipe bench prefill`: time to first token (3B shape, or `--shape`), one process, side by side.
 
 Rows: text prompts of 64, 256, 1024 and 4096 random ordinary tokens, and one 448x448 image + 32
 text tokens. Systems: `transformers` (`generate(max_new_tokens=1)`, default cache), mmpipe with
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import sys
 import tempfile
@@ -24,15 +23,17 @@ import time
 from typing import Any, Callable
 
 import torch
-from mmpipe.app.bench.main import _kernel_ms, _wall_ms, build_3b_checkpoint, table
 from mmpipe.app.bench.decode import make_prompts
+from mmpipe.app.bench.main import _kernel_ms, _wall_ms, table
+from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint
 
 LENGTHS = (64, 256, 1024, 4096)
 IMAGE_ROW = "image+32"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", default=None, help="reuse (or create) the 3B-shaped checkpoint here")
+    add_shape_argument(parser)
+    parser.add_argument("--checkpoint", default=None, help="reuse (or create) the random checkpoint here")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="text prompt lengths")
     parser.add_argument("--repeats", type=int, default=20, help="timed requests per row (median)")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
@@ -103,10 +104,11 @@ class MmpipeTTFT:
 
 class HfTTFT:
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+        from mmpipe.app.bench.shapes import hf_model
+        from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        self.model = hf_model(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.images = Qwen2VLImageProcessorPil.from_pretrained(path)
 
@@ -209,10 +211,11 @@ def _pick(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
-    path = build_3b_checkpoint(args.checkpoint or os.path.join(tempfile.gettempdir(), "mmpipe-3b-random"))
+    path = build_checkpoint(args.checkpoint, args.shape)
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     gpu = torch.cuda.get_device_name()
-    result: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "lengths": lengths, "rows": {}}
+    result: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "lengths": lengths, "rows": {},
+                              "shape": args.shape}
     cases = cases_of(path, lengths)
     if not args.skip_hf:
         print("transformers:", file=sys.stderr, flush=True)
@@ -254,7 +257,7 @@ def report(result: dict[str, Any]) -> str:
         gap = f"{p['ttft_ms'] / p['kernel_ms']:.2f}" if "kernel_ms" in p else "-"
         lines.append([name, ms(h, "ttft_ms"), ms(e, "ttft_ms"), ms(e, "kernel_ms"), ms(p, "ttft_ms"),
                       ms(p, "kernel_ms"), ratio, gap])
-    out = table(f"Time to first token, ms ({result['gpu']}, 3B shape, bf16)",
+    out = table(f"Time to first token, ms ({result['gpu']}, {SHAPES[result.get('shape', '3b')].label} shape, bf16)",
                 ["prompt", "transformers", "mmpipe eager", "eager kernels", "mmpipe piecewise", "piecewise kernels",
                  "vs transformers", "TTFT / kernels"], lines)
     start = result.get("startup")

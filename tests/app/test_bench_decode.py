@@ -53,10 +53,18 @@ def test_lm_weight_params_match_the_model(tie):
 
 
 def test_published_shapes():
-    text_3b = bd.text_config_of({"text_config": bd.QWEN25_VL_3B_TEXT})
+    from mmpipe.app.bench.shapes import SHAPES
+
+    text_3b = bd.text_config_of({"text_config": SHAPES["3b"].text})
     assert bd.lm_weight_params(text_3b) == pytest.approx(3.086e9, rel=1e-3)
-    assert bd.lm_weight_params(bd.QWEN25_VL_7B_TEXT) == pytest.approx(7.071e9, rel=1e-3)
-    assert bd.SHAPES["7b"][0]["out_hidden_size"] == 3584 and bd.SHAPES["7b"][2] is False
+    assert bd.lm_weight_params(SHAPES["7b"].text) == pytest.approx(7.071e9, rel=1e-3)
+    assert SHAPES["7b"].vision["out_hidden_size"] == 3584 and SHAPES["7b"].tied is False
+    # The published sizes of the language models: Qwen3-8B 8.19B with its (untied) input embedding,
+    # Qwen2-1.5B 1.54B (tied); no q/k/v biases in Qwen3.
+    qwen3 = SHAPES["qwen3-vl-8b"].text
+    assert bd.lm_weight_params(qwen3) + qwen3["vocab_size"] * qwen3["hidden_size"] == pytest.approx(8.19e9, rel=2e-3)
+    assert bd.lm_weight_params(SHAPES["qwen2-vl-2b"].text) == pytest.approx(1.54e9, rel=3e-3)
+    assert bd.lm_weight_params(dict(qwen3, attention_bias=True)) - bd.lm_weight_params(qwen3) == 36 * (4096 + 2048)
 
 
 def test_floor_arithmetic():
