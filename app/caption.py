@@ -101,6 +101,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     prompts.add_argument("--top-k", type=int, default=None)
     prompts.add_argument("--repetition-penalty", type=float, default=None)
     prompts.add_argument("--seed", type=int, default=None, help="makes sampled captions reproducible")
+    sizes = parser.add_argument_group("image size")
+    sizes.add_argument("--min-pixels", type=_positive, default=None,
+                       help="smallest image area in pixels (default: the checkpoint's); smaller images are enlarged")
+    sizes.add_argument("--max-pixels", type=_positive, default=None,
+                       help="largest image area in pixels (default: the checkpoint's); larger images are shrunk, "
+                            "giving fewer image tokens")
     run_group = parser.add_argument_group("running")
     run_group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     run_group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
@@ -140,6 +146,8 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError("--output-dir is for --format txt")
     if fmt is None and args.policy != "skip":
         raise InputError("--overwrite / --append need an output (--format or --output)")
+    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
+        raise InputError(f"--min-pixels ({args.min_pixels}) must not be above --max-pixels ({args.max_pixels})")
     if args.min_new_tokens < 0 or args.min_new_tokens > args.max_new_tokens:
         raise InputError(f"--min-new-tokens must be between 0 and --max-new-tokens ({args.max_new_tokens})")
     if args.output and os.path.isdir(args.output):
@@ -244,6 +252,9 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     options: dict[str, Any] = {"preprocess_workers": args.workers, "startup_progress": not args.quiet}
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
+    for name in ("min_pixels", "max_pixels"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     if args.vit_graphs is not None:
         from mmpipe import EngineConfig
 

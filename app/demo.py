@@ -389,6 +389,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default: the checkpoint's)")
     parser.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                         help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
+    parser.add_argument("--min-pixels", type=int, default=None,
+                        help="smallest image area in pixels (default: the checkpoint's)")
+    parser.add_argument("--max-pixels", type=int, default=None,
+                        help="largest image area in pixels (default: the checkpoint's); fewer image tokens")
     return parser
 
 
@@ -413,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         default_running = EngineConfig().max_running_requests
         options = {"max_running_requests": args.concurrency} if args.concurrency > default_running else {}
         pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
-                                        **options)
+                                        min_pixels=args.min_pixels, max_pixels=args.max_pixels, **options)
     except MmpipeError as exc:
         print(f"mmpipe demo: {exc}", file=sys.stderr)
         return 2

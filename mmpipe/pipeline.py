@@ -44,6 +44,7 @@ from mmpipe.engine.request import Request, failed_output
 from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, load_model
 from mmpipe.outputs import RequestMetrics, RequestOutput
+from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.weights import read_json
 
 log = logging.getLogger("mmpipe")
@@ -85,12 +86,25 @@ class Pipeline:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str] | None = None, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, engine_config: EngineConfig | None = None,
-                        graph_mode: GraphMode | str | None = None, **engine_options: Any) -> "Pipeline":
+                        graph_mode: GraphMode | str | None = None, min_pixels: int | None = None,
+                        max_pixels: int | None = None, **engine_options: Any) -> "Pipeline":
         """Load a local checkpoint directory (None: the bundled model). `graph_mode`: which parts
         of the language model run as CUDA graphs (`GraphMode`; default full_and_piecewise on CUDA,
-        none on the CPU). `engine_options` override fields of `engine_config` (e.g.
+        none on the CPU). `min_pixels` / `max_pixels`: every image's area limits, in place of the
+        checkpoint's preprocessor_config.json values (as transformers' `AutoProcessor.
+        from_pretrained(..., min_pixels=, max_pixels=)`; None keeps the checkpoint's); an image
+        part's own `min_pixels` / `max_pixels` / `resized_height` + `resized_width` keys override
+        them for that image. `engine_options` override fields of `engine_config` (e.g.
         `kv_page_size=32`)."""
         path = os.fspath(path) if path is not None else default_model_path()
+        limits = min_pixels is not None or max_pixels is not None
+        if limits and os.path.isdir(path):  # a mistake is reported before the weights load
+            try:
+                checkpoint_limits = ImageProcessorConfig.from_dir(path)
+            except CheckpointError:
+                checkpoint_limits = None  # load_model names what the directory lacks
+            if checkpoint_limits is not None:
+                _with_pixel_limits(checkpoint_limits, min_pixels, max_pixels)
         dev = resolve_device(device)
         hf_config = read_json(path, "config.json") if os.path.isdir(path) else {}
         dt = resolve_dtype(dtype, dev, hf_config.get("dtype") or hf_config.get("torch_dtype"))
@@ -103,6 +117,8 @@ class Pipeline:
             except TypeError as exc:
                 raise InputError(f"Pipeline.from_pretrained: {exc}") from None
         model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
+        if limits:
+            model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
         return cls(model, load_tokenizer(path), config)
 
     @property
@@ -422,6 +438,14 @@ class TextStream(Iterator[str]):
 def caption_conversation(image: Any, prompt: str | None = None) -> list[dict[str, Any]]:
     text = prompt or DEFAULT_CAPTION_PROMPT
     return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
+def _with_pixel_limits(config: ImageProcessorConfig, min_pixels: int | None,
+                       max_pixels: int | None) -> ImageProcessorConfig:
+    try:
+        return config.with_limits(min_pixels, max_pixels)
+    except InputError as exc:
+        raise InputError(f"Pipeline.from_pretrained: {exc}") from None
 
 
 def load_tokenizer(path: str) -> Any:

@@ -3,6 +3,11 @@
 Resize to a multiple of patch*merge within the checkpoint's pixel limits (Pillow bicubic on
 uint8, exactly as transformers' `Qwen2VLImageProcessorPil` does), rescale, normalise, and cut
 into patches laid out merge-block by merge-block: `patches [N, C*T*P*P]` and `grid_thw`.
+
+One image may ask for its own size (`ImageSize`: the `min_pixels`, `max_pixels`,
+`resized_height` and `resized_width` keys of Qwen's `qwen_vl_utils.fetch_image`);
+`ImageProcessorConfig.with_size` turns them into the config that image is preprocessed with, and
+`resized_size` computes the size (by Qwen's helper's rule, `fetch_size`, for those keys).
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +28,46 @@ from mmpipe.errors import CheckpointError, InputError
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# qwen_vl_utils' limits when an image names no min_pixels / max_pixels (IMAGE_MIN_TOKEN_NUM and
+# IMAGE_MAX_TOKEN_NUM there): in merged tokens, so in pixels they scale with factor**2.
+HELPER_MIN_TOKENS = 4
+HELPER_MAX_TOKENS = 16384
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """One image's own size, in the keys of Qwen's `qwen_vl_utils.fetch_image`: `min_pixels` /
+    `max_pixels` (the area limits for this image), or `resized_height` and `resized_width`
+    together (about this size: each side rounded to the nearest multiple of patch*merge). Every
+    value is a positive whole number; the two ways cannot be mixed."""
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    resized_height: int | None = None
+    resized_width: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise InputError(f"{field.name} must be a positive whole number, got {value!r}")
+            object.__setattr__(self, field.name, int(value))  # numpy integers become ints
+        if (self.resized_height is None) != (self.resized_width is None):
+            given, missing = (("resized_height", "resized_width") if self.resized_width is None
+                              else ("resized_width", "resized_height"))
+            raise InputError(f"{given} needs {missing} too (the two give the size together)")
+        if self.resized_height is not None and (self.min_pixels is not None or self.max_pixels is not None):
+            raise InputError("resized_height/resized_width fix the size: give them or min_pixels/max_pixels, "
+                             "not both")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise InputError(f"min_pixels={self.min_pixels} is above max_pixels={self.max_pixels}")
+
+    @property
+    def is_empty(self) -> bool:
+        return all(getattr(self, field.name) is None for field in fields(self))
 
 
 @dataclass(frozen=True)
@@ -35,10 +81,36 @@ class ImageProcessorConfig:
     image_std: tuple[float, float, float] = _CLIP_STD
     rescale_factor: float = 1 / 255
     resample: int = Image.Resampling.BICUBIC
+    # Set per image by `with_size`, never by a checkpoint: the exact (height, width) to resize
+    # to (resized_height / resized_width), and whether min/max_pixels become a size by
+    # qwen_vl_utils' rule ("qwen_vl_utils": an image's own keys) or transformers' ("transformers").
+    target_size: tuple[int, int] | None = None
+    size_rule: str = "transformers"
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+    def with_limits(self, min_pixels: int | None = None, max_pixels: int | None = None,
+                    whose: str = "the checkpoint's") -> ImageProcessorConfig:
+        """These pixel limits for every image (None keeps this config's value), by transformers'
+        rule, as `AutoProcessor.from_pretrained(..., min_pixels=, max_pixels=)` sets them.
+        `whose` names this config's limits in the error when the pair ends up inverted."""
+        ImageSize(min_pixels=min_pixels, max_pixels=max_pixels)  # each value checked
+        return replace(self, **_limits(self, min_pixels, max_pixels, whose))
+
+    def with_size(self, size: ImageSize | None) -> ImageProcessorConfig:
+        """The config one image is preprocessed with, given its own size keys (None or an empty
+        `ImageSize`: this config). An image's min_pixels / max_pixels replace this config's
+        (a key it leaves out keeps this config's value) and round by qwen_vl_utils' rule;
+        resized_height and resized_width fix the size at `fetch_size(resized_height,
+        resized_width, factor)` with the helper's own limits, whatever this config's are."""
+        if size is None or size.is_empty:
+            return self
+        if size.resized_height is not None and size.resized_width is not None:
+            return replace(self, target_size=fetch_size(size.resized_height, size.resized_width, self.factor))
+        return replace(self, size_rule="qwen_vl_utils",
+                       **_limits(self, size.min_pixels, size.max_pixels, "the pipeline's"))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ImageProcessorConfig":
@@ -72,6 +144,17 @@ class ImageProcessorConfig:
         raise CheckpointError(f"{path}: no preprocessor_config.json (needed for image preprocessing)")
 
 
+def _limits(cfg: ImageProcessorConfig, min_pixels: int | None, max_pixels: int | None,
+            whose: str) -> dict[str, int]:
+    low = cfg.min_pixels if min_pixels is None else min_pixels
+    high = cfg.max_pixels if max_pixels is None else max_pixels
+    if low > high:
+        if min_pixels is None:
+            raise InputError(f"max_pixels={high} is below {whose} min_pixels={low}; give min_pixels too")
+        raise InputError(f"min_pixels={low} is above {whose} max_pixels={high}; give max_pixels too")
+    return {"min_pixels": low, "max_pixels": high}
+
+
 @dataclass
 class PreprocessedImage:
     """One image ready for the vision encoder."""
@@ -95,14 +178,37 @@ class PreprocessedImage:
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Target size: both sides multiples of `factor`, area within [min_pixels, max_pixels],
-    aspect ratio kept as closely as possible (the Qwen2-VL rule)."""
+    aspect ratio kept as closely as possible (the Qwen2-VL rule, as transformers' processor
+    computes it: a side shorter than factor/2 first rounds to 0, and then the min_pixels branch
+    sizes both sides again)."""
+    return _resize_rule(height, width, factor, min_pixels, max_pixels, at_least_one_factor=False)
+
+
+def fetch_size(height: int, width: int, factor: int, min_pixels: int | None = None,
+               max_pixels: int | None = None) -> tuple[int, int]:
+    """The size Qwen's helper (`qwen_vl_utils.vision_process.smart_resize`, used by its
+    `fetch_image`) gives: the rule above, except that each side first rounds to at least one
+    `factor`, and with the helper's own limits (HELPER_MIN_TOKENS and HELPER_MAX_TOKENS merged
+    tokens) where none are given. Where the helper's downscale branch floors a side to 0 (it then
+    fails to resize) a side keeps one `factor`, as its April 2025 version and transformers do."""
+    min_pixels = HELPER_MIN_TOKENS * factor * factor if min_pixels is None else min_pixels
+    max_pixels = HELPER_MAX_TOKENS * factor * factor if max_pixels is None else max_pixels
+    if min_pixels > max_pixels:
+        raise InputError(f"min_pixels={min_pixels} is above max_pixels={max_pixels}")
+    return _resize_rule(height, width, factor, min_pixels, max_pixels, at_least_one_factor=True)
+
+
+def _resize_rule(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                 at_least_one_factor: bool) -> tuple[int, int]:
     if height <= 0 or width <= 0:
         raise InputError(f"image of size {width}x{height} has no pixels")
-    if max(height, width) / min(height, width) > 200:
-        raise InputError(f"image of size {width}x{height}: aspect ratio "
-                         f"{max(height, width) / min(height, width):.0f}:1 exceeds the model's limit of 200:1")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InputError(f"image of size {width}x{height}: aspect ratio {max(height, width) / min(height, width):.0f}"
+                         f":1 exceeds the model's limit of {MAX_ASPECT_RATIO}:1")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
+    if at_least_one_factor:
+        h_bar, w_bar = max(factor, h_bar), max(factor, w_bar)
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
@@ -118,7 +224,7 @@ def preprocess_image(image: Image.Image, cfg: ImageProcessorConfig) -> Preproces
     """Resize, normalise and patchify one RGB image."""
     if image.mode != "RGB":
         raise InputError(f"preprocess_image expects an RGB image, got mode {image.mode}")
-    height, width = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    height, width = resized_size(image.height, image.width, cfg)
     if (height, width) != (image.height, image.width):
         image = image.resize((width, height), resample=cfg.resample)
     array = np.asarray(image, dtype=np.uint8)  # [H, W, C]
@@ -131,6 +237,17 @@ def preprocess_image(image: Image.Image, cfg: ImageProcessorConfig) -> Preproces
     values = (values - mean.to(torch.float32)) / std.to(torch.float32)
     key = content_key(array, cfg)
     return PreprocessedImage(patchify(values.permute(2, 0, 1), cfg), _grid(height, width, cfg), cfg.merge_size, key)
+
+
+def resized_size(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
+    """The (height, width) an image of this size is resized to under `cfg`."""
+    if cfg.target_size is not None:
+        return cfg.target_size
+    if cfg.size_rule == "qwen_vl_utils":
+        return fetch_size(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    if cfg.size_rule != "transformers":
+        raise ValueError(f"ImageProcessorConfig.size_rule={cfg.size_rule!r}: use 'transformers' or 'qwen_vl_utils'")
+    return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
 
 
 def content_key(resized: np.ndarray, cfg: ImageProcessorConfig) -> str:

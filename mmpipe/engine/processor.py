@@ -18,7 +18,7 @@ from mmpipe.engine.batch import ImageInput
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
 from mmpipe.engine.request import Request
 from mmpipe.errors import InputError
-from mmpipe.inputs import load_image, parse_conversation
+from mmpipe.inputs import ChatImage, load_image, parse_conversation
 from mmpipe.models import LoadedModel
 
 
@@ -45,7 +45,7 @@ class InputProcessor:
         self.image_token_id = model.image_token_id
         self.image_token = tokenizer.convert_ids_to_tokens(model.image_token_id)
 
-    def render_chat(self, conversation: Sequence[dict[str, Any]], where: str) -> tuple[str, list[Any]]:
+    def render_chat(self, conversation: Sequence[dict[str, Any]], where: str) -> tuple[str, list[ChatImage]]:
         parsed = parse_conversation(conversation, where)
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError(f"{where}: the checkpoint has no chat template; use generate() with a formatted prompt")
@@ -73,9 +73,18 @@ class InputProcessor:
         return Prepared(index, where, ids, list(images), sampling, stream)
 
     def load_image(self, source: Any, where: str) -> ImageInput:
-        """Decode and preprocess one image (thread-safe)."""
+        """Decode and preprocess one image (thread-safe). `source` is anything
+        `mmpipe.inputs.load_image` reads, or a `ChatImage` from a conversation, whose size keys
+        (min_pixels, ...) adjust the model's preprocessing config for this image
+        (`ImageProcessorConfig.with_size`)."""
+        size = None
+        if isinstance(source, ChatImage):
+            source, size = source.source, source.size
         try:
-            return self.model.spec.preprocess(load_image(source), self.model.image_processor)
+            config = self.model.image_processor
+            if size is not None:
+                config = config.with_size(size)
+            return self.model.spec.preprocess(load_image(source), config)
         except InputError as exc:
             raise type(exc)(f"{where}: {exc}") from exc
 

@@ -165,6 +165,28 @@ def test_prompt_file_and_per_directory_prompts(dataset, tmp_path, monkeypatch):
     assert seen[str(root / "sub dir" / "ünï" / "g.png")] == "What shapes are here?"
 
 
+def test_min_and_max_pixels_set_every_images_size(capsys, monkeypatch):
+    """scene_0 (322x330) is 12x12 merged tokens with the bundled checkpoint's limits (12544 ..
+    153664 pixels); --max-pixels 12544 shrinks it to 112x84 pixels, 4x3 = 12 tokens, so the
+    prompt is 132 tokens shorter."""
+    from mmpipe import Pipeline
+
+    prompt_tokens: list[int] = []
+    original = Pipeline.chat_stream
+
+    def spy(self, *args, **kwargs):
+        for output in original(self, *args, **kwargs):
+            prompt_tokens.append(output.num_prompt_tokens)
+            yield output
+
+    monkeypatch.setattr(Pipeline, "chat_stream", spy)
+    image = os.path.join(SAMPLE_DIR, "scene_0.png")
+    assert main([image, "--max-new-tokens", "2", *CPU]) == 0
+    assert main([image, "--max-new-tokens", "2", "--max-pixels", "12544", *CPU]) == 0
+    assert len(prompt_tokens) == 2 and prompt_tokens[0] - prompt_tokens[1] == 144 - 12
+    capsys.readouterr()
+
+
 # ---------------------------------------------------------------------- the defects of the old tool
 
 
@@ -297,6 +319,10 @@ BAD_FLAGS = [
     (["--workers", "x"], "--workers"),
     (["--format", "csv"], "--output"),
     (["--temperature", "-1"], "temperature"),
+    (["--min-pixels", "0"], "--min-pixels: must be at least 1"),
+    (["--max-pixels", "many"], "--max-pixels: 'many' is not a whole number"),
+    (["--min-pixels", "20000", "--max-pixels", "10000"], "--min-pixels (20000) must not be above --max-pixels (10000)"),
+    (["--max-pixels", "1000"], "max_pixels=1000 is below the checkpoint's min_pixels=12544"),
 ]
 
 

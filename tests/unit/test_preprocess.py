@@ -1,11 +1,19 @@
-"""Preprocessing equals transformers' Qwen2VLImageProcessorPil: pixel values within 1e-5, grids exact."""
+"""Preprocessing equals transformers' Qwen2VLImageProcessorPil: pixel values within 1e-5, grids exact;
+an image's own size keys (qwen_vl_utils' min_pixels / max_pixels / resized_height + resized_width)
+give the sizes Qwen's helper gives."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image, smart_resize
+from mmpipe.vision.preprocess import (
+    ImageProcessorConfig,
+    ImageSize,
+    fetch_size,
+    preprocess_image,
+    smart_resize,
+)
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -146,3 +154,131 @@ def test_content_hash_tracks_pixels():
     assert a.key == b.key != c.key and len(a.key) == 32
     other = ImageProcessorConfig.from_dict({**REFERENCE.to_dict(), "image_mean": [0.5, 0.5, 0.5]})
     assert preprocess_image(random_image(64, 64, seed=1), other).key != a.key
+
+
+# ------------------------------------------------------------ an image's own size (qwen_vl_utils keys)
+
+@pytest.mark.parametrize("width,height,min_pixels,max_pixels", [
+    (640, 480, 3136, 28 * 28 * 64),  # shrunk: floor branch
+    (300, 200, 28 * 28 * 300, 28 * 28 * 400),  # enlarged: ceil branch
+    (333, 517, 28 * 28 * 100, 28 * 28 * 300),  # within: rounded
+    (1920, 1080, 3136, 28 * 28 * 256),
+    (50, 2000, 3136, 28 * 28 * 16),  # thin, shrunk
+])
+def test_per_image_min_max_pixels_match_transformers_with_the_same_limits(width, height, min_pixels, max_pixels):
+    """An image's own min/max_pixels replace the config's: sizes, grids, token counts and pixel
+    values are what transformers' processor gives with those limits."""
+    reference = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+    config = CONFIG.with_size(ImageSize(min_pixels=min_pixels, max_pixels=max_pixels))
+    assert (config.min_pixels, config.max_pixels) == (min_pixels, max_pixels)
+    image = random_image(width, height, seed=width + height)
+    compare(image, reference=reference, config=config)
+    grid = reference(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+    assert preprocess_image(image, config).num_tokens == grid[1] * grid[2] // 4
+
+
+def test_one_per_image_limit_keeps_the_configs_other_limit():
+    config = CONFIG.with_size(ImageSize(max_pixels=28 * 28 * 64))
+    assert (config.min_pixels, config.max_pixels) == (CONFIG.min_pixels, 28 * 28 * 64)
+    config = CONFIG.with_size(ImageSize(min_pixels=28 * 28 * 300))
+    assert (config.min_pixels, config.max_pixels) == (28 * 28 * 300, CONFIG.max_pixels)
+    assert CONFIG.with_size(None) is CONFIG and CONFIG.with_size(ImageSize()) is CONFIG
+    with pytest.raises(InputError, match="min_pixels=2000000 is above the pipeline's max_pixels=1003520; give max"):
+        CONFIG.with_size(ImageSize(min_pixels=2_000_000))
+    with pytest.raises(InputError, match="max_pixels=1000 is below the pipeline's min_pixels=3136; give min"):
+        CONFIG.with_size(ImageSize(max_pixels=1000))
+
+
+# Qwen's helper (qwen_vl_utils.vision_process.smart_resize): each side round(side / f) * f but at
+# least f; above max_pixels beta = sqrt(h * w / max_pixels) and each side floor(side / beta / f) * f;
+# below min_pixels beta = sqrt(min_pixels / (h * w)) and each side ceil(side * beta / f) * f. With
+# resized_height / resized_width its limits are its own: 4 * f * f .. 16384 * f * f.
+@pytest.mark.parametrize("resized,factor,expected", [
+    # 300 / 28 = 10.71 -> 11 -> 308; 500 / 28 = 17.86 -> 18 -> 504; 155232 px is within 3136 .. 12845056
+    ((300, 500), 28, (308, 504)),
+    # Qwen3-VL (patch 16, merge 2): 300 / 32 = 9.375 -> 9 -> 288; 500 / 32 = 15.625 -> 16 -> 512
+    ((300, 500), 32, (288, 512)),
+    # 15 / 28 -> 1 -> 28, 40 / 28 -> 1 -> 28: 784 px < 3136, beta = sqrt(3136 / 600) = 2.286;
+    # 15 * 2.286 / 28 = 1.22 -> 2 -> 56; 40 * 2.286 / 28 = 3.27 -> 4 -> 112
+    ((15, 40), 28, (56, 112)),
+    # 10 / 28 = 0.36 -> 0, kept at one factor (28); 600 / 28 = 21.4 -> 21 -> 588; 16464 px is within
+    # (transformers' rule would take the min_pixels branch from 0 and give 28 x 448)
+    ((10, 600), 28, (28, 588)),
+    # 24M px > 12845056: beta = sqrt(24e6 / 12845056) = 1.3669; 4000 / 1.3669 / 28 = 104.5 -> 104 -> 2912;
+    # 6000 / 1.3669 / 28 = 156.8 -> 156 -> 4368
+    ((4000, 6000), 28, (2912, 4368)),
+])
+def test_resized_height_and_width_give_the_helpers_size(resized, factor, expected):
+    config = ImageProcessorConfig(patch_size=factor // 2, merge_size=2, min_pixels=3136, max_pixels=200704)
+    sized = config.with_size(ImageSize(resized_height=resized[0], resized_width=resized[1]))
+    assert sized.target_size == expected
+    assert fetch_size(*resized, factor) == expected
+    out = preprocess_image(random_image(90, 70, seed=1), sized)  # the image's own size does not matter
+    assert out.grid_thw == (1, expected[0] // (factor // 2), expected[1] // (factor // 2))
+    assert out.num_tokens == (expected[0] // factor) * (expected[1] // factor)
+
+
+def test_resized_image_is_resampled_once_to_the_exact_size():
+    """The pixels are those of a bicubic resize straight to the target (308x504 is inside the
+    default limits, so the plain config leaves that resized image as it is)."""
+    image = random_image(333, 517, seed=2)
+    ours = preprocess_image(image, CONFIG.with_size(ImageSize(resized_height=300, resized_width=500)))
+    direct = preprocess_image(image.resize((504, 308), resample=Image.Resampling.BICUBIC), CONFIG)
+    assert ours.grid_thw == direct.grid_thw == (1, 22, 36)
+    assert torch.equal(ours.pixel_values, direct.pixel_values)
+
+
+def test_per_image_limits_round_thin_sides_as_the_helper_does():
+    """A side under half a factor: the helper keeps it at one factor (28 x 588 for 10 x 600);
+    transformers' rule, kept for images without their own keys, gives 28 x 448."""
+    image = random_image(600, 10, seed=4)
+    assert preprocess_image(image, CONFIG).grid_thw == (1, 2, 32)
+    own = CONFIG.with_size(ImageSize(min_pixels=CONFIG.min_pixels, max_pixels=CONFIG.max_pixels))
+    assert own.size_rule == "qwen_vl_utils"
+    assert preprocess_image(image, own).grid_thw == (1, 2, 42)
+
+
+def test_the_downscale_floor_keeps_one_factor():
+    """30 x 5000 under max_pixels=3136: beta = sqrt(150000 / 3136) = 6.92, 30 / 6.92 / 28 = 0.15
+    floors to 0, kept at 28 (the helper's 0.0.14 would give 0 and fail to resize); 5000 / 6.92 / 28
+    = 25.8 -> 25 -> 700."""
+    assert fetch_size(30, 5000, 28, 3136, 3136) == (28, 700)
+    with pytest.raises(InputError, match="aspect ratio 250:1"):
+        fetch_size(10, 2500, 28)
+    with pytest.raises(InputError, match="min_pixels=5000 is above max_pixels=4000"):
+        fetch_size(100, 100, 28, 5000, 4000)
+
+
+def test_pipeline_limits_keep_transformers_rule():
+    config = CONFIG.with_limits(max_pixels=28 * 28 * 64)
+    assert (config.min_pixels, config.max_pixels, config.size_rule) == (3136, 28 * 28 * 64, "transformers")
+    reference = Qwen2VLImageProcessorPil(size={"shortest_edge": 3136, "longest_edge": 28 * 28 * 64})
+    compare(random_image(600, 10, seed=4), reference=reference, config=config)  # a thin side: transformers'
+    with pytest.raises(InputError, match="max_pixels=1000 is below the checkpoint's min_pixels=3136"):
+        CONFIG.with_limits(max_pixels=1000)
+
+
+def test_content_hash_tracks_the_size():
+    image = random_image(200, 150, seed=3)
+    plain = preprocess_image(image, CONFIG)
+    small = preprocess_image(image, CONFIG.with_size(ImageSize(max_pixels=28 * 28 * 16)))
+    again = preprocess_image(image, CONFIG.with_size(ImageSize(max_pixels=28 * 28 * 16)))
+    fixed = preprocess_image(image, CONFIG.with_size(ImageSize(resized_height=300, resized_width=500)))
+    assert len({plain.key, small.key, fixed.key}) == 3 and small.key == again.key
+    assert small.num_tokens < plain.num_tokens < fixed.num_tokens
+
+
+def test_a_patch_16_checkpoint_sizes_by_multiples_of_32(checkpoint_factory):
+    """Qwen3-VL (patch 16, merge 2): the factor comes from the checkpoint's preprocessor config.
+    resized 300x500 -> 288x512 (9.375 -> 9, 15.625 -> 16 multiples of 32): 18x32 patches, 9x16
+    tokens; an image's own max_pixels gives transformers' size and pixels at that limit."""
+    path = checkpoint_factory(family="qwen3_vl")
+    config = ImageProcessorConfig.from_dir(path)
+    assert (config.patch_size, config.factor) == (16, 32)
+    out = preprocess_image(random_image(90, 70, seed=1), config.with_size(ImageSize(resized_height=300,
+                                                                                    resized_width=500)))
+    assert out.grid_thw == (1, 18, 32) and out.num_tokens == 9 * 16
+    limits = {"shortest_edge": config.min_pixels, "longest_edge": 32 * 32 * 64}
+    reference = Qwen2VLImageProcessorPil.from_pretrained(path, size=limits)
+    compare(random_image(640, 480, seed=2), reference=reference,
+            config=config.with_size(ImageSize(max_pixels=32 * 32 * 64)))
