@@ -375,8 +375,11 @@ def vision_pair(depth: int | None = None, shape: str = "3b"):
     torch.manual_seed(0)
     with torch.device("cuda"):
         hf = hf_class._from_config(config.vision_config).to(torch.bfloat16).eval()
-    family = spec_for(config.to_dict(), shape)
-    cfg = family.vision_config(config.to_dict())
+    from mmpipe.app.tiny.synthetic import model_class
+
+    as_json = {**config.to_dict(), "architectures": [model_class(config).__name__]}
+    family = spec_for(as_json, shape)
+    cfg = family.vision_config(as_json)
     with torch.device("cuda"):
         ours = family.vision_model(cfg).to(torch.bfloat16).eval()
     ours.rotary.init_buffers()
