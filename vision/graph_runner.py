@@ -84,21 +84,37 @@ class ViTGraphRunner(GraphRunner):
 
     # ------------------------------------------------------------------ sizes
 
-    def full_slots(self) -> int:
-        return full_segment_slots(self.max_images)
+    def full_slots(self, images: int | None = None) -> int:
+        return full_segment_slots(self.max_images if images is None else images)
 
-    def window_slots(self, bucket: int) -> int:
+    def window_slots(self, bucket: int, images: int | None = None) -> int:
         if not self.windowed:
             return 0
-        return window_segment_slots(bucket, self.unit, self.window_merged, self.max_images)
+        return window_segment_slots(bucket, self.unit, self.window_merged,
+                                    self.max_images if images is None else images)
 
     def bucket_for(self, patches: int, images: int) -> int | None:
         if images > self.max_images:
             return None
         return self.size_for(patches)
 
+    def key_for(self, patches: int, frames: int) -> tuple[int, int] | None:
+        """(bucket, image slots): the graph serving a pack. Slots come in a few classes (1, 4, 16,
+        max_images frames): the attention kernel launches work for every slot, empty or not (65
+        slots for a one-image pack cost the Qwen3-VL-8B tower ~10% at 448 px), so a pack takes the
+        smallest class that holds it."""
+        bucket = self.bucket_for(patches, frames)
+        if bucket is None:
+            return None
+        return bucket, next(c for c in self.image_classes if c >= frames)
+
+    @property
+    def image_classes(self) -> list[int]:
+        return sorted({min(c, self.max_images) for c in (1, 4, 16)} | {self.max_images})
+
     def label(self, key: Any) -> str:
-        return f"{key} patches"
+        bucket, images = key
+        return f"{bucket} patches / {images} image{'s' if images > 1 else ''}"
 
     # ------------------------------------------------------------------ running
 
@@ -106,20 +122,21 @@ class ViTGraphRunner(GraphRunner):
     def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> tuple[torch.Tensor, bool]:
         """(merged embeddings [N / unit, out_dim] in image order, whether they are a view of graph
         memory: copy those before the next call). Packs no graph serves run eagerly."""
-        bucket = self.bucket_for(meta.num_patches, len(meta.grids)) if self.enabled else None
-        if self.enabled and bucket is None:
+        key = self.key_for(meta.num_patches, len(meta.full_lengths)) if self.enabled else None
+        if self.enabled and key is None:
             self.fallback("ViT pack of %d patches / %d images runs eagerly (largest graph bucket %d, max %d "
                           "images)", meta.num_patches, len(meta.grids), self.buckets[-1], self.max_images)
-        elif bucket is not None and not self.fill(pixel_values, meta, bucket):
+        elif key is not None and not self.fill(pixel_values, meta, *key):
             self.fallback("ViT pack of %d images / %d windows does not fit the segment slots of bucket %d; "
-                          "running eagerly", len(meta.grids), len(meta.window_lengths), bucket)
-            bucket = None
+                          "running eagerly", len(meta.grids), len(meta.window_lengths), key[0])
+            key = None
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            output, graphed = self.run(bucket, lambda: self.vit(pixel_values, meta))
+            output, graphed = self.run(key, lambda: self.vit(pixel_values, meta))
         return (output[: meta.num_merged] if graphed else output), graphed
 
-    def fill(self, pixel_values: torch.Tensor, meta: VisionPackMeta, bucket: int) -> bool:
-        """Write the pack into the static buffers; False if its layout does not fit the bucket."""
+    def fill(self, pixel_values: torch.Tensor, meta: VisionPackMeta, bucket: int, images: int | None = None) -> bool:
+        """Write the pack into the static buffers; False if its layout does not fit the bucket
+        and its `images` slot class (None: `max_images`)."""
         n, vit = meta.num_patches, self.vit
         pad = bucket - n
         window_pad: list[int] = []
@@ -127,14 +144,14 @@ class ViTGraphRunner(GraphRunner):
             window_pad = [self.window_patches] * (pad // self.window_patches)
             if pad % self.window_patches:
                 window_pad.append(pad % self.window_patches)
-        slots = self.window_slots(bucket)
-        if len(meta.window_lengths) + len(window_pad) > slots or len(meta.full_lengths) + 1 > self.full_slots():
+        slots, full = self.window_slots(bucket, images), self.full_slots(images)
+        if len(meta.window_lengths) + len(window_pad) > slots or len(meta.full_lengths) + 1 > full:
             return False
         order = to_device(meta.patch_order, self.device)
         positions = to_device(meta.positions, self.device)
         vit.embed(pixel_values, order, meta, out=self.hidden[:n])  # straight into the static inputs
         vit.rotary_tables(positions, order, out=(self.cos[:n], self.sin[:n]))
-        copy_into(self.cu_full[: self.full_slots() + 1], _boundaries(meta.full_lengths + [pad], self.full_slots()))
+        copy_into(self.cu_full[: full + 1], _boundaries(meta.full_lengths + [pad], full))
         if self.cu_window is not None:
             copy_into(self.cu_window[: slots + 1], _boundaries(meta.window_lengths + window_pad, slots))
         merged = meta.num_merged
@@ -142,10 +159,11 @@ class ViTGraphRunner(GraphRunner):
         self.inverse[merged: bucket // self.unit].copy_(self.identity[merged: bucket // self.unit])
         return True
 
-    def body(self, bucket: Any) -> Callable[[], torch.Tensor]:
-        """The captured region for `bucket`: blocks and merger over the static buffers."""
-        full = Segments(self.cu_full[: self.full_slots() + 1], bucket, [])
-        windows = (Segments(self.cu_window[: self.window_slots(bucket) + 1], self.window_patches, [])
+    def body(self, key: Any) -> Callable[[], torch.Tensor]:
+        """The captured region for (bucket, image slots): blocks and merger over the static buffers."""
+        bucket, images = key
+        full = Segments(self.cu_full[: self.full_slots(images) + 1], bucket, [])
+        windows = (Segments(self.cu_window[: self.window_slots(bucket, images) + 1], self.window_patches, [])
                    if self.cu_window is not None else None)
         hidden, cos, sin = self.hidden[:bucket], self.cos[:bucket], self.sin[:bucket]
         inverse = self.inverse[: bucket // self.unit]

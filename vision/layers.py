@@ -20,7 +20,7 @@ from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
 from torch import nn
 
 from mmpipe.graphs.transfer import to_device
-from mmpipe.kernels.fused import rotary_qk
+from mmpipe.kernels.fused import add_layer_norm, rotary_qk
 from mmpipe.kernels.vision_rotary import rotary_tables
 from mmpipe.layers.mlp import activation
 
@@ -62,20 +62,27 @@ class VisionRotary(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """fc2(act(fc1(x))): the vision MLP of Qwen2-VL (QuickGELU) and Qwen3-VL (GELU-tanh)."""
+    """fc2(act(fc1(x))): the vision MLP of Qwen2-VL (QuickGELU) and Qwen3-VL (GELU-tanh). On CUDA
+    the tanh GELU runs in fc1's cuBLASLt epilogue (one kernel less per block; the pre-activation
+    is not rounded to the model dtype first, a difference within bfloat16's rounding)."""
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden, bias=True)
         self.fc2 = nn.Linear(hidden, dim, bias=True)
         self.act = activation(act)
+        self.gelu_tanh = act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu_tanh and x.is_cuda and x.dim() == 2:
+            return self.fc2(torch._addmm_activation(self.fc1.bias, x, self.fc1.weight.t(), use_gelu=True))
         return self.fc2(self.act(self.fc1(x)))
 
 
 class LayerNormBlock(nn.Module):
-    """x + attn(norm1(x)), then + mlp(norm2(.)), LayerNorms with bias (eps 1e-6)."""
+    """x + attn(norm1(x)), then + mlp(norm2(.)), LayerNorms with bias (eps 1e-6). Each residual
+    add is fused with the norm after it (`add_layer_norm`), as the RMSNorm blocks do: a block takes
+    norm1(x) precomputed and returns its output with the next norm of it."""
 
     def __init__(self, dim: int, num_heads: int, mlp_dim: int, act: str) -> None:
         super().__init__()
@@ -84,10 +91,32 @@ class LayerNormBlock(nn.Module):
         self.attn = VisionSelfAttention(dim, num_heads)
         self.mlp = PlainMLP(dim, mlp_dim, act)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
-                attention: VisionAttention) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, seg, attention)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seg: Segments, attention: VisionAttention, next_norm: nn.LayerNorm | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n2 = self.norm2
+        residual, normed = add_layer_norm(residual, self.attn(normed, cos, sin, seg, attention), n2.weight, n2.bias,
+                                          n2.eps)
+        out = self.mlp(normed)
+        if next_norm is None:  # the last block before a norm that is not per patch row
+            return residual + out, None
+        return add_layer_norm(residual, out, next_norm.weight, next_norm.bias, next_norm.eps)
+
+
+def run_blocks(blocks: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+               attention: VisionAttention, last_norm: nn.LayerNorm | None,
+               taps: dict[int, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """LayerNorm blocks over `hidden`; returns (output, last_norm(output), and `taps[i](output of
+    block i)` for the blocks `taps` names, in block order)."""
+    first = blocks[0].norm1
+    residual, normed = add_layer_norm(hidden, None, first.weight, first.bias, first.eps)
+    tapped: list[torch.Tensor] = []
+    for index, block in enumerate(blocks):
+        following = blocks[index + 1].norm1 if index + 1 < len(blocks) else last_norm
+        residual, normed = block(residual, normed, cos, sin, seg, attention, following)
+        if taps and index in taps:
+            tapped.append(taps[index](residual))
+    return residual, normed, tapped
 
 
 class LayerNormMerger(nn.Module):
@@ -106,10 +135,15 @@ class LayerNormMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.postshuffle:
-            x = self.norm(self.gather(x))
-        else:
-            x = self.gather(self.norm(x))
-        return self.fc2(F.gelu(self.fc1(x)))
+            return self.project(self.norm(self.gather(x)))
+        return self.project(self.gather(self.norm(x)))
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """fc1, GELU, fc2 on normalised rows (gathered, unless the norm was applied per patch row:
+        then they are gathered here)."""
+        if normed.shape[-1] != self.hidden:
+            normed = self.gather(normed)
+        return self.fc2(F.gelu(self.fc1(normed)))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[N, d] patch rows in merge-block order -> [N / unit, unit * d], one row per block."""

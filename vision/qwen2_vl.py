@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
-from mmpipe.vision.layers import LayerNormBlock, LayerNormMerger, VisionRotary, encode_eager
+from mmpipe.vision.layers import LayerNormBlock, LayerNormMerger, VisionRotary, encode_eager, run_blocks
 from mmpipe.vision.metadata import Segments, VisionPackMeta
 from torch import nn
 
@@ -112,10 +112,10 @@ class Qwen2VisionTransformer(nn.Module):
 
     def forward_blocks(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full: Segments,
                        windows: Segments | None = None, merged_inverse: torch.Tensor | None = None) -> torch.Tensor:
-        """Blocks + merger over whole images (no windows, rows in image order): [N / unit, out_dim]."""
-        for block in self.blocks:
-            hidden = block(hidden, cos, sin, full, self.attention)
-        return self.merger(hidden)
+        """Blocks + merger over whole images (no windows, rows in image order): [N / unit, out_dim].
+        The last block's residual add is fused with the merger's per-patch norm."""
+        _, normed, _ = run_blocks(self.blocks, hidden, cos, sin, full, self.attention, self.merger.norm)
+        return self.merger.project(normed)
 
     def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
         """Encode a pack of images eagerly: [N, patch_dim] -> [N / merge_unit, out_dim]."""

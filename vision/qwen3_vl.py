@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from einops import rearrange
 from mmpipe.vision.attention import VisionAttention
-from mmpipe.vision.layers import LayerNormMerger
+from mmpipe.vision.layers import LayerNormMerger, run_blocks
 from mmpipe.vision.metadata import Grid, Segments, VisionPackMeta
 from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransformer
 from torch import nn
@@ -137,13 +137,9 @@ class Qwen3VisionTransformer(Qwen2VisionTransformer):
     def forward_blocks(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full: Segments,
                        windows: Segments | None = None, merged_inverse: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks, the deepstack mergers after their blocks, the main merger: [N / unit, levels, out_dim]."""
-        features: list[torch.Tensor] = []
-        for index, block in enumerate(self.blocks):
-            hidden = block(hidden, cos, sin, full, self.attention)
-            level = self.deepstack_index.get(index)
-            if level is not None:
-                features.append(self.deepstack_merger_list[level](hidden))
-        return torch.stack([self.merger(hidden), *features], dim=1)
+        taps = {block: self.deepstack_merger_list[level] for block, level in self.deepstack_index.items()}
+        _, normed, features = run_blocks(self.blocks, hidden, cos, sin, full, self.attention, self.merger.norm, taps)
+        return torch.stack([self.merger.project(normed), *features], dim=1)
 
     # ---- weights
 

@@ -8,6 +8,8 @@ dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
 
 - `add_rms_norm(x, delta, w, eps)`: residual = x + delta (rounded), out = w * norm(residual);
   delta may be a product left as K-split partial sums (`gemv.PartialSums`), added up here.
+- `add_layer_norm(x, delta, w, b, eps)`: the same with LayerNorm (weight and bias), for the
+  LayerNorm vision blocks of Qwen2-VL and Qwen3-VL.
 - `rotary_qk(qkv, cos, sin, heads)`: q and k of a fused qkv rotated (rotate-half form), contiguous.
 - `silu_mul(gate_up)`: silu(gate) * up for a fused [.., 2I] projection.
 """
@@ -87,6 +89,27 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
     return residual.view_as(x), normed.view_as(x)
 
 
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, layer_norm(x + delta)); with delta None, (x, layer_norm(x)). The sum is rounded
+    to x's dtype (as `x + delta` is), then normalised in float32 with the affine in float32 and
+    one rounding (as PyTorch's LayerNorm kernel)."""
+    if not _use_triton(x):
+        residual = x if delta is None else x + delta
+        return residual, F.layer_norm(residual, (x.shape[-1],), weight, bias, eps)
+    cols = x.shape[-1]
+    x2 = x.reshape(-1, cols)
+    rows = x2.shape[0]
+    normed = torch.empty_like(x2)
+    residual = x2 if delta is None else torch.empty_like(x2)
+    d2 = x2 if delta is None else delta.reshape(-1, cols)
+    if rows:
+        launch(_add_layer_norm_kernel, (rows,), x2, d2, weight, bias, residual, normed, cols, x2.stride(0),
+               d2.stride(0), eps, HAS_DELTA=delta is not None, BLOCK=next_power_of_2(cols),
+               num_warps=4 if cols <= 2048 else 8)
+    return residual.view_as(x), normed.view_as(x)
+
+
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k rotated ([N, heads, D], contiguous) and v (a view) from qkv [N, 3 * heads * D];
@@ -150,6 +173,26 @@ if triton is not None:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
         tl.store(out_ptr + row * stride_x + offs, out, mask=mask)
+
+    @triton.jit
+    def _add_layer_norm_kernel(x_ptr, d_ptr, w_ptr, b_ptr, res_ptr, out_ptr, cols, stride_x, stride_d, eps,
+                               HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # the residual, rounded as stored
+            tl.store(res_ptr + row * stride_x + offs, x, mask=mask)
+        h = x.to(tl.float32)
+        mean = tl.sum(h, axis=0) / cols
+        centred = tl.where(mask, h - mean, 0.0)
+        var = tl.sum(centred * centred, axis=0) / cols
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        out = centred * tl.math.rsqrt(var + eps) * w + b
+        tl.store(out_ptr + row * stride_x + offs, out.to(x.dtype), mask=mask)
 
     @triton.jit
     def _rotary_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_t, stride_c, stride_s, stride_o,

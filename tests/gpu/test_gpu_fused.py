@@ -90,3 +90,24 @@ def test_stage_rows_kernel_equals_the_separate_operations(dtype):
         assert all(torch.equal(a, b) for a, b in zip(bufs, want)), n
     assert (bufs[2][37:64] == dummy).all() and (bufs[2][64:] == -3).all()
     assert launch.direct_launches == before + 1  # the second step reused the first one's compiled launch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(1, 1152), (784, 1152), (333, 1280), (64, 4608)])
+def test_add_layer_norm(dtype, rows, cols):
+    """The fused residual add + LayerNorm of the LayerNorm vision blocks against PyTorch's ops
+    (sum rounded to the dtype, then F.layer_norm): bfloat16 within one rounding, float32 close."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, generator=gen, device="cuda") * 3 + 1).to(dtype)
+    d = torch.randn(rows, cols, generator=gen, device="cuda").to(dtype)
+    w = (1 + 0.2 * torch.randn(cols, generator=gen, device="cuda")).to(dtype)
+    b = (0.1 * torch.randn(cols, generator=gen, device="cuda")).to(dtype)
+    residual, normed = fused.add_layer_norm(x, d, w, b, 1e-6)
+    expected = x + d
+    assert torch.equal(residual, expected)
+    reference = F.layer_norm(expected, (cols,), w, b, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(normed, reference, rtol=tol, atol=tol)
+    same, normed_only = fused.add_layer_norm(x, None, w, b, 1e-6)
+    assert same is x or torch.equal(same, x)
+    torch.testing.assert_close(normed_only, F.layer_norm(x, (cols,), w, b, 1e-6), rtol=tol, atol=tol)

@@ -10,14 +10,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from mmpipe.vision.metadata import build_pack_meta
+from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
 
 from mmpipe import Pipeline, SamplingParams
 from mmpipe.config import GraphConfig
-from mmpipe.vision.metadata import build_pack_meta
-from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
-from tests.helpers import hf_generate, hf_inputs, hf_model, make_checkpoint, max_logprob_diff, random_image, rel_err
+from tests.helpers import (
+    hf_generate,
+    hf_inputs,
+    hf_model,
+    make_checkpoint,
+    max_logprob_diff,
+    random_image,
+    rel_err,
+)
 from tests.parity_cases import CASES, GREEDY_32, assert_matches, one_image, two_images
-from tests.unit.test_prefill_graphs import ReplayingPiece, simulated_piece_graphs  # noqa: F401
+from tests.unit.test_prefill_graphs import simulated_piece_graphs  # noqa: F401  (a fixture)
 
 FAMILIES = ["qwen2_vl", "qwen3_vl"]
 
@@ -152,7 +160,8 @@ def test_deepstack_buffers_are_zero_outside_image_rows(family_checkpoints):
     pipe.close()
 
 
-def test_piecewise_prefill_reads_deepstack_after_a_text_only_capture(family_checkpoints, simulated_piece_graphs):
+@pytest.mark.usefixtures("simulated_piece_graphs")
+def test_piecewise_prefill_reads_deepstack_after_a_text_only_capture(family_checkpoints):
     """Graphs captured on text-only start-up forwards, a text-only step replayed first, then image
     steps at sizes already replayed: tokens equal the eager pipeline's, every step on graphs."""
     path = family_checkpoints("qwen3_vl")
@@ -173,10 +182,9 @@ def test_piecewise_prefill_reads_deepstack_after_a_text_only_capture(family_chec
 
 def test_interleaved_mrope_tables_equal_transformers():
     """The frequency-to-axis map of Qwen3's interleaved M-RoPE, on positions whose t, h and w differ."""
+    from mmpipe.language.qwen2 import MRotary
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
-
-    from mmpipe.language.qwen2 import MRotary
 
     config = Qwen3VLTextConfig(hidden_size=64, num_attention_heads=4, head_dim=40,
                                rope_parameters={"rope_type": "default", "rope_theta": 5e6,
