@@ -73,12 +73,12 @@ def _model_summary(path: str | None, device: str | None, graph_mode: str | None)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return {
         "path": model.path,
+        "family": model.spec.family,
         "architecture": model.spec.architecture,
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
         "vision": f"{vit.depth} blocks x {vit.hidden_size} ({vit.num_heads} heads), patch {vit.patch_size}, "
-                  f"window {vit.window_size}px, full attention at {list(vit.fullatt_block_indexes)}, "
-                  f"{count(model.vision) / 1e6:.2f}M params",
+                  f"{_attention_summary(vit)}, {count(model.vision) / 1e6:.2f}M params",
         "language": f"{text.num_layers} layers x {text.hidden_size} ({text.num_heads} heads, "
                     f"{text.num_kv_heads} kv), vocab {text.vocab_size}, "
                     f"{'tied' if text.tie_word_embeddings else 'untied'} head, "
@@ -88,6 +88,16 @@ def _model_summary(path: str | None, device: str | None, graph_mode: str | None)
         "graphs": _graph_summary(stats),
         "scheduling": _scheduling_summary(stats),
     }
+
+
+def _attention_summary(vit: Any) -> str:
+    """Windows and full-attention blocks (Qwen2.5-VL), or full attention everywhere, plus deepstack."""
+    if vit.window_size is not None:
+        text = f"window {vit.window_size}px, full attention at {list(vit.fullatt_block_indexes)}"
+    else:
+        text = "full attention in every block"
+    deepstack = list(getattr(vit, "deepstack_visual_indexes", ()))
+    return text + (f", deepstack after blocks {deepstack}" if deepstack else "")
 
 
 def _scheduling_summary(stats: dict[str, Any]) -> str:

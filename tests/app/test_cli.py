@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mmpipe.cli import main
 from tests.helpers import random_image
+
+
+@pytest.mark.parametrize("family,name,vision", [("qwen3_vl", "Qwen3-VL", "deepstack after blocks [0, 1]"),
+                                                ("qwen2_vl", "Qwen2-VL", "full attention in every block")])
+def test_info_names_the_family(tmp_path, capsys, family, name, vision):
+    from tests.helpers import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path / family), family=family)
+    assert main(["info", "--model", path, "--device", "cpu", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["model"]
+    assert info["family"] == name and vision in info["vision"]
 
 
 def test_info_reports_versions_and_the_model(checkpoint, capsys):
@@ -13,6 +26,7 @@ def test_info_reports_versions_and_the_model(checkpoint, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["torch"] and info["transformers"]
     assert info["model"]["architecture"] == "Qwen2_5_VLForConditionalGeneration"
+    assert info["model"]["family"] == "Qwen2.5-VL" and "window 56px" in info["model"]["vision"]
     assert "2 blocks" in info["model"]["vision"] and info["model"]["device"] == "cpu"
     assert info["model"]["graphs"] == "mode none; decode off; prefill off; vit off"  # the CPU runs no graphs
     assert info["model"]["scheduling"] == "overlapped scheduling off, vision stream off"  # nothing is asynchronous
