@@ -150,6 +150,38 @@ class LayerNormMerger(nn.Module):
         return rearrange(x, "(blocks unit) d -> blocks (unit d)", unit=self.unit)
 
 
+class VisionTower(nn.Module):
+    """What every tower does the same way outside its graph region: the Conv3d patch embedding as
+    one matmul (with its bias, where the family has one) over the patches in pack order, the
+    rotary tables, the out width, and the eager encode. A subclass builds `patch_embed`, `rotary`
+    and `cfg`, and supplies `forward_blocks`."""
+
+    cfg: Any
+    patch_embed: nn.Linear
+    rotary: VisionRotary
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg.out_hidden_size
+
+    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor, meta: VisionPackMeta | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """Patch embedding of the patches `patch_order` picks: [N, C*T*P*P] -> [N, hidden] (into `out`)."""
+        x = pixel_values.index_select(0, patch_order).to(self.patch_embed.weight.dtype)
+        weight, bias = self.patch_embed.weight.t(), self.patch_embed.bias
+        if bias is None:
+            return torch.matmul(x, weight, out=out)
+        return torch.addmm(bias, x, weight) if out is None else torch.addmm(bias, x, weight, out=out)
+
+    def rotary_tables(self, positions: torch.Tensor, patch_order: torch.Tensor,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(positions, patch_order, out)
+
+    def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
+        """Encode a pack of images eagerly: [N, patch_dim] -> merged rows (see `forward_blocks`)."""
+        return encode_eager(self, pixel_values, meta)
+
+
 def encode_eager(vit: Any, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
     """A pack through a tower without graphs: the same three calls the graph runner makes, on
     tensors of the pack's own size."""

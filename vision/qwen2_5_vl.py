@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
-from mmpipe.vision.layers import VisionRotary, VisionSelfAttention, encode_eager
-from mmpipe.vision.metadata import Segments, VisionPackMeta
+from mmpipe.vision.layers import VisionRotary, VisionSelfAttention, VisionTower
+from mmpipe.vision.metadata import Segments
 from torch import nn
 
 from mmpipe.errors import CheckpointError
@@ -112,7 +112,7 @@ class PatchMerger(nn.Module):
         return self.fc2(F.gelu(self.fc1(rearrange(normed, "(blocks unit) d -> blocks (unit d)", unit=self.unit))))
 
 
-class Qwen25VisionTransformer(nn.Module):
+class Qwen25VisionTransformer(VisionTower):
     def __init__(self, cfg: VisionConfig, attention: VisionAttention | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -123,22 +123,6 @@ class Qwen25VisionTransformer(nn.Module):
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, cfg.spatial_merge_size)
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
         self.attention: VisionAttention = attention if attention is not None else TorchVisionAttention()
-
-    @property
-    def out_dim(self) -> int:
-        return self.cfg.out_hidden_size
-
-    # ---- outside the graph
-
-    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor, meta: VisionPackMeta | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-        """Patch embedding of the window-ordered patches: [N, C*T*P*P] -> [N, hidden] (into `out`)."""
-        x = pixel_values.index_select(0, patch_order).to(self.patch_embed.weight.dtype)
-        return torch.matmul(x, self.patch_embed.weight.t(), out=out)
-
-    def rotary_tables(self, positions: torch.Tensor, patch_order: torch.Tensor,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(positions, patch_order, out)
 
     # ---- the graph region
 
@@ -152,12 +136,6 @@ class Qwen25VisionTransformer(nn.Module):
             following = self.blocks[index + 1].norm1 if index + 1 < len(self.blocks) else self.merger.ln_q
             residual, normed = block(residual, normed, cos, sin, seg, self.attention, following)
         return self.merger.project(normed).index_select(0, merged_inverse)
-
-    # ---- eager convenience
-
-    def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
-        """Encode a pack of images eagerly: [N, patch_dim] -> [N / merge_unit, out_dim]."""
-        return encode_eager(self, pixel_values, meta)
 
     # ---- weights
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
-from mmpipe.vision.layers import LayerNormBlock, LayerNormMerger, VisionRotary, encode_eager, run_blocks
-from mmpipe.vision.metadata import Segments, VisionPackMeta
+from mmpipe.vision.layers import LayerNormBlock, LayerNormMerger, VisionRotary, VisionTower, run_blocks
+from mmpipe.vision.metadata import Segments
 from torch import nn
 
 from mmpipe.errors import CheckpointError
@@ -74,7 +74,7 @@ class FullAttentionVisionConfig:
             raise CheckpointError(f"config.json: vision_config lacks {exc.args[0]!r}") from None
 
 
-class Qwen2VisionTransformer(nn.Module):
+class Qwen2VisionTransformer(VisionTower):
     def __init__(self, cfg: FullAttentionVisionConfig, attention: VisionAttention | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -88,26 +88,6 @@ class Qwen2VisionTransformer(nn.Module):
 
     patch_bias = False  # Qwen2-VL's Conv3d patch embedding has no bias
 
-    @property
-    def out_dim(self) -> int:
-        return self.cfg.out_hidden_size
-
-    # ---- outside the graph
-
-    def embed(self, pixel_values: torch.Tensor, patch_order: torch.Tensor, meta: VisionPackMeta | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-        """Patch embedding (the Conv3d as one matmul): [N, C*T*P*P] -> [N, hidden] (into `out`)."""
-        x = pixel_values.index_select(0, patch_order).to(self.patch_embed.weight.dtype)
-        if self.patch_embed.bias is None:
-            return torch.matmul(x, self.patch_embed.weight.t(), out=out)
-        if out is None:
-            return torch.addmm(self.patch_embed.bias, x, self.patch_embed.weight.t())
-        return torch.addmm(self.patch_embed.bias, x, self.patch_embed.weight.t(), out=out)
-
-    def rotary_tables(self, positions: torch.Tensor, patch_order: torch.Tensor,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(positions, patch_order, out)
-
     # ---- the graph region
 
     def forward_blocks(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full: Segments,
@@ -116,10 +96,6 @@ class Qwen2VisionTransformer(nn.Module):
         The last block's residual add is fused with the merger's per-patch norm."""
         _, normed, _ = run_blocks(self.blocks, hidden, cos, sin, full, self.attention, self.merger.norm)
         return self.merger.project(normed)
-
-    def forward(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> torch.Tensor:
-        """Encode a pack of images eagerly: [N, patch_dim] -> [N / merge_unit, out_dim]."""
-        return encode_eager(self, pixel_values, meta)
 
     # ---- weights
 
