@@ -145,7 +145,8 @@ class ModelRunner:
 
     def _activation_reserve(self) -> int:
         """Peak temporary memory of the largest prefill and vision call, plus the decode graphs
-        (logits of the largest batch and the repetition mask), with margin."""
+        (logits of the largest batch and the repetition mask) and the deepstack input buffers,
+        with margin."""
         lm, vit = self.model.language, self.model.vision.cfg
         elem = torch.empty(0, dtype=self.dtype).element_size()
         tokens = self.cfg.max_prefill_tokens
@@ -154,7 +155,9 @@ class ModelRunner:
         patches = self.cfg.max_vision_patches
         vision = patches * (3 * padded_width(vit.intermediate_size) + 8 * vit.hidden_size) * elem + patches * vit.head_dim * 16
         decode = self.cfg.max_running_requests * lm.vocab_size * (4 * 4 + 1)
-        return 2 * max(text, vision) + decode + (512 << 20)
+        # The prefill runner's deepstack buffers (Qwen3-VL), allocated after the KV cache is sized.
+        deepstack = getattr(lm, "deepstack_levels", 0) * tokens * lm.hidden_size * elem
+        return 2 * max(text, vision) + decode + deepstack + (512 << 20)
 
     # ------------------------------------------------------------------ vision
 

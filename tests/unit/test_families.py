@@ -195,3 +195,17 @@ def test_interleaved_mrope_tables_equal_transformers():
     assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
     chunked, _ = MRotary(40, 5e6, (8, 6, 6), interleaved=False)(positions, torch.float32)
     assert not torch.equal(chunked, cos)
+
+
+def test_kv_sizing_reserves_the_deepstack_buffers(family_checkpoints):
+    """The KV cache is sized before the prefill runner allocates its deepstack buffers: the reserve
+    must hold them (levels x max_prefill_tokens x hidden)."""
+    import dataclasses
+
+    pipe = Pipeline.from_pretrained(family_checkpoints("qwen3_vl"), device="cpu", max_prefill_tokens=96)
+    lm = pipe.model.language
+    with_levels = pipe.runner._activation_reserve()
+    lm.cfg = dataclasses.replace(lm.cfg, deepstack_levels=0)
+    assert with_levels - pipe.runner._activation_reserve() == 2 * 96 * lm.hidden_size * 4  # 2 levels, float32
+    assert sum(b.numel() * b.element_size() for b in pipe.runner.prefiller.deepstack) == 2 * 96 * lm.hidden_size * 4
+    pipe.close()
