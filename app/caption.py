@@ -53,6 +53,9 @@ from mmpipe.errors import InputError
 FORMAT_NAMES = ["txt", *FORMATS]
 
 
+WARM_UP_SAMPLE = 4  # files whose sizes decide the ViT graphs captured before the run
+
+
 def _positive(value: str) -> int:
     try:
         number = int(value)
@@ -131,6 +134,7 @@ class Tally:
     failed: int = 0
     unmatched_inputs: int = 0
     tokens: int = 0
+    captured_during_run: int = 0  # graphs captured after the run started (the start-up missed them)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -271,6 +275,10 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     except MmpipeError as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2
+    # The ViT graphs packs of these images will use, captured before the first step (a run of
+    # equal-sized images then captures nothing once started).
+    pipe.warm_up([item.path for item in todo[:WARM_UP_SAMPLE]])
+    captures_at_start = _captures(pipe)
     start = time.monotonic()
     bar = tqdm(total=len(todo), unit="img", disable=args.quiet or not todo, file=sys.stderr, dynamic_ncols=True,
                position=state.process_index, desc=f"rank {state.process_index}" if state.num_processes > 1 else None)
@@ -298,6 +306,7 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     finally:
         stream.close()
         bar.close()
+        tally.captured_during_run = _captures(pipe) - captures_at_start
         pipe.close()
     if not stopped:
         sink.finish()
@@ -307,6 +316,11 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     if stopped:
         print("mmpipe caption: stopped at the first failure (--fail-fast)", file=sys.stderr)
     return 1 if tally.failed or tally.unmatched_inputs else 0
+
+
+def _captures(pipe: Any) -> int:
+    stats = pipe.stats()
+    return sum(stats[name]["captures"] for name in ("vit", "prefill", "decode"))
 
 
 def _report(item: ImageItem, reason: str, errors: ErrorLog, bar: Any) -> None:
@@ -329,6 +343,8 @@ def _summary(tally: Tally, seconds: float, sink: Sink, args: argparse.Namespace,
     if tally.already:
         parts.append(f"{tally.already} already captioned")
     parts.append(f"{tally.failed} failed")
+    if tally.captured_during_run:
+        parts.append(f"{tally.captured_during_run} graph(s) captured during the run")
     if tally.unmatched_inputs:
         parts.append(f"{tally.unmatched_inputs} input(s) matched no image")
     where = f"; outputs: {sink.where}" if not isinstance(sink, StdoutSink) else ""

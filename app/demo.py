@@ -248,7 +248,9 @@ def answer_panel(stream: Any, error: str | None = None) -> str:
     generated = stream.num_generated_tokens
     finish = stream.finish_reason
     rows = [
-        ("Time to first token", f"{metrics.time_to_first_token_s * 1e3:.0f} ms" if generated else "waiting"),
+        ("Time to first token", f"{metrics.time_to_first_token_s * 1e3:.0f} ms from the request, of which "
+                                f"{metrics.preprocess_s * 1e3:.0f} ms preparing it (template, images)"
+         if generated else "waiting"),
         ("Decode speed", f"{metrics.decode_tokens_per_s:.1f} tokens/s" if generated > 1 else "-"),
         ("Generated", f"{generated} tokens" + (f" ({finish})" if finish else " so far")),
         ("Prompt", f"{stream.num_prompt_tokens} tokens, {stream.num_image_tokens} of them from "

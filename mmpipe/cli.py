@@ -87,6 +87,7 @@ def _model_summary(path: str | None, device: str | None, graph_mode: str | None)
         "max_model_len": pipe.runner.max_model_len,
         "graphs": _graph_summary(stats),
         "scheduling": _scheduling_summary(stats),
+        "startup": pipe.startup_report(),
     }
 
 

@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestMetrics:
-    """Timings of one request, in seconds (monotonic clock)."""
+    """Timings of one request, in seconds (monotonic clock), from the call that submitted it
+    (`chat`, `generate`, `stream`; for `chat_stream`, from when its conversation was read from
+    the iterable): what the caller waits for, host work included."""
 
-    queued_s: float = 0.0  # from submission until its first forward started
+    preprocess_s: float = 0.0  # from submission until the engine had it: template, tokens, images
+    queued_s: float = 0.0  # from then until its first forward started
     time_to_first_token_s: float = 0.0  # from submission to the first generated token
     total_s: float = 0.0  # from submission to completion
     decode_tokens_per_s: float = 0.0  # generated tokens after the first, per second

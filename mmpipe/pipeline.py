@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -44,6 +45,7 @@ from mmpipe.engine.request import Request, failed_output
 from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, load_model
 from mmpipe.outputs import RequestMetrics, RequestOutput
+from mmpipe.startup import StartupReport
 from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.weights import read_json
 
@@ -71,11 +73,13 @@ class _Pending:
 
 
 class Pipeline:
-    def __init__(self, model: LoadedModel, tokenizer: Any, engine_config: EngineConfig) -> None:
+    def __init__(self, model: LoadedModel, tokenizer: Any, engine_config: EngineConfig,
+                 startup: StartupReport | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.engine_config = engine_config
-        self.runner = ModelRunner(model, engine_config)
+        self.startup = startup if startup is not None else StartupReport()
+        self.runner = ModelRunner(model, engine_config, self.startup)
         self.engine = Engine(self.runner, engine_config)
         self.defaults = _generation_defaults(model.path, tokenizer)
         self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len,
@@ -116,10 +120,39 @@ class Pipeline:
                 config = config.replace(**engine_options)
             except TypeError as exc:
                 raise InputError(f"Pipeline.from_pretrained: {exc}") from None
-        model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
+        startup = StartupReport()
+        with startup.phase("weights"):
+            model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
         if limits:
             model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
-        return cls(model, load_tokenizer(path), config)
+        with startup.phase("tokenizer"):
+            tokenizer = load_tokenizer(path)
+        pipe = cls(model, tokenizer, config, startup)
+        log.info("%s", startup.line())
+        return pipe
+
+    def warm_up(self, images: Sequence[Any]) -> int:
+        """Capture now the vision-encoder graphs that a run of images like these will use (packs
+        of 1 to as many as fit of each distinct size, as the engine packs them), so a long run of
+        such images captures nothing once it has started. Images that cannot be read are skipped
+        (the run reports them). Timed as the start-up phase "ViT graphs"; returns the graphs
+        captured."""
+        grids = []
+        for i, source in enumerate(images):
+            try:
+                grids.append(self.processor.load_image(source, f"warm_up image {i}").grid_thw)
+            except InputError:
+                continue
+        with self.startup.phase("ViT graphs") as phase:
+            captured = self.runner.capture_vision(grids)
+            phase.detail = f"{captured} graphs for packs of {len(set(grids))} image size(s)"
+        log.info("%s", self.startup.line())
+        return captured
+
+    def startup_report(self) -> str:
+        """One line: how long each start-up phase took (weights, tokenizer, KV cache, each graph
+        runner's start-up schedule, with Triton's compile time inside them)."""
+        return self.startup.line()
 
     @property
     def device(self) -> torch.device:
@@ -134,13 +167,15 @@ class Pipeline:
     def chat(self, conversations: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
              errors: str = "return", progress: bool | None = None) -> list[RequestOutput]:
         """Answer one conversation or a list of them; results in input order."""
+        submitted = time.monotonic()  # metrics count from the call
         convs = _as_list_of_conversations(conversations)
         params = _per_request(sampling, len(convs))
 
         def spec(i: int) -> Callable[[], Prepared]:
             def prepare() -> Prepared:
                 where = f"conversation {i}"
-                return self.processor.prepare(i, *self.processor.render_chat(convs[i], where), params[i], where)
+                return self.processor.prepare(i, *self.processor.render_chat(convs[i], where), params[i], where,
+                                              submitted=submitted)
             return prepare
 
         return self._execute(((i, spec(i)) for i in range(len(convs))), len(convs), errors, progress)
@@ -156,9 +191,12 @@ class Pipeline:
 
         def specs() -> Iterator[tuple[int, Callable[[], Prepared]]]:
             for i, conversation in enumerate(conversations):
-                def prepare(i: int = i, conversation: Any = conversation) -> Prepared:
+                read = time.monotonic()  # a lazy iterable submits each conversation when it is read
+
+                def prepare(i: int = i, conversation: Any = conversation, submitted: float = read) -> Prepared:
                     where = f"conversation {i}"
-                    return self.processor.prepare(i, *self.processor.render_chat(conversation, where), params, where)
+                    return self.processor.prepare(i, *self.processor.render_chat(conversation, where), params, where,
+                                                  submitted=submitted)
                 yield i, prepare
 
         return self._outputs_as_completed(specs(), errors)
@@ -168,6 +206,7 @@ class Pipeline:
                  progress: bool | None = None) -> list[RequestOutput]:
         """Complete pre-formatted prompts. Each image needs one `<|vision_start|><|image_pad|>
         <|vision_end|>` placeholder in its prompt; `images[i]` lists prompt i's images in order."""
+        submitted = time.monotonic()
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         if images is not None and len(images) != len(prompt_list):
             raise InputError(f"generate: {len(prompt_list)} prompts but {len(images)} image lists")
@@ -178,7 +217,7 @@ class Pipeline:
                 if not isinstance(prompt_list[i], str):
                     raise InputError(f"prompt {i}: must be a string, got {type(prompt_list[i]).__name__}")
                 imgs = list(images[i]) if images is not None else []
-                return self.processor.prepare(i, prompt_list[i], imgs, params[i], f"prompt {i}")
+                return self.processor.prepare(i, prompt_list[i], imgs, params[i], f"prompt {i}", submitted=submitted)
             return prepare
 
         return self._execute(((i, spec(i)) for i in range(len(prompt_list))), len(prompt_list), errors, progress)
@@ -194,10 +233,12 @@ class Pipeline:
         """Yield the answer's text as it is generated. Deltas never split a character and never
         include text a stop string later removes; closing the iterator aborts the request and
         frees its KV pages. The returned `TextStream` also reports the request's live counts and
-        timings (prompt and image tokens, tokens so far, time to first token)."""
+        timings (prompt and image tokens, tokens so far, time to first token from this call)."""
+        submitted = time.monotonic()
         with self._text_lock:
             prepared = self.processor.prepare(0, *self.processor.render_chat(conversation, "conversation"),
-                                              sampling or SamplingParams(), "conversation", stream=True)
+                                              sampling or SamplingParams(), "conversation", stream=True,
+                                              submitted=submitted)
         loaded = [self.processor.load_image(src, self.processor.image_where(prepared, k))
                   for k, src in enumerate(prepared.image_sources)]
         with self._text_lock:
@@ -222,6 +263,7 @@ class Pipeline:
                 "steps": self.engine.steps,
                 "overlap_schedule": self.engine.overlap,
                 "vision_stream": self.runner.vision_stream is not None,
+                "startup": self.startup.as_dict(),
             }
 
     def close(self) -> None:

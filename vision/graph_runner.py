@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from mmpipe.vision.metadata import Segments, VisionPackMeta
+from mmpipe.vision.metadata import Segments, VisionPackMeta, build_pack_meta
 
 from mmpipe.graphs.memory import GraphMemory
 from mmpipe.graphs.runner import GraphRunner
@@ -158,6 +158,37 @@ class ViTGraphRunner(GraphRunner):
         copy_into(self.inverse[:merged], meta.merged_inverse)
         self.inverse[merged: bucket // self.unit].copy_(self.identity[merged: bucket // self.unit])
         return True
+
+    @torch.inference_mode()
+    def capture_packs(self, grids: Sequence[tuple[int, int, int]], max_patches: int, progress: bool = False) -> int:
+        """Capture now every graph that packs of these images will need: for each grid, packs of
+        1..K images of it (K: as many as `max_patches` and `max_images` allow), as the engine
+        packs a run of equal-sized images. Each is filled with a real pack layout (zero pixels)
+        before its capture. Returns the number of graphs captured."""
+        if self.cache is None:
+            return 0
+        from tqdm import tqdm
+
+        from mmpipe.graphs.capture import capture_session
+
+        vit, packs = self.vit, {}
+        for grid in dict.fromkeys(tuple(g) for g in grids):
+            n = grid[0] * grid[1] * grid[2]
+            for k in range(1, min(self.max_images, max_patches // n if n else 0) + 1):
+                key = self.key_for(k * n, k)
+                if key is not None and self.lookup(key) is None:
+                    packs.setdefault(key, [grid] * k)
+        before = self.cache.stats.captures
+        with capture_session():
+            for key in tqdm(sorted(packs, reverse=True), desc="capturing ViT graphs", unit="graph",
+                            disable=not progress, leave=False, dynamic_ncols=True):
+                cfg = vit.cfg
+                meta = build_pack_meta(packs[key], cfg.spatial_merge_size, cfg.window_size, cfg.patch_size)
+                pixels = torch.zeros(meta.num_patches, vit.patch_dim, device=self.device)
+                if self.fill(pixels, meta, *key):
+                    with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                        self.capture(key, quiet=True)
+        return self.cache.stats.captures - before
 
     def body(self, key: Any) -> Callable[[], torch.Tensor]:
         """The captured region for (bucket, image slots): blocks and merger over the static buffers."""

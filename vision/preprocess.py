@@ -1,8 +1,10 @@
 """Image preprocessing for Qwen-VL vision encoders.
 
 Resize to a multiple of patch*merge within the checkpoint's pixel limits (Pillow bicubic on
-uint8, exactly as transformers' `Qwen2VLImageProcessorPil` does), rescale, normalise, and cut
-into patches laid out merge-block by merge-block: `patches [N, C*T*P*P]` and `grid_thw`.
+uint8, exactly as transformers' `Qwen2VLImageProcessorPil` does) on the host; then rescale,
+normalise, and cut into patches laid out merge-block by merge-block (`patches [N, C*T*P*P]` and
+`grid_thw`) where the encoder runs: one kernel on CUDA over the uint8 bytes
+(`patches_on_device`, `mmpipe.kernels.patchify`), transformers' arithmetic on the host.
 
 One image may ask for its own size (`ImageSize`: the `min_pixels`, `max_pixels`,
 `resized_height` and `resized_width` keys of Qwen's `qwen_vl_utils.fetch_image`);
@@ -18,13 +20,15 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 from mmpipe.errors import CheckpointError, InputError
+from mmpipe.kernels import triton
+from mmpipe.kernels.patchify import patchify, patchify_reference
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -157,12 +161,17 @@ def _limits(cfg: ImageProcessorConfig, min_pixels: int | None, max_pixels: int |
 
 @dataclass
 class PreprocessedImage:
-    """One image ready for the vision encoder."""
+    """One image ready for the vision encoder: the resized uint8 pixels and how they become patches.
 
-    pixel_values: torch.Tensor  # [t*h*w, C*T*P*P] float32, merge-block order
+    The float patches are made where the encoder runs (`patches_on_device`: one kernel on CUDA,
+    so only the uint8 bytes cross to the GPU); `pixel_values` makes them on the host, the
+    reference (transformers' arithmetic)."""
+
+    pixels: torch.Tensor  # [H, W, C] uint8, resized
     grid_thw: tuple[int, int, int]  # in patches
     merge_size: int
     key: str = ""  # content hash: same key, same pixel values (the encoder cache's key)
+    cfg: ImageProcessorConfig = ImageProcessorConfig()  # patch layout and normalisation
 
     @property
     def num_patches(self) -> int:
@@ -174,6 +183,64 @@ class PreprocessedImage:
         """Language-model tokens this image becomes after the patch merger."""
         return self.num_patches // (self.merge_size * self.merge_size)
 
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """Float32 patches [t*h*w, C*T*P*P], merge-block order, made on the host."""
+        cfg = self.cfg
+        return patchify_reference(self.pixels, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size,
+                                  cfg.rescale_factor, cfg.image_mean, cfg.image_std)
+
+
+def _layout(cfg: ImageProcessorConfig) -> tuple[Any, ...]:
+    return (cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size, cfg.rescale_factor, cfg.image_mean,
+            cfg.image_std)
+
+
+def patches_on_device(images: Sequence[PreprocessedImage], device: torch.device) -> torch.Tensor:
+    """The float32 patches of a pack of images, [sum of patches, C*T*P*P] on `device`, in order.
+    On CUDA the uint8 pixels go over in one copy from pinned memory (queued: the host does not
+    wait for the GPU) and one kernel rescales, normalises and patchifies them, bit-identical to
+    `pixel_values`; elsewhere each image's `pixel_values`."""
+    if not images:
+        raise ValueError("patches_on_device: no images")
+    cfg = images[0].cfg
+    if any(_layout(im.cfg) != _layout(cfg) for im in images[1:]):
+        raise ValueError("patches_on_device: the images of one pack must share patch size and normalisation")
+    if device.type != "cuda" or triton is None:
+        return torch.cat([im.pixel_values for im in images]).to(device)
+    channels = images[0].pixels.shape[2]
+    table = np.zeros((len(images), 4), dtype=np.int64)
+    offset = rows = 0
+    for i, im in enumerate(images):
+        _, gh, gw = im.grid_thw
+        table[i] = (offset, gh, gw, rows)
+        offset += im.pixels.numel()
+        rows += gh * gw
+    # One pinned buffer: the table's bytes first (8-byte aligned), then the pixels.
+    head = table.nbytes
+    pinned = torch.empty(head + offset, dtype=torch.uint8, pin_memory=True)
+    pinned[:head].copy_(torch.from_numpy(table.view(np.uint8).reshape(-1)))
+    torch.cat([im.pixels.reshape(-1) for im in images], out=pinned[head:])
+    on_device = pinned.to(device, non_blocking=True)
+    constants = _constants(cfg, channels, device)
+    return patchify(on_device[head:], on_device[:head].view(torch.int64).view(len(images), 4), rows,
+                    max(im.num_patches for im in images), cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size,
+                    channels, *constants)
+
+
+_CONSTANTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(cfg: ImageProcessorConfig, channels: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rescale factor (float64) and the mean and std rounded to float32 as the host rounds
+    them, on `device` (made once per normalisation and device)."""
+    key = (_layout(cfg), channels, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = (torch.tensor([cfg.rescale_factor], dtype=torch.float64, device=device),
+                           torch.tensor(cfg.image_mean[:channels], dtype=torch.float64).to(torch.float32).to(device),
+                           torch.tensor(cfg.image_std[:channels], dtype=torch.float64).to(torch.float32).to(device))
+    return _CONSTANTS[key]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -221,22 +288,16 @@ def _resize_rule(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 def preprocess_image(image: Image.Image, cfg: ImageProcessorConfig) -> PreprocessedImage:
-    """Resize, normalise and patchify one RGB image."""
+    """Resize one RGB image (Pillow, on the calling thread); the patches are made where the
+    encoder runs (`patches_on_device`)."""
     if image.mode != "RGB":
         raise InputError(f"preprocess_image expects an RGB image, got mode {image.mode}")
     height, width = resized_size(image.height, image.width, cfg)
     if (height, width) != (image.height, image.width):
         image = image.resize((width, height), resample=cfg.resample)
-    array = np.asarray(image, dtype=np.uint8)  # [H, W, C]
-    pixels = torch.from_numpy(array.copy())
-    scale = torch.tensor([cfg.rescale_factor] * 3, dtype=torch.float64)
-    mean = torch.tensor(cfg.image_mean, dtype=torch.float64)
-    std = torch.tensor(cfg.image_std, dtype=torch.float64)
-    # Same arithmetic as transformers: rescale in float64, cast, then normalise in float32.
-    values = (pixels.to(torch.float64) * scale).to(torch.float32)
-    values = (values - mean.to(torch.float32)) / std.to(torch.float32)
-    key = content_key(array, cfg)
-    return PreprocessedImage(patchify(values.permute(2, 0, 1), cfg), _grid(height, width, cfg), cfg.merge_size, key)
+    array = np.array(image, dtype=np.uint8)  # [H, W, C], a writable copy
+    return PreprocessedImage(torch.from_numpy(array), _grid(height, width, cfg), cfg.merge_size,
+                             content_key(array, cfg), cfg)
 
 
 def resized_size(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
@@ -257,17 +318,6 @@ def content_key(resized: np.ndarray, cfg: ImageProcessorConfig) -> str:
     digest.update(repr((resized.shape, cfg)).encode())
     digest.update(np.ascontiguousarray(resized).data)
     return digest.hexdigest()
-
-
-def patchify(chw: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:
-    """[C, H, W] -> [N, C*T*P*P], patches grouped by merge block (row-major blocks)."""
-    channels, height, width = chw.shape
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    gh, gw = height // p, width // p
-    x = chw.reshape(channels, gh // m, m, p, gw // m, m, p)
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P]
-    x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # a still image repeats over time
-    return x.reshape(gh * gw, channels * t * p * p).contiguous()
 
 
 def _grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int, int]:

@@ -603,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_caption.add_arguments(sub.add_parser("caption", help="captioning files: mmpipe (overlap on/off) vs "
                                                "transformers; timeline PNG; mmpipe caption --gpus N"))
+    from mmpipe.app.bench import startup as bench_startup
+
+    bench_startup.add_arguments(sub.add_parser("startup", help="from the command to the result in new processes: "
+                                               "from_pretrained to first token (fresh and warm caches), "
+                                               "`mmpipe caption` wall clock and CPU seconds"))
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -611,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit,
               "decode": decode_bench.run_decode, "prefill": bench_prefill.run_prefill,
-              "caption": bench_caption.run_caption}[args.what](args)
+              "caption": bench_caption.run_caption, "startup": bench_startup.run_startup}[args.what](args)
     write_json(args.json, result)
     return 0
 

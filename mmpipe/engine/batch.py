@@ -17,9 +17,10 @@ if TYPE_CHECKING:  # annotations only: the engine's types do not import the requ
 
 
 class ImageInput(Protocol):
-    """A preprocessed image as the engine sees it (each model family's preprocessing makes one)."""
+    """A preprocessed image as the engine sees it (each model family's preprocessing makes one on
+    the host; `ModelSpec.patches` turns a pack of them into the encoder's input on its device)."""
 
-    pixel_values: Any  # [patches, patch_dim] tensor
+    key: str  # content hash (the encoder cache's key)
     grid_thw: tuple[int, int, int]
 
     @property

@@ -21,6 +21,7 @@ from mmpipe.graphs import runner as graph_runner
 from mmpipe.graphs.memory import SharedPool
 from mmpipe.layers.mlp import padded_width
 from mmpipe.models import LoadedModel
+from mmpipe.startup import StartupReport
 
 log = logging.getLogger("mmpipe")
 
@@ -39,18 +40,29 @@ class RunnerStats:
         return dict(self.__dict__)
 
 
+def _graph_detail(stats: dict[str, Any]) -> str:
+    """A runner's start-up graphs in a few words (for the start-up line)."""
+    if not stats["enabled"]:
+        return "no graphs"
+    text = f"{stats['graphs']} graphs, capture {stats.get('capture_seconds', 0.0):.1f} s"
+    compile_s = stats["detail"].get("compile_seconds")
+    return text + (f", tracing {compile_s:.1f} s" if compile_s else "")
+
+
 class ModelRunner:
-    def __init__(self, model: LoadedModel, cfg: EngineConfig) -> None:
+    def __init__(self, model: LoadedModel, cfg: EngineConfig, startup: StartupReport | None = None) -> None:
         self.model, self.cfg = model, cfg
+        startup = startup if startup is not None else StartupReport()
         self.device, self.dtype = model.device, model.dtype
         self.graph_mode: GraphMode = parse_graph_mode(cfg.graph_mode, self.device)
         lm = model.language
         self.page_size = cfg.kv_page_size
-        num_pages = self._num_pages()
-        # Graphs bake in the KV cache's addresses: it is allocated once and never reallocated.
         family = model.spec
-        self.kv = family.kv_cache(lm.num_layers, num_pages, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype,
-                          self.device)
+        with startup.phase("KV cache"):
+            num_pages = self._num_pages()
+            # Graphs bake in the KV cache's addresses: it is allocated once and never reallocated.
+            self.kv = family.kv_cache(lm.num_layers, num_pages, self.page_size, lm.num_kv_heads, lm.head_dim,
+                                      self.dtype, self.device)
         self.pages = PageAllocator(num_pages)
         self.vit_runner = self._make_vit_runner()
         self._vision_stream_on = False
@@ -70,14 +82,18 @@ class ModelRunner:
         decode_graphs = graphs_wanted(mode, "decode", cfg.decode_graph)
         pool = SharedPool() if graph_runner.can_capture_on(self.device) and (prefill_graphs or decode_graphs) else None
         # Piecewise: the prefill forward is compiled (and split) whenever its mode or config asks.
-        self.prefiller = family.prefill_runner(lm, self.kv, self.device, cfg.max_prefill_tokens, prefill_graphs,
-                                       replace(cfg.prefill_graph, enabled=prefill_graphs), cfg.prefill_compiler,
-                                       cfg.compile_cache_dir, memory=pool)
-        self.prefiller.capture_all(progress=cfg.startup_progress)
-        self.decoder = family.decode_runner(lm, self.kv, cfg.max_running_requests, self.max_model_len, self.device,
-                                         replace(cfg.decode_graph, enabled=decode_graphs),
-                                         ban_width=cfg.max_banned_tokens, memory=pool)
-        self.decoder.capture_all(progress=cfg.startup_progress)
+        with startup.phase("prefill graphs") as phase:
+            self.prefiller = family.prefill_runner(lm, self.kv, self.device, cfg.max_prefill_tokens, prefill_graphs,
+                                                   replace(cfg.prefill_graph, enabled=prefill_graphs),
+                                                   cfg.prefill_compiler, cfg.compile_cache_dir, memory=pool)
+            self.prefiller.capture_all(progress=cfg.startup_progress)
+            phase.detail = _graph_detail(self.prefiller.stats())
+        with startup.phase("decode graphs") as phase:
+            self.decoder = family.decode_runner(lm, self.kv, cfg.max_running_requests, self.max_model_len,
+                                                self.device, replace(cfg.decode_graph, enabled=decode_graphs),
+                                                ban_width=cfg.max_banned_tokens, memory=pool)
+            self.decoder.capture_all(progress=cfg.startup_progress)
+            phase.detail = _graph_detail(self.decoder.stats())
 
     def _make_vit_runner(self) -> Any:
         cfg, vit = self.cfg, self.model.vision
@@ -184,6 +200,13 @@ class ModelRunner:
             embeds.record_stream(main)
         return results
 
+    def capture_vision(self, grids: Sequence[tuple[int, int, int]]) -> int:
+        """Capture the ViT graphs packs of images of these grids will use (see
+        `ViTGraphRunner.capture_packs`); the number captured."""
+        if not grids or self.vit_runner is None:
+            return 0
+        return self.vit_runner.capture_packs(grids, self.cfg.max_vision_patches, progress=self.cfg.startup_progress)
+
     def _encode_packs(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         results: list[torch.Tensor] = []
         pack: list[ImageInput] = []
@@ -202,16 +225,9 @@ class ModelRunner:
         vit = self.model.vision
         meta = self.model.spec.pack_meta([im.grid_thw for im in images], vit.cfg.spatial_merge_size, vit.cfg.window_size,
                                vit.cfg.patch_size)
-        parts = [im.pixel_values for im in images]
-        if self.device.type == "cuda":
-            # Packed into pinned memory, the copy is queued without the host waiting for the GPU
-            # to reach it (megabytes per image: from pageable memory it would block the host
-            # until the step in flight is done, undoing overlapped scheduling).
-            pinned = torch.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), dtype=parts[0].dtype,
-                                 pin_memory=True)
-            pixels = torch.cat(parts, out=pinned).to(self.device, non_blocking=True)
-        else:
-            pixels = torch.cat(parts)
+        # The pack's pixels reach the device as uint8 and become patches there (one queued copy
+        # from pinned memory: the host never waits for the step in flight).
+        pixels = self.model.spec.patches(images, self.device)
         merged, in_graph_memory = self.vit_runner.forward(pixels, meta)
         self.stats.vision_calls += 1
         self.stats.images_encoded += len(images)

@@ -10,6 +10,7 @@ the Request; caller's thread).
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -32,6 +33,7 @@ class Prepared:
     image_sources: list[Any]
     sampling: ResolvedSampling
     stream: bool
+    submitted: float | None = None  # when the caller submitted it (time.monotonic); None: now
 
 
 class InputProcessor:
@@ -57,7 +59,8 @@ class InputProcessor:
         return text, parsed.images
 
     def prepare(self, index: int, prompt: str, images: Sequence[Any], params: SamplingParams, where: str,
-                stream: bool = False) -> Prepared:
+                stream: bool = False, submitted: float | None = None) -> Prepared:
+        submitted = time.monotonic() if submitted is None else submitted
         sampling = params.resolve(self.defaults)
         banned = len(set(sampling.stop_token_ids) | set(sampling.eos_token_ids))
         if sampling.min_new_tokens > 0 and banned > self.max_banned_tokens:
@@ -70,7 +73,7 @@ class InputProcessor:
                              f"{len(images)} image(s) were given")
         if not ids:
             raise InputError(f"{where}: the prompt is empty")
-        return Prepared(index, where, ids, list(images), sampling, stream)
+        return Prepared(index, where, ids, list(images), sampling, stream, submitted)
 
     def load_image(self, source: Any, where: str) -> ImageInput:
         """Decode and preprocess one image (thread-safe). `source` is anything
@@ -125,7 +128,7 @@ class InputProcessor:
             image_starts=starts, sampling=sampling, seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.skip_special_tokens,
                                                sampling.min_new_tokens),
-            incremental_text=bool(sampling.stop) or prepared.stream,
+            incremental_text=bool(sampling.stop) or prepared.stream, submitted=prepared.submitted,
         )
 
     def build(self, index: int, prompt: str, images: Sequence[Any], params: SamplingParams, where: str,

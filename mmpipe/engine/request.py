@@ -43,7 +43,8 @@ class Request:
     preemptions: int = 0
     on_finish: Callable[["Request"], None] | None = None  # set by whoever waits for the result
 
-    arrival: float = field(default_factory=time.monotonic)
+    submitted: float | None = None  # the caller's call (None: the engine's arrival)
+    arrival: float = field(default_factory=time.monotonic)  # the engine received it
     first_scheduled: float | None = None
     first_token: float | None = None
     finished_at: float | None = None
@@ -130,14 +131,15 @@ class Request:
     def metrics(self) -> RequestMetrics:
         """Timings as of now (final once the request has finished)."""
         end = self.finished_at or time.monotonic()
-        metrics = RequestMetrics()
+        start = self.arrival if self.submitted is None else min(self.submitted, self.arrival)
+        metrics = RequestMetrics(preprocess_s=self.arrival - start)
         if self.first_scheduled is not None:
             metrics.queued_s = self.first_scheduled - self.arrival
         if self.first_token is not None:
-            metrics.time_to_first_token_s = self.first_token - self.arrival
+            metrics.time_to_first_token_s = self.first_token - start
             if len(self.output_ids) > 1 and end > self.first_token:
                 metrics.decode_tokens_per_s = (len(self.output_ids) - 1) / (end - self.first_token)
-        metrics.total_s = end - self.arrival
+        metrics.total_s = end - start
         return metrics
 
     def to_output(self) -> RequestOutput:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from mmpipe import InputError, Pipeline, SamplingParams
+from mmpipe import InputError, Pipeline, RequestMetrics, SamplingParams
 from tests.helpers import random_image
 
 
@@ -159,3 +161,52 @@ def test_engine_options_are_validated(checkpoint):
         Pipeline.from_pretrained(checkpoint, device="cpu", no_such_option=1)
     with pytest.raises(InputError, match="dtype='int8'"):
         Pipeline.from_pretrained(checkpoint, device="cpu", dtype="int8")
+
+
+def test_time_to_first_token_counts_from_the_call_including_slow_preprocessing(pipe, monkeypatch):
+    """An injected 0.3 s in image preprocessing is in the request's time to first token (measured
+    from the call) and in its preprocess share, for chat, chat_stream and stream."""
+    delay = 0.3
+    original = pipe.processor.load_image
+
+    def slow(source, where):
+        time.sleep(delay)
+        return original(source, where)
+
+    monkeypatch.setattr(pipe.processor, "load_image", slow)
+    one = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    outputs = [pipe.chat(image_chat(5), one)[0], next(iter(pipe.chat_stream([image_chat(6)], one)))]
+    with pipe.stream(image_chat(7), one) as stream:
+        "".join(stream)
+        outputs.append(stream)
+    for out in outputs:
+        m = out.metrics if isinstance(out.metrics, RequestMetrics) else out.metrics()
+        assert m.preprocess_s >= delay
+        assert m.time_to_first_token_s >= m.preprocess_s + m.queued_s
+        assert m.total_s >= m.time_to_first_token_s
+    # Without the delay the same request's preprocessing share is small: the delay is what was counted.
+    monkeypatch.setattr(pipe.processor, "load_image", original)
+    assert pipe.chat(image_chat(5), one)[0].metrics.preprocess_s < delay
+
+
+def test_startup_report_times_each_phase(checkpoint, monkeypatch):
+    """A delay injected into the tokenizer load shows up in that phase, not in another, and the
+    report's line, stats and total agree."""
+    import mmpipe.pipeline as pipeline_module
+
+    original = pipeline_module.load_tokenizer
+
+    def slow(path):
+        time.sleep(0.25)
+        return original(path)
+
+    monkeypatch.setattr(pipeline_module, "load_tokenizer", slow)
+    with Pipeline.from_pretrained(checkpoint, device="cpu") as pipe:
+        phases = {p["name"]: p["seconds"] for p in pipe.stats()["startup"]["phases"]}
+        assert list(phases) == ["weights", "tokenizer", "KV cache", "prefill graphs", "decode graphs"]
+        assert phases["tokenizer"] >= 0.25 and phases["weights"] < 0.25
+        total = pipe.stats()["startup"]["total_s"]
+        assert abs(total - sum(phases.values())) < 1e-9
+        line = pipe.startup_report()
+        assert line.startswith(f"start-up {total:.1f} s: weights") and f"tokenizer {phases['tokenizer']:.1f} s" in line
+        assert "prefill graphs" in line and "no graphs" in line  # the CPU runs eagerly

@@ -282,3 +282,23 @@ def test_a_patch_16_checkpoint_sizes_by_multiples_of_32(checkpoint_factory):
     reference = Qwen2VLImageProcessorPil.from_pretrained(path, size=limits)
     compare(random_image(640, 480, seed=2), reference=reference,
             config=config.with_size(ImageSize(max_pixels=32 * 32 * 64)))
+
+
+def test_an_image_is_kept_as_its_resized_uint8_pixels():
+    """Only the resized bytes are held (and cross to the GPU); the float patches are made from them."""
+    ours = preprocess_image(random_image(333, 517, seed=4), CONFIG)
+    t, gh, gw = ours.grid_thw
+    assert ours.pixels.dtype == torch.uint8 and tuple(ours.pixels.shape) == (gh * 14, gw * 14, 3)
+    assert ours.pixel_values.shape == (t * gh * gw, 3 * 2 * 14 * 14)
+    assert ours.pixel_values.element_size() * ours.pixel_values.numel() == 8 * ours.pixels.numel()
+
+
+def test_host_patches_of_a_pack_are_each_images_patches_in_order():
+    from mmpipe.vision.preprocess import patches_on_device
+
+    images = [preprocess_image(random_image(w, h, seed=w), CONFIG) for w, h in ((333, 517), (56, 84), (641, 479))]
+    pack = patches_on_device(images, torch.device("cpu"))
+    assert torch.equal(pack, torch.cat([im.pixel_values for im in images]))
+    with pytest.raises(ValueError, match="share patch size and normalisation"):
+        other = preprocess_image(random_image(56, 84, seed=1), ImageProcessorConfig(image_mean=(0.5,) * 3))
+        patches_on_device([images[0], other], torch.device("cpu"))

@@ -1,0 +1,47 @@
+"""Start-up on CUDA: the report counts Triton compilations where they happen, and a caption-like
+run of equal-sized images captures no graph after `warm_up`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmpipe import GraphConfig, Pipeline, SamplingParams
+from mmpipe.kernels import tl, triton
+from mmpipe.kernels.compile_clock import TritonCompileClock
+from tests.helpers import random_image
+
+pytestmark = pytest.mark.gpu
+
+
+def test_compile_clock_counts_a_new_kernel_only_inside_its_block(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a fresh cache: a real compilation
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x = torch.zeros(8, device="cuda")
+    with TritonCompileClock() as clock:
+        add_one[(1,)](x, 8, BLOCK=8)
+    assert clock.kernels == 1 and clock.seconds > 0
+    with TritonCompileClock() as again:
+        add_one[(1,)](x, 8, BLOCK=8)  # in memory now: nothing compiled
+    assert again.kernels == 0 and x.tolist() == [2.0] * 8
+
+
+def test_a_run_of_warmed_image_sizes_captures_nothing(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cuda", max_running_requests=8,
+                                    decode_graph=GraphConfig(buckets=(1, 2, 4, 8)), max_prefill_tokens=2048,
+                                    max_vision_patches=4096)
+    images = [random_image(160, 120, seed=i) for i in range(24)]
+    captured = pipe.warm_up(images[:2])
+    assert captured > 0 and "ViT graphs" in pipe.startup_report()
+    before = {name: pipe.stats()[name]["captures"] for name in ("vit", "prefill", "decode")}
+    outputs = pipe.caption(images, sampling=SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(o is not None for o in outputs)
+    stats = pipe.stats()
+    assert {name: stats[name]["captures"] for name in before} == before
+    assert stats["vit"]["graph_runs"] > 1 and stats["vit"]["eager_runs"] == 0
+    pipe.close()
