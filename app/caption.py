@@ -275,9 +275,9 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     except MmpipeError as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2
-    # The ViT graphs packs of these images will use, captured before the first step (a run of
-    # equal-sized images then captures nothing once started).
-    pipe.warm_up([item.path for item in todo[:WARM_UP_SAMPLE]])
+    # The ViT graphs packs of these images will use and the decode graphs of this sampling,
+    # captured before the first step (a run of equal-sized images then captures nothing once started).
+    pipe.warm_up([item.path for item in todo[:WARM_UP_SAMPLE]], sampling)
     captures_at_start = _captures(pipe)
     start = time.monotonic()
     bar = tqdm(total=len(todo), unit="img", disable=args.quiet or not todo, file=sys.stderr, dynamic_ncols=True,

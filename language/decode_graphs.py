@@ -35,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -170,6 +171,20 @@ class DecodeGraphRunner(GraphRunner):
         self.buckets = sorted(buckets)
 
     # ------------------------------------------------------------------ graphs
+
+    def capture_sampling(self, sampling: Any, progress: bool = True) -> int:
+        """Capture every bucket for the sampler variants a run of requests with these resolved
+        settings uses (while a min_new_tokens ban holds, and after), unless a live graph already
+        serves them; returns the graphs captured."""
+        if self.cache is None:
+            return 0
+        shim = types.SimpleNamespace(sampling=sampling, seed=0, output_ids=[], prompt_ids=[])
+        row = row_sampling(shim)  # type: ignore[arg-type]
+        before = self.cache.stats.captures
+        for variant in dict.fromkeys([SamplerVariant.of([row]), SamplerVariant.of([replace(row, step=row.ban_until)])]):
+            if any(self.lookup((b, variant)) is None for b in self.buckets):
+                self.capture_all(variant, progress)
+        return self.cache.stats.captures - before
 
     def capture_all(self, variant: SamplerVariant = SamplerVariant(), progress: bool = True) -> None:  # type: ignore[override]
         """Capture every bucket for `variant`, largest first."""

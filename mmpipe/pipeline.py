@@ -131,21 +131,30 @@ class Pipeline:
         log.info("%s", startup.line())
         return pipe
 
-    def warm_up(self, images: Sequence[Any]) -> int:
-        """Capture now the vision-encoder graphs that a run of images like these will use (packs
-        of 1 to as many as fit of each distinct size, as the engine packs them), so a long run of
-        such images captures nothing once it has started. Images that cannot be read are skipped
-        (the run reports them). Timed as the start-up phase "ViT graphs"; returns the graphs
-        captured."""
+    def warm_up(self, images: Sequence[Any] = (), sampling: SamplingParams | None = None) -> int:
+        """Capture now the graphs a run of requests like these will use, so a long run captures
+        nothing once it has started: the vision encoder's for packs of these images (1 to as many
+        as fit of each distinct size, as the engine packs them), and with `sampling`, the decode
+        step's for its sampler (greedy is captured at start-up already; a sampled or
+        min_new_tokens run uses other variants). Images that cannot be read are skipped (the run
+        reports them). Timed as start-up phases; returns the graphs captured."""
         grids = []
         for i, source in enumerate(images):
             try:
                 grids.append(self.processor.load_image(source, f"warm_up image {i}").grid_thw)
             except InputError:
                 continue
-        with self.startup.phase("ViT graphs") as phase:
-            captured = self.runner.capture_vision(grids)
-            phase.detail = f"{captured} graphs for packs of {len(set(grids))} image size(s)"
+        captured = 0
+        if grids:
+            with self.startup.phase("ViT graphs") as phase:
+                captured = self.runner.capture_vision(grids)
+                phase.detail = f"{captured} graphs for packs of {len(set(grids))} image size(s)"
+        if sampling is not None and self.runner.decoder is not None:
+            resolved = sampling.resolve(self.defaults)
+            with self.startup.phase("decode graphs for the sampling") as phase:
+                more = self.runner.decoder.capture_sampling(resolved, self.engine_config.startup_progress)
+                phase.detail = f"{more} graphs"
+            captured += more
         log.info("%s", self.startup.line())
         return captured
 

@@ -36,10 +36,11 @@ def test_a_run_of_warmed_image_sizes_captures_nothing(checkpoint):
                                     decode_graph=GraphConfig(buckets=(1, 2, 4, 8)), max_prefill_tokens=2048,
                                     max_vision_patches=4096)
     images = [random_image(160, 120, seed=i) for i in range(24)]
-    captured = pipe.warm_up(images[:2])
-    assert captured > 0 and "ViT graphs" in pipe.startup_report()
+    sampling = SamplingParams(max_new_tokens=6, min_new_tokens=3, temperature=0.7, seed=1)  # two sampler variants
+    captured = pipe.warm_up(images[:2], sampling)
+    assert captured > 0 and "ViT graphs" in pipe.startup_report() and "decode graphs for the sampling" in pipe.startup_report()
     before = {name: pipe.stats()[name]["captures"] for name in ("vit", "prefill", "decode")}
-    outputs = pipe.caption(images, sampling=SamplingParams(max_new_tokens=6, ignore_eos=True))
+    outputs = pipe.caption(images, sampling=sampling)
     assert all(o is not None for o in outputs)
     stats = pipe.stats()
     assert {name: stats[name]["captures"] for name in before} == before
