@@ -11,6 +11,9 @@
 - `window_attention`: attention within short segments (the ViT's windows).
 - `vision_rotary`: the ViT's 2-D rotary tables.
 - `stage_rows`: the prefill forward's fixed input rows in one kernel.
+- `patchify`: resized uint8 images -> the ViT's float patches on the device (rescale, normalise,
+  merge-block order, temporal repeat), bit-identical to the host arithmetic.
+- `compile_clock`: Triton's compile (or disk-cache load) time inside a block, for the start-up report.
 
 Each public function runs its kernel on CUDA and an exact PyTorch reference elsewhere. This
 module is the one place that imports Triton: CPU builds of PyTorch may come without it, and then
