@@ -8,7 +8,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from mmpipe.app.tiny.synthetic import FAMILY_CONFIGS, build_tokenizer, model_class, random_model, write_checkpoint
+from mmpipe.app.tiny.synthetic import (
+    FAMILY_CONFIGS,
+    build_tokenizer,
+    model_class,
+    random_model,
+    write_checkpoint,
+)
 from PIL import Image
 
 CORPUS = ["Tell me a story about a fox.", "Describe this image.", "compare the two pictures",
@@ -172,3 +178,29 @@ def run_under_triton_interpreter(script: str) -> Any:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def tower_on_cuda(vit, seed: int = 0, is_norm=lambda name: "norm" in name and "weight" in name):
+    """A vision tower ready to run on CUDA in bfloat16: weights random (norm scales, as `is_norm`
+    names them, one), rotary tables built, FlashAttention varlen attention."""
+    import torch
+    from mmpipe.vision.attention import VarlenVisionAttention
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in vit.named_parameters():
+            p.copy_(torch.ones_like(p) if is_norm(name) else torch.randn_like(p) * 0.05)
+    vit = vit.to(device="cuda", dtype=torch.bfloat16).eval()
+    vit.rotary.init_buffers()
+    vit.attention = VarlenVisionAttention()
+    return vit
+
+
+def random_pack(vit, grids, seed: int = 0):
+    """Random float patches on CUDA for a pack of these grids, and the pack's layout."""
+    import torch
+    from mmpipe.vision.metadata import build_pack_meta
+
+    meta = build_pack_meta(grids, 2, vit.cfg.window_size, vit.cfg.patch_size)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(meta.num_patches, vit.patch_dim, generator=gen, device="cuda"), meta

@@ -35,8 +35,11 @@ def multi_turn():
 CASES = {"text": text_only, "one_image": one_image, "two_images": two_images, "multi_turn": multi_turn}
 
 
-def assert_matches(pipe: Pipeline, reference, path: str, conversation) -> None:
-    inputs = hf_inputs(path, conversation)
+def assert_matches(pipe: Pipeline, reference, path: str, conversation, device: str = "cpu",
+                   logprob_tol: float = 1e-4) -> None:
+    """First-step logits within 1e-4 relative, 32 greedy tokens identical, every step's top
+    logprobs within `logprob_tol` of transformers' (`reference`, on `device`)."""
+    inputs = hf_inputs(path, conversation, device=device)
     ref_logits, ref_tokens, ref_steps = hf_generate(reference, inputs, 32)
     ours = first_logits(pipe, conversation)
     assert rel_err(ours, ref_logits) <= 1e-4
@@ -45,4 +48,4 @@ def assert_matches(pipe: Pipeline, reference, path: str, conversation) -> None:
     assert out.token_ids == ref_tokens
     # Every step's distribution, not just the argmax: catches position or cache errors in decode.
     assert len(out.logprobs) == 32
-    assert max_logprob_diff(out.logprobs, ref_steps) <= 1e-4
+    assert max_logprob_diff(out.logprobs, ref_steps) <= logprob_tol

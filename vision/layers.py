@@ -10,6 +10,7 @@ the captured region (blocks and mergers; nothing in it depends on host values).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,10 +20,41 @@ from mmpipe.vision.attention import VisionAttention
 from mmpipe.vision.metadata import Segments, VisionPackMeta, segments_of
 from torch import nn
 
+from mmpipe.errors import CheckpointError
 from mmpipe.graphs.transfer import to_device
 from mmpipe.kernels.fused import add_layer_norm, rotary_qk
 from mmpipe.kernels.vision_rotary import rotary_tables
 from mmpipe.layers.mlp import activation
+
+
+@dataclass(frozen=True)
+class TowerShape:
+    """What every Qwen vision tower's config has: widths, patching and rotary base. Each family's
+    config adds its own fields (windows, activation, deepstack), all with defaults."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    def check_heads(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise CheckpointError(f"config.json: vision hidden size {self.hidden_size} is not divisible by "
+                                  f"num_heads {self.num_heads}")
 
 
 class VisionSelfAttention(nn.Module):

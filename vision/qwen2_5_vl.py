@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
-from mmpipe.vision.layers import VisionRotary, VisionSelfAttention, VisionTower
+from mmpipe.vision.layers import TowerShape, VisionRotary, VisionSelfAttention, VisionTower
 from mmpipe.vision.metadata import Segments
 from torch import nn
 
@@ -27,28 +27,12 @@ from mmpipe.layers.weight_map import WeightMap
 
 
 @dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    in_channels: int = 3
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
+class VisionConfig(TowerShape):
+    """Qwen2.5-VL's tower: windowed blocks except the full-attention ones, gated SiLU MLPs."""
+
     window_size: int = 112
     fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
     hidden_act: str = "silu"
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "VisionConfig":
@@ -72,9 +56,7 @@ class VisionConfig:
             )
         except KeyError as exc:
             raise CheckpointError(f"config.json: vision_config lacks {exc.args[0]!r}") from None
-        if out.hidden_size % out.num_heads:
-            raise CheckpointError(f"config.json: vision hidden_size {out.hidden_size} is not divisible by "
-                                  f"num_heads {out.num_heads}")
+        out.check_heads()
         return out
 
 

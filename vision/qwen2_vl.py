@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 from mmpipe.vision.attention import TorchVisionAttention, VisionAttention
-from mmpipe.vision.layers import LayerNormBlock, LayerNormMerger, VisionRotary, VisionTower, run_blocks
+from mmpipe.vision.layers import (
+    LayerNormBlock,
+    LayerNormMerger,
+    TowerShape,
+    VisionRotary,
+    VisionTower,
+    run_blocks,
+)
 from mmpipe.vision.metadata import Segments
 from torch import nn
 
@@ -21,36 +28,16 @@ from mmpipe.layers.weight_map import WeightMap
 
 
 @dataclass(frozen=True)
-class FullAttentionVisionConfig:
+class FullAttentionVisionConfig(TowerShape):
     """The shape of a tower whose blocks all attend over whole images (Qwen2-VL, Qwen3-VL)."""
 
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    in_channels: int = 3
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
     hidden_act: str = "quick_gelu"
-    rope_theta: float = 10000.0
     num_position_embeddings: int = 0  # Qwen3-VL: the learned table's size (a square grid)
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose output feeds a deepstack merger
     window_size: None = None  # no windowed blocks
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
-
     def check(self) -> "FullAttentionVisionConfig":
-        if self.hidden_size % self.num_heads:
-            raise CheckpointError(f"config.json: vision hidden size {self.hidden_size} is not divisible by "
-                                  f"num_heads {self.num_heads}")
+        self.check_heads()
         if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
             raise CheckpointError(f"config.json: deepstack_visual_indexes {list(self.deepstack_visual_indexes)} "
                                   f"name blocks outside 0..{self.depth - 1}")

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mmpipe.vision.attention import VarlenVisionAttention
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
-from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransformer
 from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer
 
@@ -17,14 +15,14 @@ from mmpipe import Pipeline, SamplingParams
 from mmpipe.config import GraphConfig
 from tests.helpers import (
     first_logits,
-    hf_generate,
     hf_inputs,
     hf_model,
     make_checkpoint,
-    max_logprob_diff,
+    random_pack,
     rel_err,
+    tower_on_cuda,
 )
-from tests.parity_cases import CASES, GREEDY_32, one_image, two_images
+from tests.parity_cases import CASES, GREEDY_32, assert_matches, one_image, two_images
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -52,13 +50,7 @@ def test_float32_on_cuda_matches_transformers(paths, family):
     pipe = Pipeline.from_pretrained(path, device="cuda", dtype="float32", num_kv_pages=2048)
     reference = hf_model(path, device="cuda", dtype=torch.float32)
     for case in CASES.values():
-        conversation = case()
-        inputs = hf_inputs(path, conversation, device="cuda")
-        ref_logits, ref_tokens, ref_steps = hf_generate(reference, inputs, 32)
-        assert rel_err(first_logits(pipe, conversation), ref_logits) <= 1e-4
-        out = pipe.chat(conversation, GREEDY_32)[0]
-        assert out.token_ids == ref_tokens
-        assert max_logprob_diff(out.logprobs, ref_steps) <= 1e-3
+        assert_matches(pipe, reference, path, case(), device="cuda", logprob_tol=1e-3)
     pipe.close()
 
 
@@ -117,21 +109,10 @@ def make_tower(family: str, seed: int = 0):
                                     hidden_act="gelu_pytorch_tanh" if family == "qwen3_vl" else "quick_gelu",
                                     num_position_embeddings=256 if family == "qwen3_vl" else 0,
                                     deepstack_visual_indexes=(1, 2) if family == "qwen3_vl" else ())
-    torch.manual_seed(seed)
-    vit = (Qwen3VisionTransformer if family == "qwen3_vl" else Qwen2VisionTransformer)(cfg)
-    with torch.no_grad():
-        for name, p in vit.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name and "weight" in name else torch.randn_like(p) * 0.05)
-    vit = vit.to(device=CUDA, dtype=torch.bfloat16).eval()
-    vit.rotary.init_buffers()
-    vit.attention = VarlenVisionAttention()
-    return vit
+    return tower_on_cuda((Qwen3VisionTransformer if family == "qwen3_vl" else Qwen2VisionTransformer)(cfg), seed)
 
 
-def pack(vit, grids, seed=0):
-    meta = build_pack_meta(grids, 2, vit.cfg.window_size, vit.cfg.patch_size)
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-    return torch.randn(meta.num_patches, vit.patch_dim, generator=gen, device=CUDA), meta
+pack = random_pack
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mmpipe import Pipeline, SamplingParams
-from tests.helpers import first_logits, hf_generate, hf_inputs, hf_model, max_logprob_diff, rel_err
-from tests.parity_cases import CASES
+from tests.helpers import first_logits, hf_generate, hf_inputs, hf_model, rel_err
+from tests.parity_cases import CASES, assert_matches
 
 pytestmark = pytest.mark.gpu
 
@@ -41,13 +41,7 @@ def reference_bf16(checkpoint):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_float32_on_cuda_matches_transformers(cuda_fp32, reference_fp32, checkpoint, case):
-    conversation = CASES[case]()
-    inputs = hf_inputs(checkpoint, conversation, device="cuda")
-    ref_logits, ref_tokens, ref_steps = hf_generate(reference_fp32, inputs, 32)
-    assert rel_err(first_logits(cuda_fp32, conversation), ref_logits) <= 1e-4
-    out = cuda_fp32.chat(conversation, GREEDY_32)[0]
-    assert out.token_ids == ref_tokens
-    assert max_logprob_diff(out.logprobs, ref_steps) <= 1e-3
+    assert_matches(cuda_fp32, reference_fp32, checkpoint, CASES[case](), device="cuda", logprob_tol=1e-3)
 
 
 def test_float32_cuda_batch_equals_cpu(cuda_fp32, pipe):

@@ -9,12 +9,11 @@ import textwrap
 
 import pytest
 import torch
-from mmpipe.vision.attention import VarlenVisionAttention
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
-from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 
 from mmpipe.graphs.memory import device_memory_in_use
+from tests.helpers import random_pack, tower_on_cuda
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -23,23 +22,11 @@ SMALL = dict(depth=4, hidden_size=256, intermediate_size=512, num_heads=4, out_h
 
 
 def make_vit(seed: int = 0, **shape) -> Qwen25VisionTransformer:
-    cfg = VisionConfig(**{**SMALL, **shape})
-    torch.manual_seed(seed)
-    vit = Qwen25VisionTransformer(cfg)
-    with torch.no_grad():
-        for name, p in vit.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name or "ln_q" in name else torch.randn_like(p) * 0.05)
-    vit = vit.to(device=CUDA, dtype=torch.bfloat16).eval()
-    vit.rotary.init_buffers()
-    vit.attention = VarlenVisionAttention()
-    return vit
+    return tower_on_cuda(Qwen25VisionTransformer(VisionConfig(**{**SMALL, **shape})), seed,
+                         is_norm=lambda name: "norm" in name or "ln_q" in name)
 
 
-def inputs(vit, grids, seed=0):
-    meta = build_pack_meta(grids, 2, vit.cfg.window_size, vit.cfg.patch_size)
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-    pixels = torch.randn(meta.num_patches, vit.patch_dim, generator=gen, device=CUDA)
-    return pixels, meta
+inputs = random_pack
 
 
 def rel(a, b) -> float:
