@@ -18,7 +18,8 @@ residuals) captured as a CUDA graph for every size of the schedule, largest firs
 language model's shared pool. A step of T tokens runs at the smallest schedule size >= T
 (bisection); rows past T are padding: their K/V go to the dummy page (the slots buffer holds the
 dummy slot past the step's rows), attention is not computed for them, their outputs are dropped.
-Above the largest size the compiled pieces run without graphs. From the second forward at a
+Above the largest size (2048 tokens by default, where graphs stop paying) the compiled pieces run
+without graphs, at the step's exact size. From the second forward at a
 size on, the runner replays that size's recorded plan (`mmpipe.graphs.piecewise.ReplayPlan`).
 """
 
@@ -57,10 +58,32 @@ from mmpipe.layers.context import ForwardContext, forward_context
 log = logging.getLogger("mmpipe")
 
 
+# Token counts whose pieces are captured at start-up. Chosen by measurement (H100, 3B shape,
+# bfloat16, one forward; `.gpu`-style probe in the issue-29 closing note): graphs save 20 ms of
+# host time per forward up to 1024 tokens and 7.5 ms at 2048, but only 1.4% at 4096 and nothing
+# at 8192, where the GPU work hides the host's. Each size costs ~37 graph captures at start-up
+# (~0.1 s), so sizes are spaced by at most a quarter above 256 (padding costs a step at most
+# ~25% there, less below, where a forward's time hardly depends on its length).
+STARTUP_PREFILL_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
+                         1792, 2048)
+
+
 def default_prefill_schedule(max_tokens: int) -> list[int]:
-    """Token counts captured by default (SGLang's schedule): 4-32 step 4, 48-256 step 16,
-    288-512 step 32, 576-1024 step 64, 1280-4096 step 256, then step 512; capped by `max_tokens`,
-    which is added as the last size so every prefill the scheduler builds has a graph."""
+    """Token counts captured by default: `STARTUP_PREFILL_SIZES` up to `max_tokens`, which is added
+    as the last size when it is smaller than the largest (so every prefill of a small budget has a
+    graph). Above 2048 tokens a forward runs the compiled pieces without graphs, as fast there."""
+    sizes = [s for s in STARTUP_PREFILL_SIZES if s <= max_tokens]
+    if max_tokens < STARTUP_PREFILL_SIZES[-1] and (not sizes or sizes[-1] < max_tokens):
+        sizes.append(max_tokens)
+    return sizes
+
+
+def fine_prefill_schedule(max_tokens: int) -> list[int]:
+    """SGLang's schedule (the start-up default before issue 29; pass it as
+    `GraphConfig(buckets=...)` to capture it): 4-32 step 4, 48-256 step 16, 288-512 step 32,
+    576-1024 step 64, 1280-4096 step 256, then step 512; capped by `max_tokens`, which is added
+    as the last size. 58 sizes at 8192 tokens (2146 graphs on the 3B shape, ~6x the default's
+    start-up time)."""
     sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
              *range(1280, 4097, 256)]
     size = 4608
@@ -255,6 +278,17 @@ class PrefillRunner(GraphRunner):
         finally:
             self.state.memory = None
             self.state.size = None
+
+    def precompile(self, keys: Sequence[Any]) -> None:
+        """A forward at each size without graphs (the first one traces), Triton kernels compiled
+        in parallel rather than run (`GraphRunner.precompile`): the pieces' ops index nothing by
+        kernel outputs, and the K/V they would write go to the dummy page anyway."""
+        saved, self.state.cache = self.state.cache, None  # pieces run without graphs
+        try:
+            for size in keys:
+                self._dummy_forward(size, capture=False)
+        finally:
+            self.state.cache = saved
 
     def capture(self, size: Any, quiet: bool = False) -> bool:
         """A warm-up forward at `size` (compiling on the first call), then one in which every piece

@@ -183,9 +183,9 @@ class EngineConfig:
     vit_graph: GraphConfig = GraphConfig(max_graphs=32, memory="arena")
     vit_graph_max_images: int = 64  # images in one ViT graph call (segment slots are sized for it)
     # Piecewise prefill graphs: the forward traced once by torch.compile, split at attention, each
-    # piece captured at start for every token count of the schedule (default 4-32 step 4, 48-256
-    # step 16, 288-512 step 32, 576-1024 step 64, 1280-4096 step 256, then step 512, capped by
-    # max_prefill_tokens), largest first, in the pool the decode graphs use ("shared" only).
+    # piece captured at start for every token count of the schedule (default 20 sizes from 8 to
+    # 2048, `language.prefill_graphs.STARTUP_PREFILL_SIZES`; larger steps run the pieces without
+    # graphs, as fast there), largest first, in the pool the decode graphs use ("shared" only).
     prefill_graph: GraphConfig = GraphConfig()
     # Compiler of the prefill pieces: "eager" (the traced pieces as they are; fast start) or
     # "inductor" (fused kernels; compiled artifacts kept in the compile cache).

@@ -121,12 +121,18 @@ class Pipeline:
             except TypeError as exc:
                 raise InputError(f"Pipeline.from_pretrained: {exc}") from None
         startup = StartupReport()
-        with startup.phase("weights"):
-            model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
-        if limits:
-            model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
-        with startup.phase("tokenizer"):
-            tokenizer = load_tokenizer(path)
+        # The tokenizer (importing transformers, parsing tokenizer.json) loads on a thread while
+        # the weights load: both mostly wait on I/O and native code. Its phase is the wait after.
+        with futures.ThreadPoolExecutor(1, thread_name_prefix="mmpipe-tokenizer") as pool:
+            tokenizer_future = pool.submit(load_tokenizer, path) if os.path.isdir(path) else None
+            with startup.phase("weights"):
+                model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
+            if limits:
+                model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
+            with startup.phase("tokenizer") as phase:
+                assert tokenizer_future is not None  # load_model has refused anything but a directory
+                tokenizer = tokenizer_future.result()
+                phase.detail = "loaded beside the weights; the wait after them"
         pipe = cls(model, tokenizer, config, startup)
         log.info("%s", startup.line())
         return pipe
@@ -499,11 +505,32 @@ def _with_pixel_limits(config: ImageProcessorConfig, min_pixels: int | None,
         raise InputError(f"Pipeline.from_pretrained: {exc}") from None
 
 
-def load_tokenizer(path: str) -> Any:
+# Tokenizer classes loaded by name, without `AutoTokenizer`: importing the auto classes pulls in
+# transformers' model and generation code (and scikit-learn through it), seconds of start-up for a
+# tokenizer that is a `tokenizer.json` plus its config. AutoTokenizer resolves these names to the
+# same classes and calls the same `from_pretrained`.
+DIRECT_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast")
+
+
+def tokenizer_class(path: str) -> Any:
+    """The class that loads the checkpoint's tokenizer: the one its tokenizer_config.json names when
+    that is a tokenizers-backed class listed above (imported alone), else `AutoTokenizer`."""
+    import transformers  # lazy: an attribute below imports only its own module
+
+    config = read_json(path, "tokenizer_config.json", required=False) or {}
+    name = config.get("tokenizer_class")
+    if name in DIRECT_TOKENIZER_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
     from transformers import AutoTokenizer
 
+    return AutoTokenizer
+
+
+def load_tokenizer(path: str) -> Any:
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return tokenizer_class(path).from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many types here
         raise CheckpointError(f"{path}: cannot load the tokenizer ({exc})") from exc
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from mmpipe.graphs.capture import capture
-from mmpipe.graphs.memory import CaptureMemory, GraphMemory
+from mmpipe.graphs.memory import CaptureMemory, GraphMemory, reserved_bytes
 
 log = logging.getLogger("mmpipe")
 
@@ -109,7 +109,7 @@ class GraphCache:
         while self.max_graphs is not None and len(self.graphs) >= self.max_graphs:
             self._evict()
         on_cuda = self.device.type == "cuda"
-        reserved = torch.cuda.memory_reserved(self.device) if on_cuda else 0
+        reserved = reserved_bytes(self.device) if on_cuda else 0
         start = time.perf_counter()
         try:
             graph, output, mem = capture(body, self.memory, self.device, warmups=warmups, shared=shared)
@@ -132,7 +132,7 @@ class GraphCache:
         if physical is not None:
             self.stats.memory_bytes = physical
         elif on_cuda:
-            self.stats.memory_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+            self.stats.memory_bytes += max(0, reserved_bytes(self.device) - reserved)
         held = f"{self.stats.memory_bytes / 2**20:.0f} MiB" + (" (arena)" if physical is not None else "")
         log.log(logging.DEBUG if quiet else logging.INFO, "%s graph captured: %s in %.3f s, %s", self.name, label,
                 seconds, held)

@@ -29,6 +29,7 @@ import torch
 from mmpipe.graphs.cache import GraphCache, GraphStats, bucket_for
 from mmpipe.graphs.capture import capture_session
 from mmpipe.graphs.memory import GraphMemory, device_memory_in_use, make_graph_memory
+from mmpipe.kernels.precompile import compile_in_parallel
 
 log = logging.getLogger("mmpipe")
 
@@ -136,6 +137,9 @@ class GraphRunner:
         measure = self.device.type == "cuda"
         before = device_memory_in_use(self.device) if measure else 0
         start = time.perf_counter()
+        with compile_in_parallel() as parallel:  # a fresh machine's Triton kernels, compiled at once
+            if parallel:
+                self.precompile(keys)
         with capture_session():
             for key in tqdm(keys, desc=f"capturing {self.name} graphs", unit="graph", disable=not progress,
                             leave=False, dynamic_ncols=True):
@@ -150,6 +154,17 @@ class GraphRunner:
         if failed:
             log.warning("%s graphs: %d of %d could not be captured and run eagerly: %s", self.name, len(failed),
                         len(keys), [self.label(k) for k in failed])
+
+    def precompile(self, keys: Sequence[Hashable]) -> None:
+        """Run what capturing `keys` will run, inside `compile_in_parallel` (Triton kernels compiled
+        on a thread pool, not run), so the captures find every kernel compiled. Default: each
+        key's body under the capture guard; the body must index nothing by what its Triton kernels
+        write (see `mmpipe.kernels.precompile`)."""
+        for key in keys:
+            with self.capture_guard():
+                self.body(key)()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def startup_note(self) -> str:
         return ""

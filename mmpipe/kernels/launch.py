@@ -21,6 +21,7 @@ set (profilers), or with `MMPIPE_TRITON_DIRECT=0`, every call takes Triton's nor
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -60,10 +61,18 @@ class DirectLauncher:
         self.enabled: bool | None = None  # None: as `MMPIPE_TRITON_DIRECT` says
         self.direct_launches = 0
         self.triton_launches = 0
+        # Set by `mmpipe.kernels.precompile.compile_in_parallel`: launches from this thread only
+        # submit their kernel's compilation (Triton's `warmup`) and run nothing.
+        self.compile_only_thread: int | None = None
+        self.compile_only_submits = 0
 
     def __call__(self, kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # traced: the tracer records Triton's own launch
             kernel[tuple(grid)](*args, **kwargs)
+            return
+        if self.compile_only_thread is not None and threading.get_ident() == self.compile_only_thread:
+            self.compile_only_submits += 1
+            kernel.warmup(*args, grid=tuple(grid), **kwargs)
             return
         enabled = self.enabled if self.enabled is not None else settings.current().triton_direct
         if not enabled or _hooks_set():

@@ -12,7 +12,12 @@ import pytest
 import torch
 from mmpipe.language.attention.op import attention
 from mmpipe.language.kv_cache import KVCache
-from mmpipe.language.prefill_graphs import PrefillRunner, default_prefill_schedule
+from mmpipe.language.prefill_graphs import (
+    STARTUP_PREFILL_SIZES,
+    PrefillRunner,
+    default_prefill_schedule,
+    fine_prefill_schedule,
+)
 
 from mmpipe import GraphConfig, GraphMode, Pipeline, SamplingParams
 from mmpipe.graphs import cache as graph_cache_module
@@ -23,18 +28,28 @@ from tests.helpers import random_image, stacked_kv
 from tests.lm_helpers import CPU, LAYERS, extend_meta, make_runner, run, tiny_lm  # noqa: F401
 
 
-def test_default_schedule_follows_the_source_notes_and_is_capped():
+def test_default_schedule_stops_where_graphs_stop_paying_and_is_capped():
     sizes = default_prefill_schedule(8192)
+    assert sizes == list(STARTUP_PREFILL_SIZES) and sizes[-1] == 2048  # larger steps run without graphs
+    assert len(sizes) == len(set(sizes)) and sizes == sorted(sizes)
+    # Padding above 256 tokens costs at most a quarter of a step.
+    assert all(b <= a * 1.25 for a, b in zip(sizes, sizes[1:]) if a >= 256)
+    assert default_prefill_schedule(100) == [8, 16, 32, 64, 96, 100]
+    assert default_prefill_schedule(3) == [3]
+    assert default_prefill_schedule(2048) == sizes
+    assert [bucket_for(sizes, n) for n in (1, 8, 9, 257, 1025, 2048, 2049)] == [8, 8, 16, 320, 1280, 2048, None]
+
+
+def test_fine_schedule_follows_the_source_notes_and_is_capped():
+    sizes = fine_prefill_schedule(8192)
     assert sizes[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 48]
     assert sizes[sizes.index(256) + 1] == 288 and sizes[sizes.index(512) + 1] == 576
     assert sizes[sizes.index(1024) + 1] == 1280 and sizes[sizes.index(4096) + 1] == 4608
     assert sizes[-2:] == [7680, 8192] and len(sizes) == len(set(sizes)) == sorted(sizes).__len__()
     steps = {b - a for a, b in zip(sizes, sizes[1:])}
     assert steps == {4, 16, 32, 64, 256, 512}
-    assert default_prefill_schedule(100) == [4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96, 100]
-    assert default_prefill_schedule(3) == [3]
-    assert [bucket_for(sizes, n) for n in (1, 4, 5, 32, 33, 257, 8192, 8193)] == \
-        [4, 4, 8, 32, 48, 288, 8192, None]
+    assert fine_prefill_schedule(100) == [4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96, 100]
+    assert fine_prefill_schedule(3) == [3]
 
 
 def test_the_traced_forward_splits_at_attention_once_per_layer():

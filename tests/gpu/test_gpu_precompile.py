@@ -1,0 +1,63 @@
+"""`compile_in_parallel`: launches inside it compile their kernels on a thread pool and run
+nothing; the same launches afterwards run, compiling nothing more. And a graph runner's start-up
+compiles its kernels that way, so its captures compile none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmpipe.kernels import tl, triton
+from mmpipe.kernels.compile_clock import TritonCompileClock
+from mmpipe.kernels.launch import launch
+from mmpipe.kernels.precompile import compile_in_parallel
+
+pytestmark = pytest.mark.gpu
+
+
+def test_launches_inside_compile_only_and_run_afterwards_without_compiling(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a fresh cache: real compilations
+
+    @triton.jit
+    def scale_add(x_ptr, y_ptr, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * SCALE + 1.0, mask=mask)
+
+    x = torch.randn(1000, device="cuda")
+    outputs = [torch.full_like(x, -7.0) for _ in range(4)]
+    submits = launch.compile_only_submits
+    with TritonCompileClock() as clock, compile_in_parallel() as parallel:
+        for scale, y in enumerate(outputs, start=1):
+            launch(scale_add, (8,), x, y, 1000, SCALE=scale, BLOCK=128)
+    torch.cuda.synchronize()
+    assert parallel and launch.compile_only_submits - submits == 4
+    assert clock.kernels == 4  # compiled (in the pool) by the end of the block
+    assert all(bool((y == -7.0).all()) for y in outputs)  # nothing ran
+    with TritonCompileClock() as after:
+        for scale, y in enumerate(outputs, start=1):
+            launch(scale_add, (8,), x, y, 1000, SCALE=scale, BLOCK=128)
+    torch.cuda.synchronize()
+    assert after.kernels == 0  # every kernel was compiled already
+    for scale, y in enumerate(outputs, start=1):
+        torch.testing.assert_close(y, x * scale + 1.0)
+
+
+def test_a_runner_start_up_compiles_before_it_captures(tmp_path, monkeypatch):
+    """The decode runner's start-up on a fresh Triton cache: its kernels are submitted in the
+    parallel pass, and its graphs then replay the same tokens as eager decode (the captures ran
+    the real kernels)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from mmpipe import Pipeline, SamplingParams
+
+    submits = launch.compile_only_submits
+    prompts = ["A photo of a red bus in the city", "Two dogs"]
+    params = SamplingParams(max_new_tokens=12)
+    with Pipeline.from_pretrained(device="cuda", dtype="float32", startup_progress=False) as graphs:
+        assert launch.compile_only_submits > submits
+        assert graphs.stats()["decode"]["graphs"] > 0
+        got = [o.token_ids for o in graphs.generate(prompts, sampling=params)]
+    with Pipeline.from_pretrained(device="cuda", dtype="float32", graph_mode="none",
+                                  startup_progress=False) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, sampling=params)]
+    assert got == want
