@@ -121,18 +121,12 @@ class Pipeline:
             except TypeError as exc:
                 raise InputError(f"Pipeline.from_pretrained: {exc}") from None
         startup = StartupReport()
-        # The tokenizer (importing transformers, parsing tokenizer.json) loads on a thread while
-        # the weights load: both mostly wait on I/O and native code. Its phase is the wait after.
-        with futures.ThreadPoolExecutor(1, thread_name_prefix="mmpipe-tokenizer") as pool:
-            tokenizer_future = pool.submit(load_tokenizer, path) if os.path.isdir(path) else None
-            with startup.phase("weights"):
-                model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
-            if limits:
-                model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
-            with startup.phase("tokenizer") as phase:
-                assert tokenizer_future is not None  # load_model has refused anything but a directory
-                tokenizer = tokenizer_future.result()
-                phase.detail = "loaded beside the weights; the wait after them"
+        with startup.phase("weights"):
+            model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
+        if limits:
+            model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
+        with startup.phase("tokenizer"):
+            tokenizer = load_tokenizer(path)
         pipe = cls(model, tokenizer, config, startup)
         log.info("%s", startup.line())
         return pipe

@@ -29,9 +29,14 @@ import torch
 from mmpipe.graphs.cache import GraphCache, GraphStats, bucket_for
 from mmpipe.graphs.capture import capture_session
 from mmpipe.graphs.memory import GraphMemory, device_memory_in_use, make_graph_memory
+from mmpipe.kernels.compile_clock import TritonCompileClock
 from mmpipe.kernels.precompile import compile_in_parallel
 
 log = logging.getLogger("mmpipe")
+
+# Mean seconds per kernel above which Triton compiled rather than loaded from its disk cache (an
+# H100 host: ~0.3 s or more to compile one, milliseconds to load one).
+COLD_COMPILE_SECONDS = 0.05
 
 
 def can_capture_on(device: torch.device) -> bool:
@@ -137,9 +142,7 @@ class GraphRunner:
         measure = self.device.type == "cuda"
         before = device_memory_in_use(self.device) if measure else 0
         start = time.perf_counter()
-        with compile_in_parallel() as parallel:  # a fresh machine's Triton kernels, compiled at once
-            if parallel:
-                self.precompile(keys)
+        self._precompile_if_cold(keys)
         with capture_session():
             for key in tqdm(keys, desc=f"capturing {self.name} graphs", unit="graph", disable=not progress,
                             leave=False, dynamic_ncols=True):
@@ -165,6 +168,23 @@ class GraphRunner:
                 self.body(key)()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _precompile_if_cold(self, keys: Sequence[Hashable]) -> None:
+        """On a machine whose Triton cache lacks this runner's kernels, compile them all in parallel
+        before the captures. The first key is the probe: its kernels are compiled (or loaded from
+        the disk cache) in parallel, and only if they took compile time, not load time, are the
+        other keys' kernels compiled too (a warm cache would pay a pass over every key for
+        nothing: ~2 s for the decode and prefill schedules)."""
+        if not keys:
+            return
+        with TritonCompileClock() as probe:
+            with compile_in_parallel() as parallel:
+                if parallel:
+                    self.precompile(keys[:1])
+        cold = probe.kernels and probe.seconds / probe.kernels > COLD_COMPILE_SECONDS
+        if parallel and cold and len(keys) > 1:
+            with compile_in_parallel():
+                self.precompile(keys[1:])
 
     def startup_note(self) -> str:
         return ""
