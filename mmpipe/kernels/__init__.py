@@ -14,6 +14,7 @@
 - `patchify`: resized uint8 images -> the ViT's float patches on the device (rescale, normalise,
   merge-block order, temporal repeat), bit-identical to the host arithmetic.
 - `compile_clock`: Triton's compile (or disk-cache load) time inside a block, for the start-up report.
+- `precompile`: a block's Triton kernels compiled on a thread pool and not run (a cold start-up).
 
 Each public function runs its kernel on CUDA and an exact PyTorch reference elsewhere. This
 module is the one place that imports Triton: CPU builds of PyTorch may come without it, and then
