@@ -608,6 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_startup.add_arguments(sub.add_parser("startup", help="from the command to the result in new processes: "
                                                "from_pretrained to first token (fresh and warm caches), "
                                                "`mmpipe caption` wall clock and CPU seconds"))
+    from mmpipe.app.bench import ttft as bench_ttft
+
+    bench_ttft.add_arguments(sub.add_parser("ttft", help="an image request's time to first token from the call, "
+                                            "vs its GPU kernel time and its metrics"))
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -616,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit,
               "decode": decode_bench.run_decode, "prefill": bench_prefill.run_prefill,
-              "caption": bench_caption.run_caption, "startup": bench_startup.run_startup}[args.what](args)
+              "caption": bench_caption.run_caption, "startup": bench_startup.run_startup,
+              "ttft": bench_ttft.run_ttft}[args.what](args)
     write_json(args.json, result)
     return 0
 
