@@ -159,6 +159,10 @@ class EngineConfig:
     max_vision_patches: int = 16384
     # Vision embeddings kept for reuse (same image in several requests or turns), in bytes.
     encoder_cache_bytes: int = 1 << 30
+    # Preprocessed images kept by the content of their encoded file (the same file again is not
+    # decoded and resized again: a chat's later turns, repeated images), in bytes of resized pixels;
+    # 0 turns it off.
+    preprocessed_cache_bytes: int = 256 << 20
     # Threads decoding and preprocessing images ahead of the engine.
     preprocess_workers: int = 4
     # Overlapped scheduling: plan and launch step N+1 before reading step N's tokens, so host
@@ -225,8 +229,10 @@ class EngineConfig:
                              "share the language model's pool; only 'shared' is supported")
         if self.prefill_compiler not in ("eager", "inductor"):
             raise InputError(f"EngineConfig.prefill_compiler={self.prefill_compiler!r}: use 'eager' or 'inductor'")
-        if not isinstance(self.encoder_cache_bytes, int) or self.encoder_cache_bytes < 0:
-            raise InputError(f"EngineConfig.encoder_cache_bytes={self.encoder_cache_bytes!r}: must be >= 0")
+        for name in ("encoder_cache_bytes", "preprocessed_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InputError(f"EngineConfig.{name}={value!r}: must be an integer >= 0")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise InputError(f"EngineConfig.kv_memory_fraction={self.kv_memory_fraction!r}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -81,10 +81,29 @@ def load_image(source: ImageSource) -> Image.Image:
             rgb = _decode(source, name)
             if rgb is source:
                 rgb = source.copy()  # never hand out the caller's object to be read concurrently
+    elif isinstance(source, np.ndarray):
+        rgb = _decode(_from_array(source, name), name)
     else:
-        image = _from_array(source, name) if isinstance(source, np.ndarray) else _open(_read_bytes(source, name),
-                                                                                         name)
-        rgb = _decode(image, name)
+        return decode_encoded(_read_bytes(source, name), source)
+    return _nonempty(rgb, name)
+
+
+def encoded_bytes(source: ImageSource) -> bytes | None:
+    """The encoded file of a source given as a path, a file:// or data: URI, base64 or bytes (read,
+    with the same errors as `load_image`); None for sources that are already decoded (a PIL image,
+    an array)."""
+    if isinstance(source, (Image.Image, np.ndarray)):
+        return None
+    return _read_bytes(source, describe_source(source))
+
+
+def decode_encoded(data: bytes, source: ImageSource) -> Image.Image:
+    """`load_image` of a source whose `encoded_bytes` are `data`."""
+    name = describe_source(source)
+    return _nonempty(_decode(_open(data, name), name), name)
+
+
+def _nonempty(rgb: Image.Image, name: str) -> Image.Image:
     if rgb.width == 0 or rgb.height == 0:
         raise ImageLoadError(f"image {name}: has no pixels ({rgb.width}x{rgb.height})")
     return rgb

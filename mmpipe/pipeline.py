@@ -83,7 +83,7 @@ class Pipeline:
         self.engine = Engine(self.runner, engine_config)
         self.defaults = _generation_defaults(model.path, tokenizer)
         self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len,
-                                        engine_config.max_banned_tokens)
+                                        engine_config.max_banned_tokens, engine_config.preprocessed_cache_bytes)
         self._pool = futures.ThreadPoolExecutor(engine_config.preprocess_workers, thread_name_prefix="mmpipe-img")
         self._text_lock = threading.Lock()  # tokenizers are not safe to share across threads
 
@@ -269,6 +269,7 @@ class Pipeline:
                              "preemptions": scheduler.preemptions},
                 "encoder_cache": {"entries": len(self.engine.cache), "bytes": self.engine.cache.used,
                                   "hits": self.engine.cache.hits, "misses": self.engine.cache.misses},
+                "preprocessed_cache": self.processor.preprocessed.stats(),
                 "steps": self.engine.steps,
                 "overlap_schedule": self.engine.overlap,
                 "vision_stream": self.runner.vision_stream is not None,

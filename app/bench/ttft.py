@@ -3,8 +3,9 @@ GPU kernel time it needs and what `RequestOutput.metrics` reports.
 
 One process, one Pipeline (graphs on), 3B shape or `--shape`. Rows: a 512x512 PNG file plus a
 short prompt through `pipe.chat`, with the encoder cache cold (a different file every request: it
-is decoded, resized, encoded by the ViT) and warm (the same file every request: decoded and
-resized to find its cache key, the ViT skipped), and a text prompt of 256 tokens for reference.
+is decoded, resized, encoded by the ViT) and warm (the same file every request: its preprocessed
+image comes from the preprocessed-image cache and its embeddings from the encoder cache), and a
+text prompt of 256 tokens for reference.
 Columns: the median wall time of `pipe.chat(..., max_new_tokens=1)` from the call to its return,
 the median `metrics.time_to_first_token_s` and `metrics.preprocess_s` of the same requests, the
 sum of the GPU kernel times of one such request (profiler), and wall / kernel time.
@@ -20,7 +21,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-
 from mmpipe.app.bench.main import _kernel_ms, table
 from mmpipe.app.bench.prefill import text_of_tokens
 from mmpipe.app.bench.shapes import add_shape_argument, build_checkpoint

@@ -17,9 +17,10 @@ from typing import Any, Sequence
 from mmpipe.config import GenerationDefaults, ResolvedSampling, SamplingParams
 from mmpipe.engine.batch import ImageInput
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
+from mmpipe.engine.preprocessed_cache import PreprocessedCache
 from mmpipe.engine.request import Request
 from mmpipe.errors import InputError
-from mmpipe.inputs import ChatImage, load_image, parse_conversation
+from mmpipe.inputs import ChatImage, decode_encoded, encoded_bytes, load_image, parse_conversation
 from mmpipe.models import LoadedModel
 
 
@@ -38,8 +39,9 @@ class Prepared:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, model: LoadedModel, defaults: GenerationDefaults, max_model_len: int,
-                 max_banned_tokens: int = 16) -> None:
+                 max_banned_tokens: int = 16, preprocessed_cache_bytes: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.preprocessed = PreprocessedCache(preprocessed_cache_bytes)
         self.max_banned_tokens = max_banned_tokens
         self.model = model
         self.defaults = defaults
@@ -87,7 +89,16 @@ class InputProcessor:
             config = self.model.image_processor
             if size is not None:
                 config = config.with_size(size)
-            return self.model.spec.preprocess(load_image(source), config)
+            data = encoded_bytes(source)
+            if data is None:  # a PIL image or an array: decoded already
+                return self.model.spec.preprocess(load_image(source), config)
+            key = self.preprocessed.key(data, config)
+            cached = self.preprocessed.get(key)
+            if cached is not None:  # the same file again (a chat's later turns, a repeated image)
+                return cached
+            image = self.model.spec.preprocess(decode_encoded(data, source), config)
+            self.preprocessed.put(key, image)
+            return image
         except InputError as exc:
             raise type(exc)(f"{where}: {exc}") from exc
 
