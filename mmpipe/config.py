@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,9 +278,16 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)):
+                raise InputError(f"SamplingParams.stop={self.stop!r}: give a string or a list of strings")
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple)) or any(
+                    not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in ids):
+                raise InputError(f"SamplingParams.stop_token_ids={ids!r}: give a list of token ids "
+                                 "(non-negative integers)")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         _check("max_new_tokens", self.max_new_tokens, lambda v: isinstance(v, int) and v >= 1, ">= 1")
         _check("min_new_tokens", self.min_new_tokens, lambda v: isinstance(v, int) and v >= 0, ">= 0")
         _check("temperature", self.temperature, lambda v: math.isfinite(v) and v >= 0, ">= 0")

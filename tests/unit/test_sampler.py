@@ -487,7 +487,9 @@ def test_cuda_graph_replay_equals_eager():
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
                                  dict(min_p=2), dict(max_new_tokens=0), dict(logprobs=-1), dict(stop=[""]),
                                  dict(min_new_tokens=5, max_new_tokens=2), dict(temperature=float("nan")),
-                                 dict(repetition_penalty=0)])
+                                 dict(repetition_penalty=0), dict(stop=123), dict(stop=b"x"), dict(stop=[1]),
+                                 dict(stop_token_ids=5), dict(stop_token_ids=["7"]), dict(stop_token_ids=[-1]),
+                                 dict(stop_token_ids=[True])])
 def test_sampling_params_validation(bad):
     from mmpipe import InputError, SamplingParams
 
