@@ -68,6 +68,8 @@ class Settings:
                 return int(out)
             return out
 
+        if isinstance(seed, str):  # the page's seed field is text: blank means unseeded
+            seed = seed.strip()
         return cls(system_prompt=str(system_prompt or "").strip(),
                    max_new_tokens=number("max new tokens", max_new_tokens, int),
                    temperature=number("temperature", temperature, float),
@@ -328,7 +330,8 @@ def build_ui(backend: ChatBackend, title: str | None = None) -> Any:
         gr.Slider(0, max(200, d.top_k), value=d.top_k, step=1, label="Top-k (0 = off)", render=False),
         gr.Slider(min(0.5, d.repetition_penalty), max(2.0, d.repetition_penalty), value=d.repetition_penalty,
                   step=0.01, label="Repetition penalty", render=False),
-        gr.Number(value=None, precision=0, label="Seed (empty = random)", render=False),
+        # A text field: a Number field shows and sends 0 when left empty, which would seed every answer.
+        gr.Textbox("", label="Seed (empty = random)", placeholder="random", max_lines=1, render=False),
     ]
     answer_md = gr.Markdown(answer_panel(None), elem_id="mmpipe-answer-stats", render=False)
     engine_md = gr.Markdown(backend.engine_panel(), elem_id="mmpipe-engine-stats", render=False)

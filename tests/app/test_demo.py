@@ -75,6 +75,24 @@ def test_each_setting_reaches_its_own_sampling_field():
     assert Settings.from_inputs("", 8, 0, 1, 0, 1, None).seed is None
     with pytest.raises(ValueError, match="seed"):
         Settings.from_inputs("", 8, 0, 1, 0, 1, 1.5)
+    # What the page's seed field sends: text, empty (or blank) meaning unseeded.
+    assert [Settings.from_inputs("", 8, 0, 1, 0, 1, v).seed for v in ("", "  ", " 7 ", "12")] == [None, None, 7, 12]
+    with pytest.raises(ValueError, match="seed"):
+        Settings.from_inputs("", 8, 0, 1, 0, 1, "x")
+
+
+def test_the_page_seed_field_starts_empty_and_empty_means_unseeded(pipe):
+    """The page's seed field is sent as it stands: left alone it must mean unseeded (a Number field
+    shows and sends 0 when empty, so every retry at a high temperature gave the same answer)."""
+    gr = pytest.importorskip("gradio")
+    from mmpipe.app.demo import build_ui
+
+    demo = build_ui(ChatBackend(pipe))
+    seeds = [b for b in demo.blocks.values() if str(getattr(b, "label", "")).startswith("Seed")]
+    assert len(seeds) == 1
+    field = seeds[0]
+    assert isinstance(field, gr.Textbox) and field.value == ""
+    assert Settings.from_inputs("", 8, 2.0, 1, 0, 1, field.value).sampling().seed is None
 
 
 # ---------------------------------------------------------------------- the backend
