@@ -325,7 +325,7 @@ def _captures(pipe: Any) -> int:
 
 def _report(item: ImageItem, reason: str, errors: ErrorLog, bar: Any) -> None:
     # The pipeline names the request and the image; here the path says both.
-    reason = re.sub(r"^conversation \d+, image \d+: image '.*?': ", "", reason)
+    reason = re.sub(r"^conversation \d+, image \d+: (image '.*?': )?", "", reason)
     line = f"failed {item.path}: {reason}"
     if bar is not None:
         bar.write(line, file=sys.stderr)

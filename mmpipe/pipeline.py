@@ -307,7 +307,7 @@ class Pipeline:
         outputs: list[RequestOutput | None] = [None] * count
         bar = _progress_bar(count, progress)
         try:
-            for output in self._outputs_as_completed(specs, errors, log_failures=True):
+            for output in self._outputs_as_completed(specs, errors):
                 outputs[output.index] = output
                 bar.update(1)
         finally:
@@ -317,8 +317,8 @@ class Pipeline:
             raise RuntimeError(f"no output for request(s) {missing[:10]}")
         return outputs  # type: ignore[return-value]
 
-    def _outputs_as_completed(self, specs: Iterable[tuple[int, Callable[[], Prepared]]], errors: str,
-                              log_failures: bool = False) -> Iterator[RequestOutput]:
+    def _outputs_as_completed(self, specs: Iterable[tuple[int, Callable[[], Prepared]]],
+                              errors: str) -> Iterator[RequestOutput]:
         """Prepare requests a bounded distance ahead of the engine, add them in order as their
         images become ready, step the engine, and yield each output as its request finishes (a
         request that cannot be built is yielded at once). Memory is flat in the number of specs:
@@ -340,8 +340,8 @@ class Pipeline:
         def fail(index: int, exc: InputError) -> None:
             if errors == "raise":
                 raise exc
-            if log_failures:
-                log.warning("request %d failed: %s", index, exc)
+            # The caller gets the error in the output: a warning would print it a second time.
+            log.debug("request %d failed: %s", index, exc)
             failed.append(failed_output(index, str(exc)))
 
         def refill() -> None:

@@ -578,8 +578,10 @@ def vit_memory(vit: Any) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mmpipe bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
+    from mmpipe.cli import CommandParser  # a usage mistake is one line, as for every subcommand
+
+    parser = CommandParser(prog="mmpipe bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True, parser_class=CommandParser)
     sub.add_parser("kernels", help="attention kernels")
     tp = sub.add_parser("throughput", help="captioning throughput: engine vs transformers")
     tp.add_argument("--requests", type=int, default=256)

@@ -309,6 +309,23 @@ def test_no_input_vanishes(tmp_path, capsys):
     assert f"{tmp_path / 'missing.png'}: no such file or directory" in captured.err
 
 
+def test_an_image_the_model_cannot_take_is_named_by_its_path_not_a_request_index(tmp_path, capsys):
+    """Errors found while preprocessing (a 1x300 strip) name the file, as decoding errors do; the
+    request index means nothing to the user."""
+    good = tmp_path / "good.png"
+    shutil.copy(os.path.join(SAMPLE_DIR, "scene_2.png"), good)
+    Image.new("RGB", (1, 300), (200, 10, 10)).save(tmp_path / "strip.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    code = main([str(tmp_path), *CPU])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out.strip().endswith(f"good.png\t{EXPECTED['scene_2.png']}")
+    failed = sorted(line for line in captured.err.splitlines() if line.startswith("failed "))
+    assert [line.split(":", 1)[0] for line in failed] == [f"failed {tmp_path / 'broken.png'}",
+                                                          f"failed {tmp_path / 'strip.png'}"]
+    assert "image of size 1x300" in failed[1]
+    assert "conversation" not in captured.err
+
+
 BAD_FLAGS = [
     (["--model", "/nonexistent"], "not a directory"),
     (["--model", "{empty}"], "config.json"),
@@ -378,6 +395,15 @@ def test_every_subcommand_reports_a_bad_model_in_one_line(capfd, caplog, monkeyp
     for command in commands:
         code, stderr = run_cli(command, capfd, caplog)
         assert code == 2 and "Traceback" not in stderr and "/nonexistent" in stderr, (command, stderr)
+
+
+@pytest.mark.parametrize("argv, message", [(["bench", "frob"], "invalid choice: 'frob'"),
+                                           (["bench", "vit", "--frob"], "unrecognized arguments: --frob"),
+                                           (["frob"], "invalid choice: 'frob'")])
+def test_usage_mistakes_of_the_bench_and_the_top_level_are_one_line(argv, message, capfd, caplog):
+    code, stderr = run_cli(argv, capfd, caplog)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], stderr
 
 
 def test_a_closed_pipe_is_not_a_traceback(tmp_path):

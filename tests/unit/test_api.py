@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -111,11 +112,15 @@ def test_seeded_sampling_is_reproducible_across_batches(pipe):
     assert other != alone
 
 
-def test_bad_image_in_a_batch(pipe):
+def test_bad_image_in_a_batch(pipe, caplog):
     batch = [image_chat(1), [{"role": "user", "content": [{"type": "image", "image": b"garbage"}]}], image_chat(2)]
     with pytest.raises(InputError, match="conversation 1, image 0: image bytes"):
         pipe.chat(batch, GREEDY, errors="raise")
+    caplog.set_level(logging.DEBUG, logger="mmpipe")
     outs = pipe.chat(batch, GREEDY)
+    # The caller gets the error in its output; the log repeats it only at debug level (no stderr line).
+    failures = [r for r in caplog.records if "request 1 failed" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.DEBUG]
     assert [o.ok for o in outs] == [True, False, True]
     assert outs[1].finish_reason == "error" and "not a recognised image" in outs[1].error
     assert outs[0].token_ids == pipe.chat(image_chat(1), GREEDY)[0].token_ids
