@@ -86,7 +86,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="replace existing captions")
     policy.add_argument("--append", dest="policy", action="store_const", const="append",
                         help="add the new caption after an existing one (see --separator)")
-    out.add_argument("--separator", default="\n", help="between an existing caption and an appended one")
+    out.add_argument("--separator", default="\n", help="between an existing caption and an appended one "
+                     "(default a newline; CSV keeps a caption on one line, so there every newline, this one "
+                     "included, becomes a space)")
     out.add_argument("--prefix", default="", help="text put before every caption (e.g. a trigger word)")
     out.add_argument("--suffix", default="", help="text put after every caption")
     out.add_argument("--errors-file", default=None, help="JSON lines (image, error) for every image that failed")

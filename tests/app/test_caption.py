@@ -107,6 +107,12 @@ def test_jsonl_metadata_and_csv(dataset, tmp_path):
     assert main([str(root), "--format", "csv", "--output", str(table), *CPU]) == 0
     rows = list(csv.reader(open(table, encoding="utf-8")))
     assert rows[0] == ["image", "caption"] and dict(rows[1:]) == expected
+    # --append with the default newline separator: CSV keeps a caption on one line, so the
+    # separator becomes a space (as --help and the README say); still one row per image.
+    assert main([str(root), "--format", "csv", "--output", str(table), "--append", *CPU]) == 0
+    lines = open(table, encoding="utf-8").read().splitlines()
+    assert len(lines) == 1 + len(expected)
+    assert dict(list(csv.reader(lines))[1:]) == {i: f"{c} {c}" for i, c in expected.items()}
 
 
 def test_existing_captions_skip_overwrite_append(dataset, tmp_path):
