@@ -45,6 +45,7 @@ from mmpipe.app.caption_io import (
     read_prompt_file,
     remove_stale_temporaries,
     shard,
+    unwritable,
 )
 
 from mmpipe.config import GraphMode
@@ -177,6 +178,16 @@ def _make_sink(args: argparse.Namespace, part: str = "") -> Sink:
     return RecordSink(args.format, args.policy, output, args.separator, part=part)
 
 
+def _output_paths(args: argparse.Namespace, items: list[ImageItem], part: str) -> list[str]:
+    """Every file this run will write its captions to (none for stdout)."""
+    if args.format == "txt":
+        sidecars = SidecarSink(args.policy, args.output_dir, args.separator, _run_id(args))
+        return [sidecars.target(item) for item in items]
+    if args.format in FORMATS:  # one given file, or one metadata.jsonl per dataset folder
+        return sorted({(args.output or os.path.join(item.root, "metadata.jsonl")) + part for item in items})
+    return []
+
+
 def _run_id(args: argparse.Namespace) -> str:
     """Names the sidecar journal: the same command finds the same journal when it resumes."""
     import hashlib
@@ -215,14 +226,27 @@ def run(args: argparse.Namespace) -> int:
         print("mmpipe caption: --overwrite / --append with a record file need one process", file=sys.stderr)
         return 2
     part = f".part{rank}of{world}" if world > 1 and args.format in FORMATS else ""
+    errors_path = args.errors_file + (f".part{rank}of{world}" if world > 1 else "") if args.errors_file else None
+    problem = unwritable(_output_paths(args, mine, part) + ([errors_path] if errors_path else []))
+    if problem is not None:  # before the model loads: no captioning work is lost
+        print(f"mmpipe caption: {problem}", file=sys.stderr)
+        return 2
     sink = _make_sink(args, part)
-    errors = ErrorLog(args.errors_file + (f".part{rank}of{world}" if world > 1 else "") if args.errors_file else None)
+    errors = ErrorLog(errors_path)
     tally = Tally(unmatched_inputs=len(problems) if state.is_main_process else 0)
     try:
         code = _caption(args, state, mine, prompt, sampling, sink, errors, tally)
+    except OSError as exc:  # a write failed mid-run (disk full, the folder gone, ...)
+        print(f"mmpipe caption: cannot write {exc.filename or 'the output'}: {exc.strerror or exc}; "
+              f"the {tally.captioned} caption(s) written before it are kept (run the same command again "
+              "to caption the rest)", file=sys.stderr)
+        code = 1
     finally:
-        errors.close()
-        sink.close()
+        for closing in (errors.close, sink.close):
+            try:
+                closing()
+            except OSError:  # already reported; what was written before stays
+                pass
     if world > 1:
         state.wait_for_everyone()
         if state.is_main_process:

@@ -580,6 +580,38 @@ def merge_record_parts(path: str, fmt_cls: type[RecordFormat], parts: list[str])
         os.remove(part)
 
 
+def unwritable(paths: Iterable[str]) -> str | None:
+    """The first of these output files that cannot be written, with the reason, or None. Checked
+    before the model loads, so an unwritable place costs no captioning work: each distinct folder
+    (or, where it does not exist yet, the nearest existing folder above it, where the writers will
+    create it) gets a probe file created and removed (the one test that holds for read-only file
+    systems, permissions and root alike); an existing file is opened for appending (its contents
+    untouched)."""
+    import tempfile
+
+    folders: dict[str, str] = {}
+    for path in paths:
+        if os.path.exists(path):
+            try:
+                with open(path, "ab"):
+                    pass
+            except OSError as exc:
+                return f"{path}: cannot write it ({exc.strerror or exc})"
+        folders.setdefault(os.path.dirname(os.path.abspath(path)), path)
+    for folder, path in folders.items():
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            return f"{path}: cannot make its folder ({folder} is a file)"
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".mmpipe-write-test-", dir=folder)
+            os.close(handle)
+            os.remove(probe)
+        except OSError as exc:
+            return f"{path}: cannot write in {folder} ({exc.strerror or exc})"
+    return None
+
+
 class ErrorLog:
     """`--errors-file`: one JSON line (image, error) per image that failed in this run."""
 

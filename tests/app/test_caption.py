@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import json
 import logging
 import os
@@ -625,3 +626,87 @@ def test_two_processes_give_the_same_captions_as_one(tmp_path):
     assert not list(tmp_path.glob("two.jsonl.part*"))
     assert {str(p.with_suffix(".png")): p.read_text() for p in folder.glob("*.txt")} == {
         r["image"]: r["caption"] for r in read_jsonl(one)}
+
+
+# ---------------------------------------------------------------------- the disk failing
+
+
+def _refuse_writes_under(monkeypatch, folder, err=errno.EROFS):
+    """Creating a file under `folder` fails as on a read-only file system (a read-only mode bit
+    does not stop root, which CI runs as)."""
+    import tempfile
+
+    original = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and os.path.abspath(dir).startswith(str(folder)):
+            raise OSError(err, os.strerror(err), dir)
+        return original(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+@pytest.mark.parametrize("flags", [["--format", "txt"], ["--output", "{ro}/out.jsonl"],
+                                   ["--format", "csv", "--output", "{ro}/out.csv"],
+                                   ["--format", "txt", "--output-dir", "{ro}/new/captions"],
+                                   ["--errors-file", "{ro}/errors.jsonl"]])
+def test_an_unwritable_output_is_one_line_before_the_model_loads(flags, dataset, tmp_path, monkeypatch, capsys):
+    root, _ = dataset
+    ro = root if flags == ["--format", "txt"] else tmp_path / "ro"
+    ro.mkdir(exist_ok=True)
+    _refuse_writes_under(monkeypatch, ro)
+    from mmpipe import Pipeline
+
+    monkeypatch.setattr(Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    code = main([str(root), *[f.format(ro=ro) for f in flags], *CPU])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "Read-only file system" in lines[0] and str(ro) in lines[0]
+
+
+def test_a_file_in_the_way_of_the_output_folder_is_one_line(dataset, tmp_path, capsys):
+    root, _ = dataset
+    (tmp_path / "blocker").write_text("a file, not a folder")
+    code = main([str(root), "--output", str(tmp_path / "blocker" / "out.jsonl"), *CPU])
+    err = capsys.readouterr().err
+    assert code == 2 and "blocker is a file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt"])
+def test_a_disk_that_fills_up_mid_run_stops_in_one_line_and_a_re_run_finishes(fmt, dataset, tmp_path, monkeypatch,
+                                                                              capsys):
+    """ENOSPC on the third caption: one clear line and exit 1, the two written before intact and
+    parseable, and the same command again (space freed) captions the rest, each image once."""
+    from mmpipe.app import caption_io
+
+    root, expected = dataset
+    out = tmp_path / "c.jsonl"
+    flags = ["--output", str(out)] if fmt == "jsonl" else ["--format", "txt"]
+    sink = caption_io.RecordFile if fmt == "jsonl" else caption_io.SidecarSink
+    original = sink.write
+    calls = []
+
+    def full_disk(self, item, caption):
+        calls.append(item.path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out) if fmt == "jsonl" else sidecar(item.path))
+        return original(self, item, caption)
+
+    monkeypatch.setattr(sink, "write", full_disk)
+    code = main([str(root), *flags, *CPU])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in err
+    assert "the 2 caption(s) written before it are kept" in lines[0]
+    written = ({r["image"]: r["caption"] for r in read_jsonl(out)} if fmt == "jsonl" else
+               {p: open(sidecar(p)).read() for p in expected if os.path.exists(sidecar(p))})
+    assert len(written) == 2 and all(expected[p] == c for p, c in written.items())
+    monkeypatch.setattr(sink, "write", original)  # space freed
+    assert main([str(root), *flags, *CPU]) == 0
+    if fmt == "jsonl":
+        records = read_jsonl(out)
+        assert sorted(r["image"] for r in records) == sorted(expected)  # every image exactly once
+        assert {r["image"]: r["caption"] for r in records} == expected
+    else:
+        assert {p: open(sidecar(p)).read() for p in expected} == expected
