@@ -334,13 +334,18 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
         bar.close()
         tally.captured_during_run = _captures(pipe) - captures_at_start
         pipe.close()
-    if not stopped:
-        sink.finish()
     seconds = time.monotonic() - start
     if not args.quiet:
         _summary(tally, seconds, sink, args, state)
     if stopped:
         print("mmpipe caption: stopped at the first failure (--fail-fast)", file=sys.stderr)
+    else:
+        # The commit (an --append/--overwrite run's journal removed, its partial records merged)
+        # comes last, after the summary: a run killed before it, even after its summary, resumes
+        # when started again instead of appending twice; the command exits right after it
+        # (`mmpipe.cli.exit_now`), so no teardown window follows the commit.
+        sys.stderr.flush()
+        sink.finish()
     return 1 if tally.failed or tally.unmatched_inputs else 0
 
 

@@ -150,7 +150,24 @@ def guarded(prog: str, command: Callable[[], int]) -> int:
         return 130
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def exit_now(code: int) -> None:
+    """End the process at once with `code`, its output flushed: interpreter teardown (torch, CUDA,
+    threads) takes most of a second, and a run killed then could not tell, when started again,
+    that it had finished."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
+def console_main() -> int:
+    """The `mmpipe` command (a console script): `main`, ending a caption run at once."""
+    return main(exit_at_once=True)
+
+
+def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
     from mmpipe.app import caption, demo
     from mmpipe.config import GraphMode
 
@@ -172,11 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return guarded("mmpipe bench", lambda: bench_main(argv[1:]))
     args = parser.parse_args(argv)
     if args.command == "caption":
-        return guarded("mmpipe caption", lambda: caption.run(args))
+        code = guarded("mmpipe caption", lambda: caption.run(args))
+        if exit_at_once:  # the captions are committed: end now, with no teardown window after it
+            exit_now(code)
+        return code
     if args.command == "demo":
         return guarded("mmpipe demo", lambda: demo.run(args))
     return guarded("mmpipe info", lambda: _info(args))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -710,3 +710,63 @@ def test_a_disk_that_fills_up_mid_run_stops_in_one_line_and_a_re_run_finishes(fm
         assert {r["image"]: r["caption"] for r in records} == expected
     else:
         assert {p: open(sidecar(p)).read() for p in expected} == expected
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs."""
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+def test_append_killed_after_its_summary_resumes_instead_of_appending_twice(fmt, dataset, tmp_path, monkeypatch,
+                                                                            capsys):
+    """The commit (journal removed, partial records merged) is the last thing an --append run
+    does, after its summary: killed in between, the same command again finishes the run and
+    appends nothing a second time."""
+    from mmpipe.app import caption_io
+
+    root, expected = dataset
+    out = tmp_path / "c.jsonl"
+    flags = ["--format", "txt"] if fmt == "txt" else ["--output", str(out)]
+    if fmt == "txt":
+        for path in expected:
+            open(sidecar(path), "w").write("old")
+    else:
+        out.write_text("".join(json.dumps({"image": p, "caption": "old"}) + "\n" for p in expected))
+    sink = caption_io.SidecarSink if fmt == "txt" else caption_io.RecordFile
+    original = sink.finish
+
+    def killed(self):
+        raise _Killed()
+
+    monkeypatch.setattr(sink, "finish", killed)
+    with pytest.raises(_Killed):
+        main([str(root), *flags, "--append", "--device", "cpu"])
+    assert "captioned 6 image(s)" in capsys.readouterr().err  # the summary came before the kill
+    monkeypatch.setattr(sink, "finish", original)
+    assert main([str(root), *flags, "--append", *CPU]) == 0
+    got = ({p: open(sidecar(p)).read() for p in expected} if fmt == "txt" else
+           {r["image"]: r["caption"] for r in read_jsonl(out)})
+    assert got == {p: f"old\n{c}" for p, c in expected.items()}
+    if fmt == "jsonl":
+        assert len(read_jsonl(out)) == len(expected)
+    # A run that did commit, started again, appends again: that is what --append asks for.
+    assert main([str(root), *flags, "--append", *CPU]) == 0
+    again = ({p: open(sidecar(p)).read() for p in expected} if fmt == "txt" else
+             {r["image"]: r["caption"] for r in read_jsonl(out)})
+    assert again == {p: f"old\n{c}\n{c}" for p, c in expected.items()}
+
+
+def test_the_command_ends_as_soon_as_its_captions_are_committed(tmp_path):
+    """The `mmpipe` command ends a caption run at once after the commit: no interpreter teardown
+    runs after it (an exit handler registered before it never runs), its output is flushed and
+    its exit code kept."""
+    shutil.copy(os.path.join(SAMPLE_DIR, "scene_2.png"), tmp_path / "a.png")
+    Image.new("RGB", (1, 300)).save(tmp_path / "strip.png")
+    code = ("import atexit, sys\natexit.register(lambda: print('TEARDOWN RAN', file=sys.stderr))\n"
+            f"sys.argv = ['mmpipe', 'caption', {str(tmp_path)!r}, '--device', 'cpu', '--quiet']\n"
+            "from mmpipe.cli import console_main\nsys.exit(console_main())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr  # one image failed
+    assert proc.stdout.strip().endswith(f"a.png\t{EXPECTED['scene_2.png']}")
+    assert "strip.png" in proc.stderr and "Traceback" not in proc.stderr
+    assert "TEARDOWN RAN" not in proc.stderr
