@@ -341,3 +341,55 @@ def test_gpu_demo_answers_with_graphs_from_many_threads_and_stops_cleanly():
         assert live and int(live.group(1)) > 0, engine
     finally:
         bf16.close()
+
+
+@pytest.mark.slow
+def test_thirty_two_clients_at_once_each_get_their_own_answer(pipe):
+    """32 gradio_client users at once, mixed images and text, every fourth one stopping mid-answer:
+    every streamed update is a prefix of that user's own expected answer (never another's), every
+    user who did not stop gets all of it, and the engine ends with no running request and every KV
+    page free."""
+    pytest.importorskip("gradio")
+    import time as time_module
+
+    from mmpipe.app.demo import launch
+
+    names = sorted(EXPECTED)
+    messages = [{"text": "Describe this image.", "files": [sample(n)]} for n in names]
+    messages += [{"text": "What is a scene?", "files": []}, {"text": "Name three colours.", "files": []}]
+    reference = ChatBackend(pipe, update_interval_s=0.0)
+    expected = [respond_all(reference, m)[-1][0] for m in messages]
+    assert expected[:len(names)] == [EXPECTED[n] for n in names]
+    demo, url = launch(ChatBackend(pipe, concurrency=8), port=free_port(), block=False, quiet=True)
+    try:
+        start = time_module.monotonic()
+        clients = [gradio_client.Client(url, verbose=False) for _ in range(32)]
+        jobs = []
+        for i, client in enumerate(clients):
+            m = messages[i % len(messages)]
+            payload = {"text": m["text"], "files": [gradio_client.handle_file(f) for f in m["files"]]}
+            jobs.append((i, client.submit(payload, api_name="/chat")))
+        stopped = set()
+        for i, job in jobs:
+            if i % 4 == 3:  # this user stops as soon as the first words arrive
+                wait_for(lambda: job.outputs() or job.done(), 120, "a first update")
+                job.cancel()
+                stopped.add(i)
+        for i, job in jobs:
+            want = expected[i % len(messages)]
+            if i not in stopped:
+                assert job.result(timeout=300)[0] == want, i
+            else:
+                wait_for(job.done, 120, "the stopped job to end")
+            for update in job.outputs():
+                assert want.startswith(update[0]), (i, update[0], want)
+        wall = time_module.monotonic() - start
+
+        def idle() -> bool:
+            stats = pipe.stats()
+            return stats["requests"]["running"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
+
+        wait_for(idle, 60, "the engine to be idle with every page free")
+        print(f"32 clients: {wall:.1f} s wall, {32 - len(stopped)} complete answers checked, {len(stopped)} stopped")
+    finally:
+        demo.close()
