@@ -26,6 +26,7 @@ import re
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -37,6 +38,7 @@ log = logging.getLogger("mmpipe.demo")
 ERROR_TITLE = "Error"  # metadata title of an error reply: such turns are left out of later prompts
 IMAGE_ONLY_PROMPT = "Describe this image."  # the question when a turn has images but no text
 UPDATE_INTERVAL_S = 0.05  # at most this often a streamed answer is pushed to the page
+SESSIONS_KEPT = 1024  # sessions whose latest answer the stop panel can still show
 SAMPLE_IMAGES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "images")
 
 
@@ -172,7 +174,10 @@ class ChatBackend:
         # Gradio gives the page's events and the API endpoint separate limits; this one holds for all.
         self.concurrency = concurrency
         self._slots = threading.BoundedSemaphore(concurrency)
-        self._last: dict[str, Any] = {}  # session -> its latest stream, for the panel after a stop
+        # session -> its latest stream, for the panel after a stop; the most recent sessions only
+        # (a server answers many users over its life: a dict of every one would only grow).
+        self._last: OrderedDict[str, Any] = OrderedDict()
+        self._last_lock = threading.Lock()
 
     def respond(self, message: Any, history: Sequence[dict[str, Any]], system_prompt: Any = "",
                 max_new_tokens: Any = None, temperature: Any = None, top_p: Any = None, top_k: Any = None,
@@ -218,7 +223,11 @@ class ChatBackend:
             return
         if session:
             self._last.pop(session, None)
-            self._last[session] = stream
+            with self._last_lock:
+                self._last[session] = stream
+                self._last.move_to_end(session)
+                while len(self._last) > SESSIONS_KEPT:
+                    self._last.popitem(last=False)
             while len(self._last) > 1024:  # oldest sessions first
                 self._last.pop(next(iter(self._last)))
         text = ""

@@ -393,3 +393,53 @@ def test_thirty_two_clients_at_once_each_get_their_own_answer(pipe):
         print(f"32 clients: {wall:.1f} s wall, {32 - len(stopped)} complete answers checked, {len(stopped)} stopped")
     finally:
         demo.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_soak_two_thousand_answers_keep_memory_flat(tmp_path, monkeypatch):
+    """2,000 answers from 16 threads, each its own session, cycling through 40 distinct images and
+    two text prompts: after a warm-up (caches filled to their bounds), the process's resident
+    memory grows by less than a bound, and the per-session state stays bounded."""
+    import concurrent.futures as futures
+
+    import mmpipe.app.demo as demo_module
+    from tests.helpers import random_image
+
+    monkeypatch.setattr(demo_module, "SESSIONS_KEPT", 256)
+    images = []
+    for i in range(40):
+        path = tmp_path / f"img{i}.png"
+        random_image(64 + 8 * (i % 5), 64, seed=i).save(path)
+        images.append(str(path))
+    messages = [{"text": "Describe this image.", "files": [p]} for p in images]
+    messages += [{"text": "What is a scene?", "files": []}, {"text": "Name three colours.", "files": []}]
+    # Small caches, so they reach their bounds during the warm-up.
+    soak = Pipeline.from_pretrained(device="cpu", encoder_cache_bytes=4 << 20, preprocessed_cache_bytes=2 << 20)
+    backend = ChatBackend(soak, update_interval_s=0.0, concurrency=16)
+
+    def answer(i: int) -> str:
+        updates = respond_all(backend, messages[i % len(messages)], max_new_tokens=4, session=f"user{i}")
+        return updates[-1][0]
+
+    try:
+        with futures.ThreadPoolExecutor(16) as pool:
+            assert all(pool.map(answer, range(300)))  # warm-up
+            before = _rss_bytes()
+            assert all(pool.map(answer, range(300, 2000)))
+        after = _rss_bytes()
+        stats = soak.stats()
+        assert stats["requests"]["running"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
+        assert len(backend._last) <= 256
+        print(f"soak: resident memory {before / 2**20:.0f} MiB after the warm-up, {after / 2**20:.0f} MiB "
+              "after 2,000 answers")
+        assert after - before < 64 << 20
+    finally:
+        soak.close()
