@@ -64,6 +64,7 @@ _EXPORTS = {
     "ImageLoadError": "mmpipe.errors",
     "CheckpointError": "mmpipe.errors",
     "UnsupportedModelError": "mmpipe.errors",
+    "DeviceMemoryError": "mmpipe.errors",
 }
 
 __all__ = list(_EXPORTS)

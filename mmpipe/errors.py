@@ -19,3 +19,8 @@ class CheckpointError(MmpipeError):
 
 class UnsupportedModelError(CheckpointError):
     """The checkpoint's architecture is not one mmpipe implements."""
+
+
+class DeviceMemoryError(MmpipeError, MemoryError):
+    """The device has too little free memory for the model and settings asked for (said with how
+    much was needed and how much was free)."""

@@ -17,6 +17,7 @@ from mmpipe.config import EngineConfig, GraphMode, graphs_wanted, parse_graph_mo
 from mmpipe.engine.batch import DecodeOutput, ImageInput, PendingDecode, PrefillChunk, PrefillInputs
 from mmpipe.engine.kv_pages import PageAllocator
 from mmpipe.engine.request import Request, logprob_dict
+from mmpipe.errors import DeviceMemoryError
 from mmpipe.graphs import runner as graph_runner
 from mmpipe.graphs.memory import SharedPool
 from mmpipe.layers.mlp import padded_width
@@ -149,14 +150,20 @@ class ModelRunner:
             return max(2, cfg.cpu_kv_tokens // self.page_size + 1)
         per_page = self.model.spec.kv_cache.bytes_per_page(lm.num_layers, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype)
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * cfg.kv_memory_fraction) - (total - free) - self._activation_reserve()
+        reserve = self._activation_reserve()
+        budget = int(total * cfg.kv_memory_fraction) - (total - free) - reserve
         pages = budget // per_page
         # Never more than every running request at full length could use.
         longest = cfg.max_model_len or lm.cfg.max_position_embeddings
         pages = min(pages, cfg.max_running_requests * -(-longest // self.page_size) + 1)
         if pages < 2:
-            raise MemoryError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
-                              f"{total / 2**30:.1f} GiB; raise kv_memory_fraction or lower max_prefill_tokens")
+            gib = 2**30
+            raise DeviceMemoryError(
+                f"not enough GPU memory: {free / gib:.2f} GiB free of {total / gib:.1f} GiB once the weights were "
+                f"loaded; the engine needs {reserve / gib:.2f} GiB for activations and graphs plus at least "
+                f"{2 * per_page / gib:.3f} GiB of KV cache, within kv_memory_fraction={cfg.kv_memory_fraction} of the "
+                "device; free GPU memory (other processes), raise kv_memory_fraction or lower max_prefill_tokens, "
+                "max_vision_patches or max_running_requests")
         return int(pages)
 
     def _activation_reserve(self) -> int:
