@@ -411,6 +411,7 @@ def test_soak_two_thousand_answers_keep_memory_flat(tmp_path, monkeypatch):
     import concurrent.futures as futures
 
     import mmpipe.app.demo as demo_module
+
     from tests.helpers import random_image
 
     monkeypatch.setattr(demo_module, "SESSIONS_KEPT", 256)
