@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -180,9 +181,46 @@ class Engine:
         unique: dict[str, tuple[Request, int]] = {}
         for request, index in missing:
             unique.setdefault(request.images[index].key, (request, index))
-        encoded = self.runner.encode_images([r.images[i] for r, i in unique.values()])
-        by_key = dict(zip(unique, encoded))
+        try:
+            encoded = self.runner.encode_images([r.images[i] for r, i in unique.values()])
+            by_key: dict[str, Any] = dict(zip(unique, encoded))
+        except (torch.OutOfMemoryError, MemoryError):
+            by_key = self._encode_one_by_one(unique)
         for key, embeds in by_key.items():
-            self.cache.put(key, embeds)
+            if embeds is not None:
+                self.cache.put(key, embeds)
         for request, index in missing:
-            request.image_embeds[index] = by_key[request.images[index].key]
+            embeds = by_key[request.images[index].key]
+            if embeds is None:  # this image does not fit even alone: its request fails, the step goes on
+                self._fail(request, f"image {index}: out of GPU memory encoding it, even alone "
+                                    f"({request.images[index].num_patches} patches); lower max_pixels for it, "
+                                    "or free GPU memory")
+            else:
+                request.image_embeds[index] = embeds
+        if any(r.finished for r in {id(c.request): c.request for c in plan.prefill}.values()):
+            plan.prefill[:] = [c for c in plan.prefill if not c.request.finished]
+
+    def _encode_one_by_one(self, unique: dict[str, tuple[Request, int]]) -> dict[str, Any]:
+        """After a pack ran out of device memory: each image alone (None for one that still does
+        not fit), the allocator's free blocks returned to the device between tries."""
+        out: dict[str, Any] = {}
+        for key, (request, index) in unique.items():
+            _release_cached_memory(self.runner.device)
+            try:
+                out[key] = self.runner.encode_images([request.images[index]])[0]
+            except (torch.OutOfMemoryError, MemoryError):
+                out[key] = None
+        _release_cached_memory(self.runner.device)
+        return out
+
+    def _fail(self, request: Request, message: str) -> None:
+        """Finish one request with an error now (its pages back, out of the decode batch)."""
+        if not request.finished:
+            self.scheduler.finish(request)
+            self.runner.release([request])
+            request.finish("error", message)
+
+
+def _release_cached_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
