@@ -29,6 +29,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Iterator, Sequence
 
@@ -236,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
     tally = Tally(unmatched_inputs=len(problems) if state.is_main_process else 0)
     try:
         code = _caption(args, state, mine, prompt, sampling, sink, errors, tally)
+        if world > 1:
+            mark_shard_captioned(rank)
     except OSError as exc:  # a write failed mid-run (disk full, the folder gone, ...)
         print(f"mmpipe caption: cannot write {exc.filename or 'the output'}: {exc.strerror or exc}; "
               f"the {tally.captioned} caption(s) written before it are kept (run the same command again "
@@ -409,7 +412,35 @@ def _launch_processes(count: int) -> int:
         print(f"mmpipe caption: --gpus {count} but this machine has {have} CUDA GPU(s)", file=sys.stderr)
         return 2
     command += ["--multi_gpu", "-m", "mmpipe.app.caption", *argv]
-    return subprocess.call(command)
+    with tempfile.TemporaryDirectory(prefix="mmpipe-caption-shards-") as status:
+        code = subprocess.call(command, env={**os.environ, SHARD_STATUS_ENV: status})
+        return report_unfinished_shards(status, count, code)
+
+
+# Where each process of a several-process run marks its shard captioned (set by `--gpus N`).
+SHARD_STATUS_ENV = "MMPIPE_CAPTION_SHARD_STATUS"
+
+
+def mark_shard_captioned(rank: int) -> None:
+    """This process's shard is captioned and its outputs written (the merge may still follow)."""
+    folder = os.environ.get(SHARD_STATUS_ENV)
+    if folder:
+        with open(os.path.join(folder, f"shard{rank}.captioned"), "w"):
+            pass
+
+
+def report_unfinished_shards(folder: str, count: int, code: int) -> int:
+    """After a several-process run: one line naming the shards whose process did not finish
+    captioning (killed, crashed), and a non-zero exit code then. What they wrote is kept; the
+    same command again captions only the images still missing."""
+    done = {name for name in os.listdir(folder) if name.endswith(".captioned")}
+    missing = [rank for rank in range(count) if f"shard{rank}.captioned" not in done]
+    if missing:
+        print(f"mmpipe caption: shard(s) {', '.join(map(str, missing))} of {count} did not finish (a process died, "
+              f"exit code {code}); the captions written are kept; run the same command again to caption the rest",
+              file=sys.stderr)
+        return code or 1
+    return code
 
 
 def _strip_gpus(argv: Sequence[str]) -> Iterator[str]:

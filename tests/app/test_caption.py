@@ -628,6 +628,79 @@ def test_two_processes_give_the_same_captions_as_one(tmp_path):
         r["image"]: r["caption"] for r in read_jsonl(one)}
 
 
+def _rank_pids(parent: int, timeout_s: float = 120) -> dict[int, int]:
+    """rank -> pid of the worker processes a torchrun process started."""
+    def ranks() -> dict[int, int]:
+        found = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+                if ppid != parent:
+                    continue
+                with open(f"/proc/{entry}/environ", "rb") as env:
+                    values = dict(v.split(b"=", 1) for v in env.read().split(b"\0") if b"=" in v)
+                found[int(values[b"RANK"])] = int(entry)
+            except (OSError, KeyError, ValueError, IndexError):
+                continue
+        return found if len(found) == 2 else {}
+
+    return wait_for(ranks, timeout_s, "the two worker processes")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_named_and_a_re_run_captions_only_what_is_missing(tmp_path):
+    """Two processes under torchrun, the way `--gpus 2` runs them; the rank-1 process is SIGKILLed
+    mid-run. The launcher's report names its shard and the exit code is non-zero; the same run
+    again captions only the images missing, and every image ends in the output exactly once."""
+    from mmpipe.app.caption import SHARD_STATUS_ENV, report_unfinished_shards
+
+    folder = tmp_path / "imgs"
+    _scenes(folder, 24)
+    out = tmp_path / "out.jsonl"
+    status = tmp_path / "status"
+    status.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "tests.caption_runs",
+               str(folder), "--device", "cpu", "--output", str(out), "--workers", "1", "--batch-size", "1"]
+    env = {**os.environ, SHARD_STATUS_ENV: str(status)}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    ranks = _rank_pids(proc.pid)
+    part = tmp_path / "out.jsonl.part1of2"
+    wait_for(lambda: part.exists() and len(part.read_text().splitlines()) >= 2, 180, "rank 1's first captions")
+    os.kill(ranks[1], signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    before = sum(len(p.read_text().splitlines()) for p in tmp_path.glob("out.jsonl.part*"))
+    assert 0 < before < 24
+    assert report_unfinished_shards(str(status), 2, proc.returncode) != 0
+    # The same command again: only what is missing.
+    for marker in status.iterdir():
+        marker.unlink()
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert report_unfinished_shards(str(status), 2, again.returncode) == 0
+    captioned = sum(int(n) for n in re.findall(r"captioned (\d+) image", again.stderr))
+    assert captioned == 24 - before, again.stderr[-2000:]
+    records = read_jsonl(out)
+    assert sorted(r["image"] for r in records) == sorted(str(p) for p in folder.glob("*.png"))
+
+
+def test_the_shard_report_names_the_shards_that_did_not_finish(tmp_path, capsys):
+    from mmpipe.app.caption import report_unfinished_shards
+
+    (tmp_path / "shard0.captioned").write_text("")
+    assert report_unfinished_shards(str(tmp_path), 3, -9) == -9
+    err = capsys.readouterr().err
+    assert "shard(s) 1, 2 of 3 did not finish" in err and "run the same command again" in err
+    assert report_unfinished_shards(str(tmp_path), 1, 0) == 0  # every shard done: as the processes said
+    (tmp_path / "shard1.captioned").write_text("")
+    (tmp_path / "shard2.captioned").write_text("")
+    assert report_unfinished_shards(str(tmp_path), 3, 0) == 0 and capsys.readouterr().err == ""
+
+
 # ---------------------------------------------------------------------- the disk failing
 
 
