@@ -105,6 +105,11 @@ def test_upload_ask_stream_stop_retry_and_statistics(demo_url, page, tmp_path):
     page.get_by_role("button", name="Retry").last.click()
     wait_for(lambda: bot_text(page) == expected, 60, "the retried answer")
     wait_for(lambda: "(stop)" in panel(page, "mmpipe-answer-stats"), 20, "the final statistics")
+    # The seed field, as the page shows and sends it: empty (unseeded), not 0.
+    page.get_by_text("Generation settings").click()
+    seed = page.get_by_label("Seed (empty = random)")
+    seed.wait_for(timeout=10_000)
+    assert seed.input_value() == ""
     shot = tmp_path / "demo.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000
