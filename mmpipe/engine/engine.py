@@ -197,7 +197,7 @@ class Engine:
                                     "or free GPU memory")
             else:
                 request.image_embeds[index] = embeds
-        if any(r.finished for r in {id(c.request): c.request for c in plan.prefill}.values()):
+        if any(c.request.finished for c in plan.prefill):  # failed above: its chunks leave the step
             plan.prefill[:] = [c for c in plan.prefill if not c.request.finished]
 
     def _encode_one_by_one(self, unique: dict[str, tuple[Request, int]]) -> dict[str, Any]:

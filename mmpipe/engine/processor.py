@@ -92,6 +92,8 @@ class InputProcessor:
             data = encoded_bytes(source)
             if data is None:  # a PIL image or an array: decoded already
                 return self.model.spec.preprocess(load_image(source), config)
+            if not self.preprocessed.capacity:  # cache off: no hashing either
+                return self.model.spec.preprocess(decode_encoded(data, source), config)
             key = self.preprocessed.key(data, config)
             cached = self.preprocessed.get(key)
             if cached is not None:  # the same file again (a chat's later turns, a repeated image)

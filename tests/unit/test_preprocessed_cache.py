@@ -66,6 +66,7 @@ def test_turned_off_with_zero_bytes(tmp_path, counted_decodes):
     with Pipeline.from_pretrained(device="cpu", preprocessed_cache_bytes=0) as pipe:
         pipe.processor.load_image(path, "x")
         pipe.processor.load_image(path, "x")
+        assert pipe.stats()["preprocessed_cache"]["misses"] == 0  # not even looked up (no hashing)
     assert len(counted_decodes) == 2
 
 
