@@ -33,6 +33,7 @@ from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
 from mmpipe.engine.scheduler import Scheduler, StepPlan
+from mmpipe.errors import InputError
 from mmpipe.trace import phase
 
 
@@ -184,32 +185,36 @@ class Engine:
         try:
             encoded = self.runner.encode_images([r.images[i] for r, i in unique.values()])
             by_key: dict[str, Any] = dict(zip(unique, encoded))
-        except (torch.OutOfMemoryError, MemoryError):
+        except (torch.OutOfMemoryError, MemoryError, InputError):
             by_key = self._encode_one_by_one(unique)
         for key, embeds in by_key.items():
-            if embeds is not None:
+            if isinstance(embeds, torch.Tensor):
                 self.cache.put(key, embeds)
         for request, index in missing:
             embeds = by_key[request.images[index].key]
-            if embeds is None:  # this image does not fit even alone: its request fails, the step goes on
-                self._fail(request, f"image {index}: out of GPU memory encoding it, even alone "
-                                    f"({request.images[index].num_patches} patches); lower max_pixels for it, "
-                                    "or free GPU memory")
+            if isinstance(embeds, str):  # this image cannot be encoded even alone: its request fails, the step goes on
+                where = f"{request.where}, image {index}" if request.where else f"image {index}"
+                self._fail(request, f"{where}: {embeds}")
             else:
                 request.image_embeds[index] = embeds
         if any(c.request.finished for c in plan.prefill):  # failed above: its chunks leave the step
             plan.prefill[:] = [c for c in plan.prefill if not c.request.finished]
 
     def _encode_one_by_one(self, unique: dict[str, tuple[Request, int]]) -> dict[str, Any]:
-        """After a pack ran out of device memory: each image alone (None for one that still does
-        not fit), the allocator's free blocks returned to the device between tries."""
+        """After a pack failed (out of device memory, or a file the GPU path found it cannot
+        decode): each image alone, the allocator's free blocks returned to the device between
+        tries; an image that still fails gets the reason instead of its embeddings."""
         out: dict[str, Any] = {}
         for key, (request, index) in unique.items():
             _release_cached_memory(self.runner.device)
+            image = request.images[index]
             try:
-                out[key] = self.runner.encode_images([request.images[index]])[0]
+                out[key] = self.runner.encode_images([image])[0]
             except (torch.OutOfMemoryError, MemoryError):
-                out[key] = None
+                out[key] = (f"out of GPU memory encoding it, even alone ({image.num_patches} patches); "
+                            "lower max_pixels for it, or free GPU memory")
+            except InputError as exc:
+                out[key] = str(exc)
         _release_cached_memory(self.runner.device)
         return out
 

@@ -27,6 +27,7 @@ class Request:
     seed: int
     detokenizer: IncrementalDetokenizer
     incremental_text: bool  # detokenise every step (stop strings, streaming) or once at the end
+    where: str = ""  # how errors name it ("conversation 3")
 
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
