@@ -122,6 +122,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                            help="most requests decoding together (default: the engine's 256)")
     run_group.add_argument("--gpus", type=_positive, default=None,
                            help="data parallel: start this many processes, one per GPU (via accelerate)")
+    run_group.add_argument("--gpu-decode", action="store_true",
+                           help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "
+                                "transformers' torchvision-backed processor does; other files use Pillow")
     run_group.add_argument("--fail-fast", action="store_true", help="stop at the first image that fails")
     run_group.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
                            help="CUDA graphs for the vision encoder (default: on with CUDA)")
@@ -282,7 +285,8 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     todo = [i for i in items if not sink.done(i)]
     tally.already = len(items) - len(todo)
     resolve = PromptResolver(prompt or "Describe this image.", args.dir_prompts)
-    options: dict[str, Any] = {"preprocess_workers": args.workers, "startup_progress": not args.quiet}
+    options: dict[str, Any] = {"preprocess_workers": args.workers, "startup_progress": not args.quiet,
+                               "image_decode": "gpu" if args.gpu_decode else "cpu"}
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
     for name in ("min_pixels", "max_pixels"):

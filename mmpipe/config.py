@@ -17,6 +17,8 @@ import torch
 
 from mmpipe.errors import InputError
 
+IMAGE_DECODERS = ("cpu", "gpu")
+
 
 class GraphMode(str, enum.Enum):
     """Which parts of the model run as CUDA graphs (names as in vLLM), one behaviour each:
@@ -166,6 +168,11 @@ class EngineConfig:
     preprocessed_cache_bytes: int = 256 << 20
     # Threads decoding and preprocessing images ahead of the engine.
     preprocess_workers: int = 4
+    # Where JPEG files are decoded and resized: "cpu" (Pillow, matching transformers'
+    # Qwen2VLImageProcessorPil exactly) or "gpu" (nvJPEG and torchvision's resize on the GPU,
+    # matching its torchvision-backed Qwen2VLImageProcessor; needs CUDA and torchvision). Other
+    # formats, and JPEGs the GPU cannot take as Pillow would, use Pillow either way.
+    image_decode: str = "cpu"
     # Overlapped scheduling: plan and launch step N+1 before reading step N's tokens, so host
     # work runs while the GPU computes (same results; see engine.py). None: on for CUDA, off on
     # the CPU (where nothing runs asynchronously); False for debugging.
@@ -215,6 +222,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
+        if self.image_decode not in IMAGE_DECODERS:
+            raise InputError(f"EngineConfig.image_decode={self.image_decode!r}: use one of {', '.join(IMAGE_DECODERS)}")
         for name in ("overlap_schedule", "vision_stream"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"EngineConfig.{name}={getattr(self, name)!r}: use True, False or None")

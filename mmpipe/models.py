@@ -22,6 +22,7 @@ from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
 from mmpipe.vision.attention import make_vision_attention
+from mmpipe.vision.gpu_decode import deferred_jpeg
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
 from mmpipe.vision.preprocess import ImageProcessorConfig, patches_on_device, preprocess_image
@@ -42,6 +43,8 @@ class ModelSpec:
     # What the engine runs per family (each a class or function of the family's own modules; no
     # defaults, so a new family names every one and never runs another family's code by omission):
     preprocess: Callable[..., Any]  # (PIL image, ImageProcessorConfig) -> ImageInput (host side)
+    # (JPEG bytes, source, ImageProcessorConfig) -> an ImageInput the GPU decodes, or None (Pillow)
+    defer_jpeg: Callable[..., Any]
     patches: Callable[..., Any]  # (ImageInputs of a pack, device) -> the ViT's input [patches, patch_dim] there
     positions: Callable[..., Any]  # (ids, grids, image token, merge) -> (positions, delta)
     pack_meta: Callable[..., Any]  # (grids, merge, window, patch) -> the ViT pack's layout
@@ -62,7 +65,7 @@ def _qwen_vl(architecture: str, family: str, vision_config: Callable[[dict[str, 
     return ModelSpec(
         architecture=architecture, family=family, vision_config=vision_config, vision_model=vision_model,
         text_config=text_config, language_model=language_model, preprocess=preprocess_image,
-        patches=patches_on_device,
+        defer_jpeg=deferred_jpeg, patches=patches_on_device,
         positions=mrope_positions, pack_meta=build_pack_meta, vit_runner=ViTGraphRunner,
         vit_buckets=default_buckets, prefill_runner=PrefillRunner, decode_runner=DecodeGraphRunner, kv_cache=KVCache)
 

@@ -46,6 +46,7 @@ from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, load_model
 from mmpipe.outputs import RequestMetrics, RequestOutput
 from mmpipe.startup import StartupReport
+from mmpipe.vision.gpu_decode import require_torchvision
 from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.weights import read_json
 
@@ -83,7 +84,8 @@ class Pipeline:
         self.engine = Engine(self.runner, engine_config)
         self.defaults = _generation_defaults(model.path, tokenizer)
         self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len,
-                                        engine_config.max_banned_tokens, engine_config.preprocessed_cache_bytes)
+                                        engine_config.max_banned_tokens, engine_config.preprocessed_cache_bytes,
+                                        engine_config.image_decode)
         self._pool = futures.ThreadPoolExecutor(engine_config.preprocess_workers, thread_name_prefix="mmpipe-img")
         self._text_lock = threading.Lock()  # tokenizers are not safe to share across threads
 
@@ -120,6 +122,10 @@ class Pipeline:
                 config = config.replace(**engine_options)
             except TypeError as exc:
                 raise InputError(f"Pipeline.from_pretrained: {exc}") from None
+        if config.image_decode == "gpu":  # before the weights load
+            if dev.type != "cuda":
+                raise InputError(f"image_decode='gpu' needs a CUDA device; this pipeline runs on {dev}")
+            require_torchvision()
         startup = StartupReport()
         with startup.phase("weights"):
             model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)

@@ -4,7 +4,9 @@ Resize to a multiple of patch*merge within the checkpoint's pixel limits (Pillow
 uint8, exactly as transformers' `Qwen2VLImageProcessorPil` does) on the host; then rescale,
 normalise, and cut into patches laid out merge-block by merge-block (`patches [N, C*T*P*P]` and
 `grid_thw`) where the encoder runs: one kernel on CUDA over the uint8 bytes
-(`patches_on_device`, `mmpipe.kernels.patchify`), transformers' arithmetic on the host.
+(`patches_on_device`, `mmpipe.kernels.patchify`), transformers' arithmetic on the host. With
+`image_decode="gpu"` a JPEG file's pixels are decoded and resized on the GPU instead
+(`mmpipe.vision.gpu_decode`), and only then patchified the same way.
 
 One image may ask for its own size (`ImageSize`: the `min_pixels`, `max_pixels`,
 `resized_height` and `resized_width` keys of Qwen's `qwen_vl_utils.fetch_image`);
@@ -167,11 +169,14 @@ class PreprocessedImage:
     so only the uint8 bytes cross to the GPU); `pixel_values` makes them on the host, the
     reference (transformers' arithmetic)."""
 
-    pixels: torch.Tensor  # [H, W, C] uint8, resized
+    pixels: torch.Tensor | None  # [H, W, C] uint8, resized; None: a JPEG the GPU decodes (`jpeg`)
     grid_thw: tuple[int, int, int]  # in patches
     merge_size: int
     key: str = ""  # content hash: same key, same pixel values (the encoder cache's key)
     cfg: ImageProcessorConfig = ImageProcessorConfig()  # patch layout and normalisation
+    # The all-GPU path (`mmpipe.vision.gpu_decode`): the encoded file, and its source for errors.
+    jpeg: bytes | None = None
+    source: Any = None
 
     @property
     def num_patches(self) -> int:
@@ -207,23 +212,43 @@ def patches_on_device(images: Sequence[PreprocessedImage], device: torch.device)
     if any(_layout(im.cfg) != _layout(cfg) for im in images[1:]):
         raise ValueError("patches_on_device: the images of one pack must share patch size and normalisation")
     if device.type != "cuda" or triton is None:
+        if any(im.pixels is None for im in images):
+            raise ValueError("patches_on_device: JPEG files decoded on the GPU need a CUDA device")
         return torch.cat([im.pixel_values for im in images]).to(device)
-    channels = images[0].pixels.shape[2]
+    if any(im.pixels is None for im in images):
+        from mmpipe.vision.gpu_decode import pixels_on_device
+
+        pixels = pixels_on_device(images, device)
+    else:
+        pixels = [im.pixels for im in images]
+    channels = pixels[0].shape[2]
     table = np.zeros((len(images), 4), dtype=np.int64)
     offset = rows = 0
-    for i, im in enumerate(images):
+    for i, (im, p) in enumerate(zip(images, pixels)):
         _, gh, gw = im.grid_thw
         table[i] = (offset, gh, gw, rows)
-        offset += im.pixels.numel()
+        offset += p.numel()
         rows += gh * gw
-    # One pinned buffer: the table's bytes first (8-byte aligned), then the pixels.
+    # One pinned buffer: the table's bytes first (8-byte aligned), then the pixels on the host.
+    host = [p for p in pixels if not p.is_cuda]
     head = table.nbytes
-    pinned = torch.empty(head + offset, dtype=torch.uint8, pin_memory=True)
+    pinned = torch.empty(head + sum(p.numel() for p in host), dtype=torch.uint8, pin_memory=True)
     pinned[:head].copy_(torch.from_numpy(table.view(np.uint8).reshape(-1)))
-    torch.cat([im.pixels.reshape(-1) for im in images], out=pinned[head:])
+    if host:
+        torch.cat([p.reshape(-1) for p in host], out=pinned[head:])
     on_device = pinned.to(device, non_blocking=True)
+    flat = on_device[head:]
+    if len(host) < len(pixels):  # some were decoded on the device: one buffer, in pack order
+        parts, start = [], 0
+        for p in pixels:
+            if p.is_cuda:
+                parts.append(p.reshape(-1))
+            else:
+                parts.append(flat[start:start + p.numel()])
+                start += p.numel()
+        flat = torch.cat(parts)
     constants = _constants(cfg, channels, device)
-    return patchify(on_device[head:], on_device[:head].view(torch.int64).view(len(images), 4), rows,
+    return patchify(flat, on_device[:head].view(torch.int64).view(len(images), 4), rows,
                     max(im.num_patches for im in images), cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size,
                     channels, *constants)
 

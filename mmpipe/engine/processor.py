@@ -39,10 +39,11 @@ class Prepared:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, model: LoadedModel, defaults: GenerationDefaults, max_model_len: int,
-                 max_banned_tokens: int = 16, preprocessed_cache_bytes: int = 0) -> None:
+                 max_banned_tokens: int = 16, preprocessed_cache_bytes: int = 0, image_decode: str = "cpu") -> None:
         self.tokenizer = tokenizer
         self.preprocessed = PreprocessedCache(preprocessed_cache_bytes)
         self.max_banned_tokens = max_banned_tokens
+        self.image_decode = image_decode
         self.model = model
         self.defaults = defaults
         self.max_model_len = max_model_len
@@ -92,6 +93,10 @@ class InputProcessor:
             data = encoded_bytes(source)
             if data is None:  # a PIL image or an array: decoded already
                 return self.model.spec.preprocess(load_image(source), config)
+            if self.image_decode == "gpu":  # a JPEG: only its header read here, the GPU decodes it
+                deferred = self.model.spec.defer_jpeg(data, source, config)
+                if deferred is not None:
+                    return deferred
             if not self.preprocessed.capacity:  # cache off: no hashing either
                 return self.model.spec.preprocess(decode_encoded(data, source), config)
             key = self.preprocessed.key(data, config)
@@ -141,7 +146,7 @@ class InputProcessor:
             image_starts=starts, sampling=sampling, seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.skip_special_tokens,
                                                sampling.min_new_tokens),
-            incremental_text=bool(sampling.stop) or prepared.stream, submitted=prepared.submitted,
+            incremental_text=bool(sampling.stop) or prepared.stream, where=prepared.where, submitted=prepared.submitted,
         )
 
     def build(self, index: int, prompt: str, images: Sequence[Any], params: SamplingParams, where: str,
