@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmpipe import Pipeline, SamplingParams
+from mmpipe import DeviceMemoryError, Pipeline, SamplingParams
 from tests.helpers import random_image
 
 pytestmark = pytest.mark.gpu
@@ -97,3 +97,17 @@ def test_an_image_that_does_not_fit_fails_alone_and_everything_returns_to_baseli
         # With the memory back, the engine serves the big image too, and the others as before.
         again = pipe.chat([_chat(small_a), big], GREEDY)
         assert [o.ok for o in again] == [True, True] and again[0].token_ids == want[0]
+
+
+def test_a_pipeline_on_a_nearly_full_gpu_says_what_it_needed_and_what_was_free():
+    _settle()
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(free - (256 << 20), dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(DeviceMemoryError, match=r"not enough GPU memory: 0\.\d\d GiB free of .* GiB for activations"):
+            Pipeline.from_pretrained(device="cuda")
+    finally:
+        del filler
+    _settle()
+    with Pipeline.from_pretrained(device="cuda") as pipe:  # nothing left behind by the failed start
+        assert pipe.chat(_chat(Image.open(SCENES / "scene_2.png").convert("RGB")), GREEDY)[0].ok
