@@ -97,9 +97,10 @@ def encoded_bytes(source: ImageSource) -> bytes | None:
     return _read_bytes(source, describe_source(source))
 
 
-def decode_encoded(data: bytes, source: ImageSource) -> Image.Image:
-    """`load_image` of a source whose `encoded_bytes` are `data`."""
-    name = describe_source(source)
+def decode_encoded(data: bytes, source: ImageSource, name: str | None = None) -> Image.Image:
+    """`load_image` of a source whose `encoded_bytes` are `data` (`name`: its `describe_source`,
+    where the source itself is no longer kept)."""
+    name = describe_source(source) if name is None else name
     return _nonempty(_decode(_open(data, name), name), name)
 
 

@@ -46,7 +46,7 @@ from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, load_model
 from mmpipe.outputs import RequestMetrics, RequestOutput
 from mmpipe.startup import StartupReport
-from mmpipe.vision.gpu_decode import require_torchvision
+from mmpipe.vision.gpu_decode import require_gpu_decode
 from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.weights import read_json
 
@@ -123,9 +123,7 @@ class Pipeline:
             except TypeError as exc:
                 raise InputError(f"Pipeline.from_pretrained: {exc}") from None
         if config.image_decode == "gpu":  # before the weights load
-            if dev.type != "cuda":
-                raise InputError(f"image_decode='gpu' needs a CUDA device; this pipeline runs on {dev}")
-            require_torchvision()
+            require_gpu_decode(dev)
         startup = StartupReport()
         with startup.phase("weights"):
             model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)

@@ -174,9 +174,11 @@ class PreprocessedImage:
     merge_size: int
     key: str = ""  # content hash: same key, same pixel values (the encoder cache's key)
     cfg: ImageProcessorConfig = ImageProcessorConfig()  # patch layout and normalisation
-    # The all-GPU path (`mmpipe.vision.gpu_decode`): the encoded file, and its source for errors.
+    # The all-GPU path (`mmpipe.vision.gpu_decode`): the encoded file, its name for errors, and
+    # its (height, width) before resizing.
     jpeg: bytes | None = None
-    source: Any = None
+    source: str = ""
+    source_size: tuple[int, int] = (0, 0)
 
     @property
     def num_patches(self) -> int:
@@ -205,7 +207,8 @@ def patches_on_device(images: Sequence[PreprocessedImage], device: torch.device)
     """The float32 patches of a pack of images, [sum of patches, C*T*P*P] on `device`, in order.
     On CUDA the uint8 pixels go over in one copy from pinned memory (queued: the host does not
     wait for the GPU) and one kernel rescales, normalises and patchifies them, bit-identical to
-    `pixel_values`; elsewhere each image's `pixel_values`."""
+    `pixel_values`; elsewhere each image's `pixel_values`. JPEG files of the all-GPU path are
+    decoded and resized on the device first (there the host waits for each decode)."""
     if not images:
         raise ValueError("patches_on_device: no images")
     cfg = images[0].cfg

@@ -185,8 +185,10 @@ class Engine:
         try:
             encoded = self.runner.encode_images([r.images[i] for r, i in unique.values()])
             by_key: dict[str, Any] = dict(zip(unique, encoded))
-        except (torch.OutOfMemoryError, MemoryError, InputError):
-            by_key = self._encode_one_by_one(unique)
+        except (torch.OutOfMemoryError, MemoryError):
+            by_key = self._encode_one_by_one(unique, short_of_memory=True)
+        except InputError:
+            by_key = self._encode_one_by_one(unique, short_of_memory=False)
         for key, embeds in by_key.items():
             if isinstance(embeds, torch.Tensor):
                 self.cache.put(key, embeds)
@@ -200,13 +202,15 @@ class Engine:
         if any(c.request.finished for c in plan.prefill):  # failed above: its chunks leave the step
             plan.prefill[:] = [c for c in plan.prefill if not c.request.finished]
 
-    def _encode_one_by_one(self, unique: dict[str, tuple[Request, int]]) -> dict[str, Any]:
+    def _encode_one_by_one(self, unique: dict[str, tuple[Request, int]], short_of_memory: bool) -> dict[str, Any]:
         """After a pack failed (out of device memory, or a file the GPU path found it cannot
-        decode): each image alone, the allocator's free blocks returned to the device between
-        tries; an image that still fails gets the reason instead of its embeddings."""
+        decode): each image alone (after running out of memory, with the allocator's free blocks
+        returned to the device between tries); an image that still fails gets the reason instead
+        of its embeddings."""
         out: dict[str, Any] = {}
         for key, (request, index) in unique.items():
-            _release_cached_memory(self.runner.device)
+            if short_of_memory:
+                _release_cached_memory(self.runner.device)
             image = request.images[index]
             try:
                 out[key] = self.runner.encode_images([image])[0]
@@ -215,7 +219,8 @@ class Engine:
                             "lower max_pixels for it, or free GPU memory")
             except InputError as exc:
                 out[key] = str(exc)
-        _release_cached_memory(self.runner.device)
+        if short_of_memory:
+            _release_cached_memory(self.runner.device)
         return out
 
     def _fail(self, request: Request, message: str) -> None:

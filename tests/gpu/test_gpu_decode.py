@@ -2,8 +2,10 @@
 resized on the GPU give patches within transformers' own tolerance for its torchvision-backed
 `Qwen2VLImageProcessor` (the tolerance its tests allow between its Pillow and torchvision
 processors); packs mixing such files with Pillow-path images keep each image's patches; a file
-neither decoder can read fails alone with the CPU path's error; and the bundled model captions
-the same JPEG files with the same tokens either way."""
+nvJPEG rejects is decoded by Pillow; damaged files give what the CPU path gives (a truncated one
+fails alone with Pillow's error, one with a garbage scan is decoded); and the bundled model
+captions the same JPEG files with the same tokens either way. (A file neither decoder reads,
+failing while its pack is encoded, is `tests/unit/test_gpu_decode_host.py`'s injected case.)"""
 
 from __future__ import annotations
 

@@ -53,6 +53,14 @@ def _exif_rotated() -> bytes:
     return jpeg(random_image(120, 80, seed=3), exif=exif.tobytes())
 
 
+def _adobe_rgb() -> bytes:
+    """A colour JPEG with an Adobe APP14 segment saying its channels are stored as RGB (transform
+    0), not YCbCr: Pillow reads it as RGB, nvJPEG would convert it as YCbCr."""
+    data = jpeg(random_image(90, 60, seed=9))
+    app14 = b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00\x00"
+    return data[:2] + app14 + data[2:]
+
+
 def _png() -> bytes:
     buffer = io.BytesIO()
     random_image(64, 64, seed=4).save(buffer, format="PNG")
@@ -65,7 +73,9 @@ def _png() -> bytes:
     pytest.param(_exif_rotated, id="exif-rotation"),
     pytest.param(_png, id="png"),
     pytest.param(lambda: jpeg(random_image(90, 60, seed=7))[:-400], id="truncated"),
-    pytest.param(lambda: b"\xff\xd8\xff" + b"\x00" * 64, id="no-header"),
+    pytest.param(lambda: b"\xff\xd8\xff" + b"\x00" * 64, id="zeros"),
+    pytest.param(lambda: b"\xff\xd8\xff\xe0" + b"junk" * 16 + b"\xff\xd9", id="unreadable-header"),
+    pytest.param(_adobe_rgb, id="adobe-rgb"),
 ])
 def test_what_nvjpeg_cannot_take_as_pillow_would_stays_on_pillow(data):
     assert deferred_jpeg(data(), "x", CFG) is None
@@ -111,3 +121,27 @@ def test_an_image_that_fails_when_its_pack_is_encoded_fails_its_request_alone():
         assert [outs[0].token_ids, outs[2].token_ids] == want
         stats = pipe.stats()
         assert stats["requests"]["running"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
+
+
+def test_decoding_is_split_by_decoded_bytes(monkeypatch):
+    """Many large photos shrunk to few patches are decoded a bounded number of bytes at a time."""
+    from mmpipe.vision import gpu_decode
+
+    monkeypatch.setattr(gpu_decode, "DECODE_BYTES", 3 * 1000 * 1000)
+    big = [deferred_jpeg(jpeg(random_image(1000 - k, 500, seed=k)), "x", CFG) for k in range(5)]
+    parts = gpu_decode._parts(big)
+    assert [len(p) for p in parts] == [2, 2, 1] and sum(parts, []) == big  # 1.5 MB each, in order
+    assert gpu_decode._parts([]) == []
+    alone = gpu_decode._parts([deferred_jpeg(jpeg(random_image(2000, 1000, seed=9)), "x", CFG)])
+    assert [len(p) for p in alone] == [1]  # a file larger than the budget still gets a part
+
+
+def test_out_of_memory_while_decoding_is_out_of_memory_not_a_reason_for_pillow():
+    """torchvision re-raises an allocation failure as a plain RuntimeError: the engine must see
+    it as out of memory (retry alone, then a clear error), not silently decode with Pillow."""
+    import torch
+    from mmpipe.vision.gpu_decode import _raise_if_out_of_memory
+
+    with pytest.raises(torch.OutOfMemoryError):
+        _raise_if_out_of_memory(RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to ..."))
+    _raise_if_out_of_memory(RuntimeError("Error while decoding JPEG images: Failed to decode batch: 7"))
