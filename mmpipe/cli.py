@@ -77,6 +77,7 @@ def _model_summary(path: str | None, device: str | None, graph_mode: str | None)
         "architecture": model.spec.architecture,
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": model.quantization or "none",
         "vision": f"{vit.depth} blocks x {vit.hidden_size} ({vit.num_heads} heads), patch {vit.patch_size}, "
                   f"{_attention_summary(vit)}, {count(model.vision) / 1e6:.2f}M params",
         "language": f"{text.num_layers} layers x {text.hidden_size} ({text.num_heads} heads, "

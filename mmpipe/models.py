@@ -6,6 +6,7 @@ code; the pipeline and engine do not change.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from mmpipe.language.mrope import mrope_positions
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
+from mmpipe.quantization import fp8_checkpoint
 from mmpipe.vision.attention import make_vision_attention
 from mmpipe.vision.gpu_decode import deferred_jpeg
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
@@ -31,6 +33,7 @@ from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransfo
 from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer, qwen3_vision_config
 from mmpipe.weights import load_checkpoint, materialize, prepare_for_kernels, read_json
 
+log = logging.getLogger("mmpipe")
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -103,6 +106,7 @@ class LoadedModel:
     image_token_id: int
     device: torch.device
     dtype: torch.dtype
+    quantization: str | None = None  # how the checkpoint's weights were stored, and what was done with them
 
     @property
     def merge_size(self) -> int:
@@ -116,6 +120,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
         raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
     hf_config = read_json(path, "config.json")
     spec = spec_for(hf_config, path)
+    fp8 = fp8_checkpoint(hf_config, path)  # an unsupported quantization is refused before anything loads
     vision_cfg = spec.vision_config(hf_config)
     text_cfg = spec.text_config(hf_config)
     vision_attention = make_vision_attention(attention_backend, device, dtype)
@@ -129,7 +134,11 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
         language = spec.language_model(text_cfg, language_attention)
     vision = materialize(vision, device, dtype)
     language = materialize(language, device, dtype)
-    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype)
+    if fp8 is not None:
+        log.info("%s: %s, dequantized to %s at load (FP8 kernels are not used yet: the published weights' "
+                 "results, an unquantized model's memory and speed)", path, fp8.describe(),
+                 str(dtype).removeprefix("torch."))
+    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8)
     prepare_for_kernels(vision)
     prepare_for_kernels(language)
     if vision_cfg.out_hidden_size != text_cfg.hidden_size:
@@ -140,4 +149,5 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
         raise CheckpointError(f"{path}: config.json has no image_token_id")
     return LoadedModel(path=path, spec=spec, hf_config=hf_config, vision=vision, language=language,
                        image_processor=ImageProcessorConfig.from_dir(path), image_token_id=int(image_token_id),
-                       device=device, dtype=dtype)
+                       device=device, dtype=dtype,
+                       quantization=f"{fp8.describe()}, dequantized at load" if fp8 is not None else None)

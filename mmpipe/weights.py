@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mmpipe.errors import CheckpointError
+from mmpipe.quantization import Fp8Checkpoint, dequantized
 
 # Checkpoint prefix -> (component, prefix of the name inside the component). First match wins.
 _LAYOUTS: tuple[tuple[str, str, str], ...] = (
@@ -72,8 +73,14 @@ def split_name(name: str) -> tuple[str, str] | None:
     return None
 
 
-def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor, on `device`, floating tensors cast to `dtype`."""
+def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype,
+                    fp8: Fp8Checkpoint | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor, on `device`, floating tensors cast to `dtype`; FP8
+    weights times their scales (`mmpipe.quantization.dequantized`)."""
+    return dequantized(_raw_tensors(directory, device), fp8, dtype, directory)
+
+
+def _raw_tensors(directory: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     target = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
     for path in checkpoint_files(directory):
         try:
@@ -82,20 +89,17 @@ def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype) ->
             raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from exc
         with handle:
             for name in handle.keys():
-                tensor = handle.get_tensor(name)
-                if tensor.is_floating_point() and tensor.dtype != dtype:
-                    tensor = tensor.to(dtype)
-                yield name, tensor
+                yield name, handle.get_tensor(name)
 
 
 def load_checkpoint(directory: str, components: dict[str, nn.Module], device: torch.device,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, fp8: Fp8Checkpoint | None = None) -> None:
     """Fill every component's parameters from the checkpoint; raise listing every problem."""
     maps = {name: module.weight_map() for name, module in components.items()}
     loaded: dict[str, set[str]] = {name: set() for name in components}
     unexpected: list[str] = []
     seen: set[str] = set()
-    for name, tensor in iter_checkpoint(directory, device, dtype):
+    for name, tensor in iter_checkpoint(directory, device, dtype, fp8):
         if name in seen:
             raise CheckpointError(f"{directory}: tensor {name!r} appears in more than one shard")
         seen.add(name)

@@ -30,6 +30,16 @@ def test_info_reports_versions_and_the_model(checkpoint, capsys):
     assert "2 blocks" in info["model"]["vision"] and info["model"]["device"] == "cpu"
     assert info["model"]["graphs"] == "mode none; decode off; prefill off; vit off"  # the CPU runs no graphs
     assert info["model"]["scheduling"] == "overlapped scheduling off, vision stream off"  # nothing is asynchronous
+    assert info["model"]["quantization"] == "none"
+
+
+def test_info_shows_an_fp8_checkpoints_quantization(checkpoint, tmp_path, capsys):
+    from tests.unit.test_fp8_checkpoints import fp8_pair
+
+    quantized, _ = fp8_pair(checkpoint, tmp_path, "block")
+    assert main(["info", "--model", quantized, "--device", "cpu", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["model"]["quantization"]
+    assert shown == "FP8 E4M3 weights (fp8, scales 128x64 blocks; dynamic per-token FP8 activations), dequantized at load"
 
 
 def test_graph_mode_flag_is_checked(checkpoint, capsys):

@@ -1,0 +1,218 @@
+"""FP8 checkpoints as published, on the CPU: tiny checkpoints written by the tests in each format
+(compressed-tensors per channel and per tensor, block-wise `fp8` with non-uniform block scales)
+load into the same model as their weights dequantized by hand (float32 logits within 1e-4,
+greedy tokens identical), and differ from the unquantized originals (the FP8 rounding is really
+there); block scales land on the right tiles; unsupported schemes and missing scales are refused
+by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mmpipe import Pipeline, SamplingParams
+from mmpipe.errors import CheckpointError
+from mmpipe.quantization import FP8, Fp8Checkpoint, fp8_checkpoint
+from tests.helpers import first_logits, make_checkpoint, random_image, rel_err
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GREEDY = SamplingParams(max_new_tokens=12)
+
+
+def _is_lm_linear(name: str) -> bool:
+    return "visual" not in name and name.endswith(".weight") and any(f".{k}." in name for k in LINEARS)
+
+
+def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / torch.finfo(FP8).max
+    return (w / scale).to(FP8), scale.to(torch.float32)
+
+
+def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (w.abs().max().clamp(min=1e-12) / torch.finfo(FP8).max).reshape(1)
+    return (w / scale).to(FP8), scale.to(torch.float32)
+
+
+def quantize_blocks(w: torch.Tensor, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 blocks with deliberately uneven scales (each block's own range times a random factor),
+    so a scale applied to the wrong tile changes the result."""
+    grid = (-(-w.shape[0] // rows), -(-w.shape[1] // cols))
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.empty(grid)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            tile = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / torch.finfo(FP8).max * (1 + 3 * torch.rand((), generator=g))
+    full = scale.repeat_interleave(rows, 0)[:w.shape[0]].repeat_interleave(cols, 1)[:, :w.shape[1]]
+    return (w / full).to(FP8), scale
+
+
+def _write(source: str, target: str, tensors: dict[str, torch.Tensor], quantization: dict | None) -> str:
+    shutil.copytree(source, target)
+    os.remove(os.path.join(target, "model.safetensors"))
+    save_file(tensors, os.path.join(target, "model.safetensors"))
+    config_path = os.path.join(target, "config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    with open(config_path, "w") as handle:
+        json.dump(config, handle)
+    return target
+
+
+def fp8_pair(base: str, tmp, fmt: str) -> tuple[str, str]:
+    """(the checkpoint in `fmt`, the same weights dequantized by hand in float32)."""
+    original = load_file(os.path.join(base, "model.safetensors"))
+    stored, by_hand = {}, {}
+    for k, (name, w) in enumerate(sorted(original.items())):
+        if not _is_lm_linear(name):
+            stored[name] = by_hand[name] = w
+            continue
+        if fmt == "block":
+            q, scale = quantize_blocks(w.float(), 128, 64, seed=k)
+            full = scale.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(64, 1)[:, :w.shape[1]]
+            stored[name], stored[name + "_scale_inv"] = q, scale
+            by_hand[name] = q.float() * full
+        else:
+            q, scale = (quantize_channel if fmt == "channel" else quantize_tensor)(w.float())
+            stored[name], stored[name + "_scale"] = q, scale
+            by_hand[name] = q.float() * (scale.reshape(-1, 1) if fmt == "channel" else scale)
+    if fmt == "block":
+        config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 64], "modules_to_not_convert": ["lm_head", "visual"]}
+    else:
+        config = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                  "config_groups": {"group_0": {
+                      "targets": ["Linear"],
+                      "weights": {"num_bits": 8, "type": "float", "strategy": fmt, "dynamic": False, "symmetric": True},
+                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                            "symmetric": True}}},
+                  "ignore": ["lm_head", "re:.*visual.*"]}
+    quantized = _write(base, str(tmp / f"fp8_{fmt}"), stored, config)
+    reference = _write(base, str(tmp / f"by_hand_{fmt}"), by_hand, None)
+    return quantized, reference
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    # Widths that are not multiples of the 128x64 blocks: partial blocks on both edges.
+    return make_checkpoint(str(tmp_path_factory.mktemp("base")), text={"intermediate_size": 200})
+
+
+def _chat() -> list:
+    return [{"role": "user", "content": [{"type": "image", "image": random_image(96, 80, seed=4)},
+                                         {"type": "text", "text": "Describe this image."}]}]
+
+
+@pytest.mark.parametrize("fmt", ["channel", "tensor", "block"])
+def test_a_published_fp8_checkpoint_equals_its_weights_dequantized_by_hand(base, tmp_path, fmt):
+    quantized, reference = fp8_pair(base, tmp_path, fmt)
+    fp8_pipe = Pipeline.from_pretrained(quantized, device="cpu", dtype="float32")
+    by_hand = Pipeline.from_pretrained(reference, device="cpu", dtype="float32")
+    original = Pipeline.from_pretrained(base, device="cpu", dtype="float32")
+    ours, want = first_logits(fp8_pipe, _chat()), first_logits(by_hand, _chat())
+    assert rel_err(ours, want) <= 1e-4
+    assert rel_err(want, first_logits(original, _chat())) > 1e-3  # FP8 rounding really changed the weights
+    assert [o.token_ids for o in fp8_pipe.chat([_chat()], GREEDY)] == [o.token_ids for o in by_hand.chat([_chat()], GREEDY)]
+    assert fp8_pipe.model.quantization.startswith("FP8 E4M3 weights")
+    assert original.model.quantization is None
+
+
+def test_block_scales_multiply_their_own_tiles():
+    """A 5x3 grid of distinct scales on a 300x130 weight in 64x48 blocks (partial last row and
+    column): each element is scaled by the block it sits in; a transposed or swapped grid fails."""
+    scheme = Fp8Checkpoint("fp8", "weight_scale_inv", "block", (64, 48))
+    weight = torch.randn(300, 130).to(FP8)
+    scale = torch.arange(1.0, 16.0).reshape(5, 3)
+    out = scheme.dequantize("w", weight, scale)
+    for i in (0, 63, 64, 255, 256, 299):
+        for j in (0, 47, 48, 95, 96, 129):
+            assert out[i, j] == weight[i, j].float() * scale[i // 64, j // 48]
+    with pytest.raises(CheckpointError, match=r"'w': a \(300, 130\) weight in 64x48 blocks needs scales of shape \(5, 3\)"):
+        scheme.dequantize("w", weight, scale.t().contiguous())
+
+
+def test_channel_scales_follow_output_rows():
+    scheme = Fp8Checkpoint("compressed-tensors", "weight_scale", "channel")
+    weight = torch.randn(4, 6).to(FP8)
+    scale = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    assert torch.equal(scheme.dequantize("w", weight, scale), weight.float() * scale)
+    with pytest.raises(CheckpointError, match="one scale per output channel"):
+        scheme.dequantize("w", weight, torch.ones(6))
+
+
+def test_a_missing_scale_is_refused_by_name(base, tmp_path):
+    quantized, _ = fp8_pair(base, tmp_path, "channel")
+    tensors = load_file(os.path.join(quantized, "model.safetensors"))
+    gone = next(n for n in sorted(tensors) if n.endswith("q_proj.weight_scale"))
+    del tensors[gone]
+    save_file(tensors, os.path.join(quantized, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"1 FP8 weight\(s\) without their weight_scale: {gone[:-len('_scale')]}"):
+        Pipeline.from_pretrained(quantized, device="cpu")
+
+
+def test_fp8_weights_without_a_quantization_config_are_refused(base, tmp_path):
+    quantized, _ = fp8_pair(base, tmp_path, "channel")
+    with open(os.path.join(quantized, "config.json")) as handle:
+        config = json.load(handle)
+    del config["quantization_config"]
+    with open(os.path.join(quantized, "config.json"), "w") as handle:
+        json.dump(config, handle)
+    with pytest.raises(CheckpointError, match="is FP8 but config.json has no quantization_config"):
+        Pipeline.from_pretrained(quantized, device="cpu")
+
+
+CT = {"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"targets": ["Linear"],
+                              "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}
+
+
+def _ct(**weights) -> dict:
+    return {**CT, "config_groups": {"g": {**CT["config_groups"]["g"],
+                                          "weights": {**CT["config_groups"]["g"]["weights"], **weights}}}}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "awq", "bits": 4}, "quantization 'awq' is not supported"),
+    ({"quant_method": "gptq"}, "quantization 'gptq' is not supported"),
+    ({**CT, "format": "pack-quantized"}, "format 'pack-quantized' is not supported"),
+    (_ct(type="int"), "weights of type 'int' with 8 bits are not supported"),
+    (_ct(num_bits=4), "weights of type 'float' with 4 bits"),
+    (_ct(strategy="group", group_size=128), "weight strategy 'group' is not supported"),
+    ({**CT, "kv_cache_scheme": {"num_bits": 8}}, "an FP8 KV cache"),
+    ({**CT, "config_groups": {"g": {**CT["config_groups"]["g"], "input_activations":
+      {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}, "static activation scales"),
+    ({"quant_method": "fp8", "weight_block_size": None}, "weight_block_size None is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "activation_scheme 'static' is not supported"),
+])
+def test_unsupported_schemes_are_refused_by_name(config, message):
+    with pytest.raises(CheckpointError, match=message):
+        fp8_checkpoint({"quantization_config": config}, "ckpt")
+
+
+def test_supported_schemes_are_read():
+    assert fp8_checkpoint({}, "ckpt") is None
+    channel = fp8_checkpoint({"quantization_config": CT}, "ckpt")
+    assert (channel.strategy, channel.scale_suffix, channel.dynamic_activations) == ("channel", "weight_scale", False)
+    block = fp8_checkpoint({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "ckpt")
+    assert (block.block, block.scale_suffix) == ((128, 128), "weight_scale_inv")
+
+
+def test_a_scale_may_come_before_its_weight_in_the_files():
+    from mmpipe.quantization import dequantized
+
+    scheme = Fp8Checkpoint("compressed-tensors", "weight_scale", "channel")
+    weight = torch.randn(3, 5).to(FP8)
+    scale = torch.tensor([[0.5], [2.0], [4.0]])
+    want = weight.float() * scale
+    for order in ([("a.weight", weight), ("a.weight_scale", scale)], [("a.weight_scale", scale), ("a.weight", weight)]):
+        got = dict(dequantized(order + [("b.bias", torch.ones(2, dtype=torch.float64))], scheme, torch.float32, "ckpt"))
+        assert torch.equal(got["a.weight"], want) and got["b.bias"].dtype == torch.float32
+        assert set(got) == {"a.weight", "b.bias"}  # the scale is consumed, not a tensor of its own
