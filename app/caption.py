@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ from mmpipe.app.caption_io import (
 from mmpipe.config import GraphMode
 from mmpipe.errors import InputError
 
-FORMAT_NAMES = ["txt", *FORMATS]
+FORMAT_NAMES = ["txt", *FORMATS, "parquet"]  # parquet: --ray only
 
 
 WARM_UP_SAMPLE = 4  # files whose sizes decide the ViT graphs captured before the run
@@ -126,6 +125,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                            help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "
                                 "transformers' torchvision-backed processor does; other files use Pillow")
     run_group.add_argument("--fail-fast", action="store_true", help="stop at the first image that fails")
+    run_group.add_argument("--ray", action="store_true",
+                           help="run as a Ray Data job; --output is then a directory of JSON lines (or --format "
+                                "parquet) files, on a filesystem every node sees (needs mmpipe[ray])")
+    run_group.add_argument("--ray-address", default=None,
+                           help="with --ray: the cluster (default: $RAY_ADDRESS, else a running one, else a local one)")
+    run_group.add_argument("--ray-actors", type=_positive, default=None,
+                           help="with --ray: pipelines (actors) to run, one GPU each (default: the cluster's GPUs)")
     run_group.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
                            help="CUDA graphs for the vision encoder (default: on with CUDA)")
     run_group.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
@@ -161,7 +167,7 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError(f"--min-pixels ({args.min_pixels}) must not be above --max-pixels ({args.max_pixels})")
     if args.min_new_tokens < 0 or args.min_new_tokens > args.max_new_tokens:
         raise InputError(f"--min-new-tokens must be between 0 and --max-new-tokens ({args.max_new_tokens})")
-    if args.output and os.path.isdir(args.output):
+    if args.output and os.path.isdir(args.output) and not args.ray:
         raise InputError(f"--output {args.output} is a directory")
 
 
@@ -200,6 +206,10 @@ def _run_id(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray and (args.gpus or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        print("mmpipe caption: --ray runs its own actors (--ray-actors); not with --gpus or a multi-process launcher",
+              file=sys.stderr)
+        return 2
     if args.gpus and args.gpus > 1 and "WORLD_SIZE" not in os.environ and "ACCELERATE_PROCESS_INDEX" not in os.environ:
         return _launch_processes(args.gpus)
     try:
@@ -208,6 +218,19 @@ def run(args: argparse.Namespace) -> int:
         sampling = _sampling(args)
     except (InputError, ValueError) as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
+        return 2
+    if args.ray:
+        from mmpipe.app.caption_ray import run_ray
+
+        items, problems = collect_images(args.images)
+        for problem in problems:
+            print(f"mmpipe caption: {problem}", file=sys.stderr)
+        if not items:
+            print("mmpipe caption: no images to caption", file=sys.stderr)
+            return 2
+        return run_ray(args, [item.path for item in items], prompt, sampling)
+    if args.format == "parquet":
+        print("mmpipe caption: --format parquet is for --ray (a directory of Parquet files)", file=sys.stderr)
         return 2
     state = _process_state(cpu=args.device == "cpu")
     items, problems = collect_images(args.images)
@@ -266,7 +289,7 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
 
     from mmpipe import Pipeline
     from mmpipe.errors import MmpipeError
-    from mmpipe.pipeline import caption_conversation
+    from mmpipe.pipeline import caption_conversation, caption_result
 
     if isinstance(sink, SidecarSink):
         remove_stale_temporaries(os.path.dirname(sink.target(i)) for i in items)
@@ -323,8 +346,7 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
             item = todo[output.index]
             bar.update(1)
             tally.tokens += len(output.token_ids)
-            text = output.text.strip() if output.ok else ""
-            reason = output.error if not output.ok else (None if text else "the model returned an empty caption")
+            text, reason = caption_result(output)
             if reason is not None:
                 tally.failed += 1
                 _report(item, reason, errors, bar)
@@ -362,8 +384,9 @@ def _captures(pipe: Any) -> int:
 
 
 def _report(item: ImageItem, reason: str, errors: ErrorLog, bar: Any) -> None:
-    # The pipeline names the request and the image; here the path says both.
-    reason = re.sub(r"^conversation \d+, image \d+: (image '.*?': )?", "", reason)
+    from mmpipe.pipeline import per_file_error
+
+    reason = per_file_error(reason)  # the line names the file
     line = f"failed {item.path}: {reason}"
     if bar is not None:
         bar.write(line, file=sys.stderr)

@@ -21,6 +21,7 @@ import concurrent.futures as futures
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -489,6 +490,21 @@ class TextStream(Iterator[str]):
             if not request.finished:
                 with engine.lock:
                     engine.abort(request)
+
+
+def caption_result(output: RequestOutput) -> tuple[str | None, str | None]:
+    """(caption, error) of a captioning request: the answer stripped, or why there is none (an
+    empty answer is an error: a caption file must never be silently empty)."""
+    text = output.text.strip() if output.ok else ""
+    if not output.ok:
+        return None, output.error
+    return (text, None) if text else (None, "the model returned an empty caption")
+
+
+def per_file_error(reason: str) -> str:
+    """A captioning error without the request and image it came from, nor the source's own name
+    (a path, or "bytes (N bytes)"): for a row or line that names the file itself."""
+    return re.sub(r"^conversation \d+, image \d+: (image ('.*?'|bytes \(\d+ bytes\)): )?", "", reason)
 
 
 def caption_conversation(image: Any, prompt: str | None = None) -> list[dict[str, Any]]:

@@ -1,0 +1,81 @@
+"""`mmpipe caption --ray [ADDRESS]`: the same captioning as a Ray Data job
+(`mmpipe.integrations.ray_data.caption_files`) on a running Ray cluster, or a local one: the
+output is a directory of JSON lines (or Parquet) files, one row per image, and the same command
+started again captions only what is missing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from mmpipe.errors import InputError, MmpipeError
+
+
+def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, sampling: Any) -> int:
+    from mmpipe.integrations.ray_data import _ray, caption_files
+
+    problem = _unsupported(args)
+    if problem is not None:
+        print(f"mmpipe caption: {problem}", file=sys.stderr)
+        return 2
+    try:
+        ray = _ray()
+    except InputError as exc:
+        print(f"mmpipe caption: {exc}", file=sys.stderr)
+        return 2
+    if not ray.is_initialized():
+        try:
+            ray.init(address=args.ray_address, log_to_driver=False)
+        except Exception as exc:  # Ray raises its own types (ConnectionError, ValueError, ...)
+            print(f"mmpipe caption: cannot start or join the Ray cluster ({args.ray_address or 'default'}): "
+                  f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+            return 2
+    gpus = int(ray.cluster_resources().get("GPU", 0)) if args.device != "cpu" else 0
+    actors = args.ray_actors or max(1, gpus)
+    if gpus and actors > gpus:
+        print(f"mmpipe caption: --ray-actors {actors} needs {actors} GPUs; the cluster has {gpus}", file=sys.stderr)
+        return 2
+    engine: dict[str, Any] = {"preprocess_workers": args.workers,
+                              "image_decode": "gpu" if args.gpu_decode else "cpu"}
+    if args.graph_mode:
+        engine["graph_mode"] = args.graph_mode
+    if args.batch_size:
+        engine["max_running_requests"] = args.batch_size
+    for name in ("min_pixels", "max_pixels"):
+        if getattr(args, name) is not None:
+            engine[name] = getattr(args, name)
+    fields = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+    try:
+        summary = caption_files(paths, args.output, model=args.model, prompt=prompt,
+                                sampling={name: getattr(sampling, name) for name in fields}, engine=engine,
+                                format=args.format or "jsonl", concurrency=actors, num_gpus=1 if gpus else 0,
+                                device=args.device, dtype=args.dtype)
+    except MmpipeError as exc:
+        print(f"mmpipe caption: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a Ray task or actor failed for good (e.g. the model did not load)
+        print(f"mmpipe caption: the Ray job failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"captioned {summary['captioned']} image(s) with {actors} Ray actor(s), {summary['failed']} failed, "
+              f"{summary['already']} already in {args.output}; {summary['error_rows']} error row(s) there in all "
+              "(an error row is not retried)", file=sys.stderr)
+    return 1 if summary["error_rows"] else 0
+
+
+def _unsupported(args: argparse.Namespace) -> str | None:
+    """Flags of the single-machine tool that the Ray job does not do, as one message."""
+    if not args.output:
+        return "--ray writes a directory of row files: give it with --output DIR"
+    if args.format not in (None, "jsonl", "parquet"):
+        return f"--ray writes jsonl or parquet files, not {args.format}"
+    given = [flag for flag, on in (("--overwrite/--append", args.policy not in (None, "skip")),
+                                   ("--dir-prompts", args.dir_prompts), ("--prefix", bool(args.prefix)),
+                                   ("--suffix", bool(args.suffix)), ("--errors-file", bool(args.errors_file)),
+                                   ("--fail-fast", args.fail_fast), ("--output-dir", bool(args.output_dir)),
+                                   ("--vit-graphs", args.vit_graphs is not None)) if on]
+    if given:
+        return f"--ray does not take {', '.join(given)} (errors are rows with an `error` column)"
+    return None

@@ -1,0 +1,1 @@
+"""Optional integrations with other systems (each behind its own extra)."""

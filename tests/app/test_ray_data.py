@@ -1,0 +1,229 @@
+"""mmpipe as a Ray Data stage, on a local Ray cluster on the CPU with the bundled model: the stage
+on every input column kind, the whole job (the same captions as `mmpipe caption`, error rows for
+bad files, nothing new on a re-run), and an actor killed mid-job (every image still exactly
+once). The cluster tests skip themselves without the `ray` extra."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmpipe.cli import main
+from mmpipe.errors import InputError
+from mmpipe.integrations.ray_data import CaptionStage, caption_files, image_files, written_rows
+
+SCENES = Path(__file__).parents[2] / "assets" / "images"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stage():
+    return CaptionStage(device="cpu")
+
+
+def _scene_bytes(k: int) -> bytes:
+    return (SCENES / f"scene_{k}.png").read_bytes()
+
+
+def test_the_stage_takes_bytes_arrays_and_paths_alike(stage):
+    paths = [str(SCENES / f"scene_{k}.png") for k in range(3)]
+    by_bytes = stage({"bytes": np.array([np.frombuffer(_scene_bytes(k), dtype=np.uint8) for k in range(3)],
+                                        dtype=object), "path": np.array(paths)})
+    arrays = np.empty(3, dtype=object)
+    arrays[:] = [np.asarray(Image.open(p).convert("RGB")) for p in paths]
+    by_array = stage({"image": arrays, "path": np.array(paths)})
+    by_path = stage({"path": np.array(paths)})
+    for out in (by_bytes, by_array):
+        assert list(out["caption"]) == list(by_path["caption"])
+        assert "bytes" not in out and "image" not in out and list(out["path"]) == paths  # other columns kept
+    assert all(isinstance(c, str) and c for c in by_path["caption"]) and list(by_path["error"]) == [None] * 3
+    assert list(by_path["finish_reason"]) == ["stop"] * 3 and all(n > 0 for n in by_path["num_tokens"])
+    assert list(by_path["path"]) == paths  # paths read by the stage stay: the row names its image
+
+
+def test_a_bad_image_is_an_error_row_naming_the_problem(stage):
+    out = stage({"bytes": np.array([np.frombuffer(b"not an image", dtype=np.uint8),
+                                    np.frombuffer(_scene_bytes(0), dtype=np.uint8)], dtype=object),
+                 "path": np.array(["broken.jpg", "scene_0.png"])})
+    assert list(out["error"]) == ["not a recognised image format (corrupt or not an image)", None]
+    assert out["caption"][0] is None and out["finish_reason"][0] == "error" and out["caption"][1]
+
+
+def test_a_batch_without_an_image_column_is_refused(stage):
+    with pytest.raises(InputError, match=r"no image column \(columns: \['id'\]"):
+        stage({"id": np.arange(2)})
+
+
+def test_resume_reads_what_was_written_and_skips_a_torn_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text('{"path": "/x/1.png", "caption": "one", "error": null}\n'
+                                '{"path": "/x/2.png", "caption": "two", "error": null}\n{"path": "/x/3.pn')
+    assert [r["path"] for r in written_rows(str(out))] == ["/x/1.png", "/x/2.png"]  # 3 is done again
+    assert list(written_rows(str(tmp_path / "missing"))) == []
+
+
+# ---------------------------------------------------------------- on a local Ray cluster
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture()
+def images(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for k in range(6):
+        shutil.copy(SCENES / f"scene_{k}.png", folder / f"scene_{k}.png")
+    (folder / "broken.jpg").write_bytes(b"not an image")
+    return folder
+
+
+def _parquet_rows(path: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _by_path(rows) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for row in rows:
+        assert row["path"] not in out, f"{row['path']} written twice"
+        out[row["path"]] = row
+    return out
+
+
+def test_the_job_gives_mmpipe_captions_captions_and_a_rerun_writes_nothing(ray_cluster, images, tmp_path, capsys):
+    output = str(tmp_path / "captions")
+    summary = caption_files(str(images), output, concurrency=2, batch_size=2, device="cpu")
+    assert summary == {"files": 7, "already": 0, "captioned": 6, "failed": 1, "error_rows": 1}
+    rows = _by_path(written_rows(output))
+    assert main(["caption", str(images), "--format", "jsonl", "--output", str(tmp_path / "cli.jsonl"),
+                 "--device", "cpu", "--quiet"]) == 1  # the broken file fails there too
+    cli = {os.path.realpath(json.loads(line)["image"]): json.loads(line)["caption"]
+           for line in open(tmp_path / "cli.jsonl")}
+    assert {p: r["caption"] for p, r in rows.items() if r["error"] is None} == cli
+    broken = rows[str(images / "broken.jpg")]
+    assert broken["caption"] is None and "not a recognised image format" in broken["error"]
+    files = sorted(os.listdir(output))
+    assert caption_files(str(images), output, concurrency=2, batch_size=2, device="cpu") == \
+        {"files": 7, "already": 7, "captioned": 0, "failed": 0, "error_rows": 1}
+    assert sorted(os.listdir(output)) == files  # nothing new written
+    # A new image is the only one captioned next time.
+    shutil.copy(SCENES / "scene_0.png", images / "again.png")
+    assert caption_files(str(images), output, device="cpu")["captioned"] == 1
+    assert len(_by_path(written_rows(output))) == 8
+
+
+def _actor_pids(name: str) -> list[int]:
+    """Processes whose title names `name` (Ray titles an actor's process `ray::<its class>`)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    if name.encode() in handle.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return sorted(pids)
+
+
+def test_an_actor_killed_mid_job_still_gives_every_image_once(ray_cluster, tmp_path):
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for k in range(96):  # long enough on two CPU actors to be killed in the middle
+        image = Image.open(SCENES / f"scene_{k % 6}.png").convert("RGB").rotate(7 * k)
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        (folder / f"img_{k:02d}.png").write_bytes(buffer.getvalue())
+    output = str(tmp_path / "out")
+    killed: list[int] = []
+
+    before = set(_actor_pids("CaptionStage"))  # earlier jobs' actors, maybe still exiting
+
+    def kill_one_actor() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            actors = [pid for pid in _actor_pids("CaptionStage") if pid not in before]
+            if len(actors) == 2:
+                time.sleep(3.0)  # both are captioning by now
+                try:
+                    os.kill(actors[0], signal.SIGKILL)
+                    killed.append(time.monotonic())
+                except ProcessLookupError:
+                    before.add(actors[0])
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_one_actor)
+    killer.start()
+    summary = caption_files(str(folder), output, concurrency=2, batch_size=4, device="cpu")
+    finished = time.monotonic()
+    killer.join()
+    assert killed and killed[0] < finished, "no actor was killed during the job: the test tested nothing"
+    rows = _by_path(written_rows(output))  # each image once
+    assert sorted(rows) == image_files(str(folder))
+    assert summary["captioned"] + summary["failed"] == 96
+
+
+def test_the_caption_command_runs_the_job_on_ray(ray_cluster, images, tmp_path, capsys):
+    output = str(tmp_path / "rows")
+    args = ["caption", str(images), "--ray", "--output", output, "--device", "cpu", "--ray-actors", "2"]
+    assert main(args) == 1  # the broken file is an error row, and the exit code says so
+    err = capsys.readouterr().err
+    assert "captioned 6 image(s) with 2 Ray actor(s), 1 failed, 0 already in" in err
+    assert len(_by_path(written_rows(output))) == 7
+    assert main(args) == 1  # still an error row in the output: not "all captioned"
+    assert "captioned 0 image(s) with 2 Ray actor(s), 0 failed, 7 already in" in capsys.readouterr().err
+    for extra, refused in ((["--gpus", "2"], "not with --gpus"), (["--prefix", "sks, "], "--ray does not take --prefix"),
+                           (["--append"], "--overwrite/--append"), (["--format", "csv"], "not csv")):
+        assert main(args + extra) == 2 and refused in capsys.readouterr().err
+    assert main(["caption", str(images), "--ray", "--device", "cpu"]) == 2
+    assert "--ray writes a directory of row files: give it with --output DIR" in capsys.readouterr().err
+    assert main(["caption", str(images), "--format", "parquet", "--output", str(tmp_path / "p"), "--device", "cpu"]) == 2
+    assert "--format parquet is for --ray" in capsys.readouterr().err
+
+
+def test_parquet_output_resumes_too(ray_cluster, images, tmp_path):
+    output = str(tmp_path / "parquet")
+    first = caption_files(str(images), output, format="parquet", concurrency=1, device="cpu")
+    assert first == {"files": 7, "already": 0, "captioned": 6, "failed": 1, "error_rows": 1}
+    assert all(name.endswith(".parquet") for name in os.listdir(output))
+    rows = _by_path(written_rows(output))
+    assert set(rows) == set(image_files(str(images))) and rows[str(images / "scene_2.png")]["caption"]
+    assert caption_files(str(images), output, format="parquet", device="cpu")["already"] == 7
+    # A Parquet file cut off by an interrupted write: its images are captioned again, nothing crashes.
+    cut = os.path.join(output, sorted(os.listdir(output))[0])
+    lost = {r["path"] for r in _parquet_rows(cut)}
+    with open(cut, "r+b") as handle:
+        handle.truncate(os.path.getsize(cut) // 2)
+    remaining = {r["path"] for r in written_rows(output)}
+    again = caption_files(str(images), output, format="parquet", device="cpu")
+    assert again["captioned"] + again["failed"] == len(lost - remaining) > 0
+    assert {r["path"] for r in written_rows(output)} == set(image_files(str(images)))
+
+
+def test_an_unreadable_file_is_an_error_row_not_a_failed_job(ray_cluster, images, tmp_path):
+    """A listed file the actor cannot read (here a link to a file that is gone; a read task of
+    Ray's would fail the whole job on it) is an error row; the rest are captioned."""
+    os.symlink(images / "nowhere.png", images / "gone.png")
+    summary = caption_files(str(images), str(tmp_path / "out"), device="cpu")
+    assert (summary["files"], summary["captioned"], summary["failed"]) == (8, 6, 2)
+    row = _by_path(written_rows(str(tmp_path / "out")))[str(images / "nowhere.png")]
+    assert row["caption"] is None and row["error"] == "no such file"  # the row names the file
