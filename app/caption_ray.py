@@ -55,8 +55,7 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a Ray task or actor failed for good (e.g. the model did not load)
-        print(f"mmpipe caption: the Ray job failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-              file=sys.stderr)
+        print(f"mmpipe caption: the Ray job failed: {_root_cause(exc)}", file=sys.stderr)
         return 1
     if not args.quiet:
         print(f"captioned {summary['captioned']} image(s) with {actors} Ray actor(s), {summary['failed']} failed, "
@@ -79,3 +78,14 @@ def _unsupported(args: argparse.Namespace) -> str | None:
     if given:
         return f"--ray does not take {', '.join(given)} (errors are rows with an `error` column)"
     return None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The error behind a Ray failure: Ray's message carries the remote traceback, whose last
+    `...Error: message` line is the cause (an mmpipe error where the Pipeline could not start)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    causes = [line for line in lines if line.startswith("mmpipe.errors.")]
+    if causes:
+        return causes[-1].removeprefix("mmpipe.errors.")
+    errors = [line for line in lines if ": " in line and line.split(":", 1)[0].endswith(("Error", "Exception"))]
+    return errors[-1] if errors else f"{type(exc).__name__}: {lines[0] if lines else ''}"

@@ -227,3 +227,15 @@ def test_an_unreadable_file_is_an_error_row_not_a_failed_job(ray_cluster, images
     assert (summary["files"], summary["captioned"], summary["failed"]) == (8, 6, 2)
     row = _by_path(written_rows(str(tmp_path / "out")))[str(images / "nowhere.png")]
     assert row["caption"] is None and row["error"] == "no such file"  # the row names the file
+
+
+def test_a_model_that_does_not_load_fails_the_job_loudly(ray_cluster, images, tmp_path, capsys):
+    bad = tmp_path / "bad_model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    output = tmp_path / "rows"
+    code = main(["caption", str(images), "--ray", "--output", str(output), "--device", "cpu", "--model", str(bad)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the Ray job failed: UnsupportedModelError: " in err and "architecture None is not supported" in err
+    assert list(written_rows(str(output))) == []  # no silent empty rows
