@@ -219,27 +219,22 @@ def run(args: argparse.Namespace) -> int:
     except (InputError, ValueError) as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2
-    if args.ray:
-        from mmpipe.app.caption_ray import run_ray
-
-        items, problems = collect_images(args.images)
-        for problem in problems:
-            print(f"mmpipe caption: {problem}", file=sys.stderr)
-        if not items:
-            print("mmpipe caption: no images to caption", file=sys.stderr)
-            return 2
-        return run_ray(args, [item.path for item in items], prompt, sampling)
-    if args.format == "parquet":
+    if args.format == "parquet" and not args.ray:
         print("mmpipe caption: --format parquet is for --ray (a directory of Parquet files)", file=sys.stderr)
         return 2
-    state = _process_state(cpu=args.device == "cpu")
+    # The Ray driver never touches a GPU (no accelerate state): its actors have them.
+    state = None if args.ray else _process_state(cpu=args.device == "cpu")
     items, problems = collect_images(args.images)
-    if state.is_main_process:
+    if state is None or state.is_main_process:
         for problem in problems:
             print(f"mmpipe caption: {problem}", file=sys.stderr)
     if not items:
         print("mmpipe caption: no images to caption", file=sys.stderr)
         return 2
+    if state is None:
+        from mmpipe.app.caption_ray import run_ray
+
+        return run_ray(args, [item.path for item in items], prompt, sampling)
     if args.format == "metadata" and args.output:
         folder = os.path.dirname(os.path.abspath(args.output))
         outside = [i.path for i in items if os.path.relpath(i.path, folder).startswith("..")]

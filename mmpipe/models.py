@@ -35,6 +35,7 @@ from mmpipe.weights import load_checkpoint, materialize, prepare_for_kernels, re
 
 log = logging.getLogger("mmpipe")
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str

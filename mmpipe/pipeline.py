@@ -495,9 +495,9 @@ class TextStream(Iterator[str]):
 def caption_result(output: RequestOutput) -> tuple[str | None, str | None]:
     """(caption, error) of a captioning request: the answer stripped, or why there is none (an
     empty answer is an error: a caption file must never be silently empty)."""
-    text = output.text.strip() if output.ok else ""
     if not output.ok:
         return None, output.error
+    text = output.text.strip()
     return (text, None) if text else (None, "the model returned an empty caption")
 
 

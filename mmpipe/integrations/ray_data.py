@@ -171,7 +171,7 @@ def caption_files(inputs: str | Sequence[str], output: str, *, model: str | None
     todo = [path for path in files if path not in done]
     summary = {"files": len(files), "already": len(files) - len(todo), "captioned": 0, "failed": 0}
     if not todo:
-        return _with_error_rows(summary, output, files)
+        return _with_written(summary, output, files, set())
     stage = dict(model=model, prompt=prompt, sampling=sampling, engine=engine, device=device, dtype=dtype,
                  image_column="path")
     # Several batches per actor at once, on threads: the one Pipeline batches their requests
@@ -190,16 +190,19 @@ def caption_files(inputs: str | Sequence[str], output: str, *, model: str | None
         dataset.write_json(output)
     else:
         dataset.write_parquet(output)
-    wanted = set(todo)
-    written = [row for row in written_rows(output, ["path", "error"]) if row["path"] in wanted]
-    summary["captioned"] = sum(1 for row in written if row.get("error") is None)
-    summary["failed"] = len(written) - summary["captioned"]
-    return _with_error_rows(summary, output, files)
+    return _with_written(summary, output, files, set(todo))
 
 
-def _with_error_rows(summary: dict[str, int], output: str, files: Sequence[str]) -> dict[str, int]:
+def _with_written(summary: dict[str, int], output: str, files: Sequence[str], new: set[str]) -> dict[str, int]:
+    """The counts from one read of the output: this run's rows (`new`), and the error rows of
+    every input file."""
     inputs = set(files)
-    summary["error_rows"] = sum(1 for row in written_rows(output, ["path", "error"])
-                                if row["path"] in inputs and row.get("error") is not None)
+    summary["error_rows"] = 0
+    for row in written_rows(output, ["path", "error"]):
+        failed = row.get("error") is not None
+        if row["path"] in new:
+            summary["failed" if failed else "captioned"] += 1
+        if failed and row["path"] in inputs:
+            summary["error_rows"] += 1
     return summary
 
