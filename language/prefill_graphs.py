@@ -11,16 +11,21 @@ read zeros there (the rows a step wrote are zeroed again before the next step): 
 on a text-only step replays an image step correctly, because the image path is the only path.
 
 Piecewise mode (graph modes `piecewise`, `full_and_piecewise`): the forward over the buffers is
-traced once by `torch.compile` with `mmpipe.graphs.piecewise.PiecewiseBackend`, the token
-dimension dynamic, split at the attention op (`mmpipe::lm_attention`, run eagerly on the real
-tokens with the step's metadata), and each piece (norms, projections, rotary + KV write, MLP,
-residuals) captured as a CUDA graph for every size of the schedule, largest first, into the
-language model's shared pool. A step of T tokens runs at the smallest schedule size >= T
-(bisection); rows past T are padding: their K/V go to the dummy page (the slots buffer holds the
-dummy slot past the step's rows), attention is not computed for them, their outputs are dropped.
-Above the largest size (2048 tokens by default, where graphs stop paying) the compiled pieces run
-without graphs, at the step's exact size. From the second forward at a
-size on, the runner replays that size's recorded plan (`mmpipe.graphs.piecewise.ReplayPlan`).
+cut at its attention calls (run eagerly on the real tokens with the step's metadata), and each
+piece between two of them (norms, projections, rotary + KV write, MLP, residuals) is captured as a
+CUDA graph for every size of the schedule, largest first, into the language model's shared pool.
+With the default piece compiler, `eager`, the pieces are captured straight from the eager forward
+(`mmpipe.graphs.split_capture`: the capture ends and resumes around each attention call): nothing
+is traced, so a start costs a warm-up and a capture forward per size, and a replay runs the eager
+forward's exact kernels. With `inductor`, the forward is traced once by `torch.compile` with
+`mmpipe.graphs.piecewise.PiecewiseBackend` (token dimension dynamic), split at the attention op
+(`mmpipe::lm_attention`) and each piece compiled, then captured the same way. A step of T tokens
+runs at the smallest schedule size >= T (bisection); rows past T are padding: their K/V go to the
+dummy page (the slots buffer holds the dummy slot past the step's rows), attention is not computed
+for them, their outputs are dropped. Above the largest size (2048 tokens by default, where graphs
+stop paying) the pieces run without graphs, at the step's exact size. A captured size is served
+by its replay plan (`mmpipe.graphs.piecewise.ReplayPlan`): its pieces' graphs and the attention
+calls between them, in order.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from mmpipe.graphs.piecewise import (
     make_piece_compiler,
 )
 from mmpipe.graphs.runner import GraphRunner
+from mmpipe.graphs.split_capture import SplitGraphs
 from mmpipe.graphs.transfer import PackedUploader
 from mmpipe.kernels.stage_rows import stage_rows
 from mmpipe.layers.context import ForwardContext, forward_context
@@ -128,7 +134,9 @@ class PrefillRunner(GraphRunner):
 
     def __init__(self, lm: Any, kv: KVCache, device: torch.device, max_tokens: int, piecewise: bool,
                  graphs: GraphConfig | None = None, compiler: str = "eager", cache_dir: str | Path | None = None,
-                 memory: GraphMemory | None = None) -> None:
+                 memory: GraphMemory | None = None, traced: bool | None = None) -> None:
+        """`traced`: trace the forward with torch.compile and split the FX graph (default: only for
+        a compiler other than "eager", whose pieces are captured from the eager forward itself)."""
         self.lm, self.kv, self.max_tokens = lm, kv, max_tokens
         dtype = lm.embed_tokens.weight.dtype
         # Static buffers, outside graph memory; every forward reads slices of them.
@@ -155,7 +163,15 @@ class PrefillRunner(GraphRunner):
         self.backend: PiecewiseBackend | None = None
         self.compiled: Any = None
         self.compiler = compiler
-        if piecewise:
+        self.piecewise = piecewise
+        # "eager": the eager forward's pieces captured straight from it, split where it calls
+        # attention (no tracing); other compilers trace it with torch.compile.
+        self.split: SplitGraphs | None = None
+        if traced is None:
+            traced = compiler != "eager"
+        if piecewise and not traced:
+            self.split = SplitGraphs(self.cache) if self.cache is not None else None
+        elif piecewise:
             cfg = getattr(lm, "cfg", None)
             env = environment_key({"model": repr(cfg), "dtype": str(dtype), "compiler": compiler,
                                    "device": device.type})
@@ -176,7 +192,7 @@ class PrefillRunner(GraphRunner):
     def rows_for(self, num_tokens: int) -> int:
         """Rows the forward runs: the smallest schedule size >= num_tokens; num_tokens above the
         schedule or without compilation."""
-        if self.compiled is None:
+        if not self.piecewise:
             return num_tokens
         bucket = bucket_for(self.schedule, num_tokens)
         return num_tokens if bucket is None else bucket
@@ -196,7 +212,7 @@ class PrefillRunner(GraphRunner):
                    self.positions, self.slots, size, self.dummy_slot)
         self._write_images(images)
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
-            if self.compiled is None:
+            if not self.piecewise:
                 eager = lambda: self.lm(self.input_embeds[:n], self.positions[:n].t(), self.kv.layers,  # noqa: E731
                                         meta.slot_mapping, [level[:n] for level in self.deepstack])
                 return self.run(None, eager)[0]
@@ -227,6 +243,8 @@ class PrefillRunner(GraphRunner):
 
     def lookup(self, size: Any) -> Any:
         assert self.cache is not None
+        if self.split is not None:
+            return size if size in self.split.plans else None
         generation = self.state.generation
         live = (generation, size) not in self.cache.failed and (generation, size, 0) in self.cache
         return size if live else None
@@ -237,6 +255,8 @@ class PrefillRunner(GraphRunner):
         if self.lookup(size) is None:
             return None
         self.counts.graph_runs += 1
+        if self.split is not None:
+            return self.split.replay(size)
         self.state.size = size
         return self.state.run_planned(size, lambda: self._run_compiled(size))
 
@@ -246,6 +266,8 @@ class PrefillRunner(GraphRunner):
         return self._run_compiled(size)
 
     def _run_compiled(self, size: int) -> torch.Tensor:
+        if self.compiled is None:  # the eager pieces, without graphs
+            return self._forward_rows(size)
         embeds, positions = self.input_embeds[:size], self.positions[:size]
         bound = max(self.max_tokens, 3)
         torch._dynamo.mark_dynamic(embeds, 0, min=2, max=bound)
@@ -257,13 +279,20 @@ class PrefillRunner(GraphRunner):
             torch._dynamo.mark_dynamic(level, 0, min=2, max=bound)
         return self.compiled(embeds, positions, self.kv.layers, slots, deepstack)
 
+    def _forward_rows(self, size: int) -> torch.Tensor:
+        """The eager forward over the first `size` rows of the fixed buffers."""
+        return self.lm(self.input_embeds[:size], self.positions[:size].t(), self.kv.layers, self.slots[:size],
+                       [level[:size] for level in self.deepstack])
+
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
     def capture_all(self, progress: bool = True) -> None:  # type: ignore[override]
         """Compile (first call), then capture every schedule size, largest first, into one capture
         memory shared by all pieces of all sizes."""
-        if self.compiled is None:
+        if not self.piecewise:
+            return
+        if self.cache is None and self.compiled is None:  # eager pieces without graphs: nothing to prepare
             return
         if self.cache is None:  # compiled, no graphs: trace now rather than in the first request
             start = time.perf_counter()
@@ -272,6 +301,8 @@ class PrefillRunner(GraphRunner):
                      time.perf_counter() - start)
             return
         self.state.drop_plans()  # plans point at graphs: a new capture replaces them
+        if self.split is not None:
+            self.split.drop()
         self.state.memory = self.cache.memory.open()
         try:
             super().capture_all(sorted(self.schedule, reverse=True), progress)
@@ -286,7 +317,7 @@ class PrefillRunner(GraphRunner):
         saved, self.state.cache = self.state.cache, None  # pieces run without graphs
         try:
             for size in keys:
-                self._dummy_forward(size, capture=False)
+                self._dummy_forward(size, capture=False, graphs=False)
         finally:
             self.state.cache = saved
 
@@ -301,13 +332,15 @@ class PrefillRunner(GraphRunner):
         return self.lookup(size) is not None
 
     def startup_note(self) -> str:
+        if self.split is not None:
+            return f" x {self.split.pieces} pieces (eager, split at attention, no tracing)"
         b = self.backend
         assert b is not None
         return (f" x {self.state.num_pieces} pieces (tracing and {self.compiler} compilation "
                 f"{b.stats.compile_seconds:.1f} s, {b.stats.compilations} compiled, {b.stats.compile_cache_loads} "
                 "loaded from cache)")
 
-    def _dummy_forward(self, size: int, capture: bool) -> None:
+    def _dummy_forward(self, size: int, capture: bool, graphs: bool = True) -> None:
         """A forward of `size` tokens of one fresh sequence whose K/V go to the dummy page."""
         page = self.kv.page_size
         device = self.device
@@ -319,8 +352,17 @@ class PrefillRunner(GraphRunner):
             page_table=torch.full((1, -(-size // page)), DUMMY_PAGE, dtype=torch.int32, device=device),
             seq_lens_host=[size], query_lens_host=[size], max_query_len=size, max_seq_len=size)
         self.slots[:size].fill_(self.dummy_slot)  # a real step's slots may still be there
-        with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
-            self.state.size = size if self.cache is not None else None
+        with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)) as context:
+            if self.split is not None or self.compiled is None:
+                with on_capture_stream(device):
+                    if capture and self.split is not None and graphs:
+                        assert self.state.memory is not None
+                        self.split.capture(size, lambda: self._forward_rows(size), context, self.state.memory,
+                                           f"prefill {size} tokens")
+                    else:
+                        self._forward_rows(size)
+                return
+            self.state.size = size if self.cache is not None and graphs else None
             self.state.capturing = capture
             try:
                 with on_capture_stream(device):
@@ -331,12 +373,15 @@ class PrefillRunner(GraphRunner):
     # ------------------------------------------------------------------ stats, teardown
 
     def detail(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"compiled": self.compiled is not None,
-                               "compiler": self.compiler if self.compiled is not None else None,
+        plans = self.split.plans if self.split is not None else self.state.plans
+        out: dict[str, Any] = {"compiled": self.piecewise,
+                               "compiler": self.compiler if self.piecewise else None,
+                               "traced": self.compiled is not None,
                                "compiled_runs": self.compiled_runs, "padded_tokens": self.padded_tokens,
-                               "replay_plans": len(self.state.plans),
-                               "plan_runs": sum(plan.runs for plan in self.state.plans.values()),
+                               "replay_plans": len(plans), "plan_runs": sum(plan.runs for plan in plans.values()),
                                "failed_sizes": self.failed_sizes()}
+        if self.split is not None:
+            out.update(pieces=self.split.pieces, split_points=max(0, self.split.pieces - 1))
         if self.backend is not None:
             out.update(self.backend.stats.as_dict())
         return out
@@ -344,11 +389,15 @@ class PrefillRunner(GraphRunner):
     def failed_sizes(self) -> list[int]:
         if self.cache is None:
             return []
+        if self.split is not None:
+            return sorted(key for key in self.cache.failed if isinstance(key, int))
         return sorted(key[1] for key in self.cache.failed if len(key) == 2 and key[0] == self.state.generation)
 
     def close(self) -> None:
         """Destroy the graphs (the shared memory itself belongs to whoever made it)."""
         self.state.drop_plans()
+        if self.split is not None:
+            self.split.drop()
         super().close()
         self.state.cache = None
         self.compiled = None

@@ -194,13 +194,14 @@ class EngineConfig:
     # the ViT attention can be captured (half precision).
     vit_graph: GraphConfig = GraphConfig(max_graphs=32, memory="arena")
     vit_graph_max_images: int = 64  # images in one ViT graph call (segment slots are sized for it)
-    # Piecewise prefill graphs: the forward traced once by torch.compile, split at attention, each
-    # piece captured at start for every token count of the schedule (default 20 sizes from 8 to
+    # Piecewise prefill graphs: the forward cut at its attention calls, each piece between them
+    # captured at start for every token count of the schedule (default 20 sizes from 8 to
     # 2048, `language.prefill_graphs.STARTUP_PREFILL_SIZES`; larger steps run the pieces without
     # graphs, as fast there), largest first, in the pool the decode graphs use ("shared" only).
     prefill_graph: GraphConfig = GraphConfig()
-    # Compiler of the prefill pieces: "eager" (the traced pieces as they are; fast start) or
-    # "inductor" (fused kernels; compiled artifacts kept in the compile cache).
+    # Compiler of the prefill pieces: "eager" (captured straight from the eager forward, nothing
+    # traced; fast start) or "inductor" (the forward traced by torch.compile and each piece
+    # compiled to fused kernels; compiled artifacts kept in the compile cache).
     prefill_compiler: str = "eager"
     # Compile cache directory; None: $MMPIPE_CACHE_DIR, else $XDG_CACHE_HOME/mmpipe, else
     # ~/.cache/mmpipe (subfolder "compile", entries keyed by torch, GPU, model and compiler).

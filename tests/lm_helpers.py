@@ -47,9 +47,10 @@ def extend_meta(lengths: list[tuple[int, int]], page_size: int, first_page: int 
         max_query_len=max(n for _, n in lengths), max_seq_len=max(c + n for c, n in lengths))
 
 
-def make_runner(lm, piecewise: bool, graphs: GraphConfig | None = None, max_tokens: int = 64) -> PrefillRunner:
+def make_runner(lm, piecewise: bool, graphs: GraphConfig | None = None, max_tokens: int = 64,
+                traced: bool | None = None) -> PrefillRunner:
     kv = KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, lm.embed_tokens.weight.dtype, CPU)
-    return PrefillRunner(lm, kv, CPU, max_tokens, piecewise, graphs, cache_dir=None)
+    return PrefillRunner(lm, kv, CPU, max_tokens, piecewise, graphs, cache_dir=None, traced=traced)
 
 
 def run(runner: PrefillRunner, lengths: list[tuple[int, int]], seed: int, first_page: int = 1) -> torch.Tensor:

@@ -34,7 +34,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     `backend`: the model's attention backend (None: the forward context's, as the custom op
     must)."""
     context = get_forward_context()
+    if context.split_point is not None:  # a piecewise capture: the pieces end and resume around it
+        context.split_point(attend, q, k, v, out, layer)
+        return
     (backend or context.attention).forward(q, k, v, context.attn_metadata, out, context.kv_caches[layer])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    """`attention` with the forward context's backend and metadata: the split point a piecewise
+    prefill replays between its pieces, with each step's metadata."""
+    context = get_forward_context()
+    context.attention.forward(q, k, v, context.attn_metadata, out, context.kv_caches[layer])
 
 
 @torch.library.custom_op("mmpipe::lm_attention", mutates_args=("out",))

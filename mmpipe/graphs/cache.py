@@ -123,11 +123,8 @@ class GraphCache:
                 torch.cuda.synchronize(self.device)
             return None
         seconds = time.perf_counter() - start
-        entry = CapturedGraph(key, graph, output, mem, owns_memory=shared is None)
-        self.graphs[key] = entry
-        self.stats.captures += 1
+        entry = self.add(key, graph, output, mem, owns_memory=shared is None)
         self.stats.capture_seconds += seconds
-        self.stats.graphs_live = len(self.graphs)
         physical = self.memory.physical_bytes()
         if physical is not None:
             self.stats.memory_bytes = physical
@@ -137,6 +134,23 @@ class GraphCache:
         log.log(logging.DEBUG if quiet else logging.INFO, "%s graph captured: %s in %.3f s, %s", self.name, label,
                 seconds, held)
         return entry
+
+    def add(self, key: Hashable, graph: Any, output: Any, memory: CaptureMemory,
+            owns_memory: bool = True) -> CapturedGraph:
+        """Keep a graph captured elsewhere (a piece of `split_capture.SplitGraphs`) under `key`;
+        the caller accounts its capture time and memory."""
+        entry = CapturedGraph(key, graph, output, memory, owns_memory=owns_memory)
+        self.graphs[key] = entry
+        self.stats.captures += 1
+        self.stats.graphs_live = len(self.graphs)
+        return entry
+
+    def discard(self, key: Hashable) -> None:
+        """Destroy the graph under `key`, if any (a group whose capture failed part-way)."""
+        entry = self.graphs.pop(key, None)
+        if entry is not None:
+            self._destroy(entry)
+            self.stats.graphs_live = len(self.graphs)
 
     def mark_failed(self, key: Hashable) -> None:
         """Record that `key` (e.g. a group of captures sharing one memory, such as a prefill size's

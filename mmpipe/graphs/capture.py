@@ -64,7 +64,7 @@ _streams: dict[int, torch.cuda.Stream] = {}
 # One capture at a time in the process: captures share the capture stream (work another thread
 # launched on it would join the graph), pause garbage collection process-wide, and clear every
 # cuBLAS workspace. Captures are rare (start-up, a new shape), so serialising them costs nothing.
-_capturing = threading.RLock()
+capture_lock = threading.RLock()
 
 
 def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
@@ -100,7 +100,7 @@ def capture(fn: Callable[[], Any], memory: GraphMemory, device: torch.device, wa
     `capture_begin`/`capture_end` are called directly rather than through `torch.cuda.graph`,
     whose entry empties the allocator's cache on every capture (a stall, and churn, each time a
     new shape appears while serving)."""
-    with _capturing, torch.cuda.device(device):
+    with capture_lock, torch.cuda.device(device):
         with on_capture_stream(device):
             for _ in range(warmups):
                 fn()

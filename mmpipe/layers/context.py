@@ -25,6 +25,9 @@ class ForwardContext:
     attn_metadata: Any
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     attention: Any = None  # the LM's backend, for the custom op (eager code uses the module's own)
+    # Set while a piecewise forward is captured (`mmpipe.graphs.split_capture`): ops that must run
+    # outside the graphs (attention) call `split_point(fn, *args)` instead of `fn(*args)`.
+    split_point: Any = None
 
 
 _local = threading.local()

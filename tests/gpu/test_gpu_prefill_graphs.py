@@ -55,9 +55,9 @@ def test_on_between_and_above_schedule_sizes_equal_eager(checkpoint, reference, 
     schedule = (lengths[0], lengths[1], max(lengths[2:]) + 5)
     pipe = make(checkpoint, mode, prefill_graph=GraphConfig(buckets=schedule), max_prefill_tokens=512)
     stats = pipe.stats()["prefill"]
-    assert stats["enabled"] and stats["graphs"] == 3 * stats["detail"]["pieces"] and stats["detail"]["graphs_seen"] == 1
-    # The pieces' Triton kernels (norms, SiLU product) launch directly, not as higher-order ops.
-    assert stats["detail"]["direct_triton_launches"] >= 2 * stats["detail"]["pieces"] - 2
+    # Pieces captured from the eager forward: nothing traced, one piece more than attention calls.
+    assert stats["enabled"] and stats["graphs"] == 3 * stats["detail"]["pieces"] and not stats["detail"]["traced"]
+    assert stats["detail"]["split_points"] == pipe.runner.model.language.num_layers
     ours = [pipe.chat([c], PARAMS)[0] for c in CONVERSATIONS]
     assert tokens(ours) == tokens(alone)
     after = pipe.stats()["prefill"]
@@ -112,3 +112,23 @@ def test_prefill_and_decode_graphs_share_one_pool(checkpoint):
     stats = pipe.stats()
     assert stats["prefill"]["replays"] > 0 and stats["decode"]["graph_runs"] > 0
     pipe.close()
+
+
+def test_graph_memory_of_a_schedule_stays_near_its_largest_size(checkpoint):
+    """Pieces captured from the eager forward hold the split points' tensors and the output as weak
+    references: a size's intermediates go back to the pool, so eight sizes cost about what the
+    largest costs alone (holding them would add every size's attention tensors and outputs)."""
+    sizes = (256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    held = {}
+    for schedule in (sizes[-1:], sizes):
+        pipe = make(checkpoint, "full_and_piecewise", max_prefill_tokens=2048,
+                    prefill_graph=GraphConfig(buckets=schedule))
+        stats = pipe.stats()["prefill"]
+        assert stats["graphs"] == len(schedule) * stats["detail"]["pieces"]
+        held[len(schedule)] = stats["memory_bytes"]
+        assert tokens(pipe.chat(CONVERSATIONS[:2], PARAMS))  # the graphs run
+        pipe.close()
+    print(f"prefill graph memory: largest size alone {held[1] / 2**20:.1f} MiB, {len(sizes)} sizes "
+          f"{held[len(sizes)] / 2**20:.1f} MiB")
+    # H100, tiny float32 model: 58 MiB alone and for all eight; 62 and 76 MiB with strong references.
+    assert held[1] > 0 and held[len(sizes)] - held[1] <= 4 * 2**20

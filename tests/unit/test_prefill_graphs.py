@@ -6,6 +6,7 @@ tokens with piecewise graphs on and off."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -23,9 +24,11 @@ from mmpipe import GraphConfig, GraphMode, Pipeline, SamplingParams
 from mmpipe.graphs import cache as graph_cache_module
 from mmpipe.graphs import piecewise as piecewise_module
 from mmpipe.graphs import runner as graph_runner_module
+from mmpipe.graphs import split_capture as split_capture_module
 from mmpipe.graphs.cache import bucket_for
 from tests.helpers import random_image, stacked_kv
 from tests.lm_helpers import CPU, LAYERS, extend_meta, make_runner, run, tiny_lm  # noqa: F401
+from tests.split_tape import TapeRecorder
 
 
 def test_default_schedule_stops_where_graphs_stop_paying_and_is_capped():
@@ -54,7 +57,7 @@ def test_fine_schedule_follows_the_source_notes_and_is_capped():
 
 def test_the_traced_forward_splits_at_attention_once_per_layer():
     lm = tiny_lm()
-    runner = make_runner(lm, piecewise=True)
+    runner = make_runner(lm, piecewise=True, traced=True)
     run(runner, [(0, 10)], seed=1)
     backend = runner.backend
     assert backend is not None and backend.stats.graphs_seen == 1
@@ -141,6 +144,9 @@ class NoMemory:
     def physical_bytes(self):
         return None
 
+    def capturing(self, memory):
+        return contextlib.nullcontext()
+
     def close(self):
         pass
 
@@ -156,6 +162,7 @@ def simulated_piece_graphs(monkeypatch, switch):
         return ReplayingPiece(body, output), output, shared
 
     monkeypatch.setattr(graph_cache_module, "capture", fake_capture)
+    monkeypatch.setattr(split_capture_module, "CudaRecorder", TapeRecorder)
     monkeypatch.setattr(piecewise_module, "weak_refs", lambda outputs: outputs)  # CPU memory is not pooled
     monkeypatch.setattr(graph_runner_module, "can_capture_on", lambda device: True)
     monkeypatch.setattr(model_runner, "parse_graph_mode",
@@ -167,16 +174,20 @@ def simulated_piece_graphs(monkeypatch, switch):
     ReplayingPiece.captured = []
 
 
-def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simulated_piece_graphs):
+@pytest.mark.parametrize("traced", [False, True], ids=["split", "traced"])
+def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simulated_piece_graphs, traced):
+    """Both piecewise paths: pieces captured from the eager forward (default) and pieces of the
+    traced FX graph (the inductor compiler's path)."""
     lm = tiny_lm()
     schedule = (8, 16, 32)
     plain = make_runner(lm, piecewise=False)
     compiled = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU,
-                             64, True, GraphConfig(buckets=schedule, enabled=False))
+                             64, True, GraphConfig(buckets=schedule, enabled=False), traced=traced)
     graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
-                           True, GraphConfig(buckets=schedule), memory=NoMemory())
+                           True, GraphConfig(buckets=schedule), memory=NoMemory(), traced=traced)
     graphs.capture_all(progress=False)
     assert graphs.cache is not None and len(graphs.cache.graphs) == len(schedule) * (LAYERS + 1)
+    assert graphs.stats()["detail"]["traced"] is traced and graphs.stats()["detail"]["pieces"] == LAYERS + 1
     page = 1
     # Each step on pages of its own, so a padded row writing a stale slot of an earlier, larger
     # step (here 2 tokens padded to 8 after 40) would show in that step's pages.
@@ -190,22 +201,84 @@ def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simul
     torch.testing.assert_close(stacked_kv(graphs.kv)[:, :, real], stacked_kv(plain.kv)[:, :, real], rtol=1e-5, atol=1e-5)
     stats = graphs.stats()
     assert stats["graph_runs"] == 5 and stats["detail"]["compiled_runs"] == 1  # 40 tokens: above 32
-    # The first forward at a size records its replay plan; later ones (8 and 2 tokens at 8, 16 at
-    # 16) were checked against it (input checks are on here: the compiled path runs and must make
-    # the plan's calls exactly).
-    assert sorted(size for _, size in graphs.state.plans) == [8, 16] and stats["detail"]["replay_plans"] == 2
-    assert stats["detail"]["plan_runs"] == 3
-    # Without input checks the plans themselves run, and equal the same size without graphs.
+    assert stats["detail"]["padded_tokens"] == (8 - 5) + 0 + (16 - 13) + (8 - 2) + 0
+    assert stats["replays"] == 5 * (LAYERS + 1) and stats["captures"] == len(schedule) * (LAYERS + 1)
+    if traced:
+        # The first forward at a size records its replay plan; later ones (8 and 2 tokens at 8, 16
+        # at 16) were checked against it (input checks are on here: the compiled path runs and
+        # must make the plan's calls exactly).
+        assert sorted(size for _, size in graphs.state.plans) == [8, 16] and stats["detail"]["replay_plans"] == 2
+        assert stats["detail"]["plan_runs"] == 3
+    else:  # every size's plan is made by its capture, and serves every run at that size
+        assert sorted(graphs.split.plans) == [8, 16, 32] and stats["detail"]["plan_runs"] == 5
+    # The plans themselves (no input checks), equal to the same size without graphs.
     graphs.state.check_inputs = False
     for seed, lengths in enumerate([[(0, 6)], [(0, 4), (0, 9)]], start=10):
         assert torch.equal(run(graphs, lengths, seed, page), run(compiled, lengths, seed, page)), lengths
         page += len(lengths) * 2
-    assert graphs.stats()["detail"]["plan_runs"] == 5
-    assert stats["detail"]["padded_tokens"] == (8 - 5) + 0 + (16 - 13) + (8 - 2) + 0
-    assert stats["replays"] == 5 * (LAYERS + 1) and stats["captures"] == len(schedule) * (LAYERS + 1)
+    assert graphs.stats()["detail"]["plan_runs"] == stats["detail"]["plan_runs"] + 2
+
+
+def test_split_capture_holds_the_split_points_and_output_of_the_pieces(simulated_piece_graphs):
+    """Pieces captured from the eager forward: one attention split point per layer, in layer
+    order, each reading the tensors of the piece before it; a size's plan alternates pieces and
+    split points and returns the last piece's output."""
+    from mmpipe.language.attention.op import attend
+
+    lm = tiny_lm()
+    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
+                           True, GraphConfig(buckets=(8, 16)), memory=NoMemory())
+    graphs.capture_all(progress=False)
+    assert graphs.backend is None and graphs.compiled is None  # nothing traced
+    for size in (8, 16):
+        steps = graphs.split.plans[size].steps
+        assert len(steps) == 2 * LAYERS + 1
+        assert [fn is attend for fn, _ in steps] == [False, True] * LAYERS + [False]
+        assert [args[4] for fn, args in steps if fn is attend] == list(range(LAYERS))
+        for fn, args in steps:
+            if fn is attend:  # q, out [size, heads, dim]; k, v [size, kv heads, dim]
+                assert [a.shape[0] for a in args[:4]] == [size] * 4
+        pieces = [args[0] for fn, args in steps if fn is not attend]
+        assert [graphs.cache.graphs[(size, i)] for i in range(LAYERS + 1)] == pieces
+    assert graphs.startup_note().startswith(f" x {LAYERS + 1} pieces")
 
 
 def test_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_piece_graphs, monkeypatch):
+    """A piece that cannot be captured (the second piece of size 16) fails its whole size, which
+    then runs without graphs; its pieces captured before the failure are destroyed."""
+    lm = tiny_lm()
+    order = []
+    real = TapeRecorder.begin
+
+    def begin(self, memory):
+        order.append(graphs_size[0])
+        if graphs_size[0] == 16 and len(order) > 1 and order[-2] == 16:  # the second piece of size 16
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return real(self, memory)
+
+    graphs_size = [None]
+    real_forward = PrefillRunner._forward_rows
+
+    def forward_rows(self, size):
+        graphs_size[0] = size
+        return real_forward(self, size)
+
+    monkeypatch.setattr(TapeRecorder, "begin", begin)
+    monkeypatch.setattr(PrefillRunner, "_forward_rows", forward_rows)
+    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
+                           True, GraphConfig(buckets=(8, 16, 32)), memory=NoMemory())
+    graphs.capture_all(progress=False)
+    sizes_in_order = [s for i, s in enumerate(order) if i == 0 or order[i - 1] != s]
+    assert sizes_in_order == [32, 16, 8]
+    assert graphs.failed_sizes() == [16] and graphs.stats()["detail"]["failed_sizes"] == [16]
+    assert not any(key[0] == 16 for key in graphs.cache.graphs)  # piece 0 of size 16 destroyed
+    assert len(graphs.cache.graphs) == 2 * (LAYERS + 1)
+    plain = make_runner(lm, piecewise=False)
+    assert torch.equal(run(plain, [(0, 12)], 4), run(graphs, [(0, 12)], 4))  # 12 -> 16: failed, no graphs
+    assert graphs.compiled_runs == 1 and graphs.counts.graph_runs == 0
+
+
+def test_traced_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_piece_graphs, monkeypatch):
     lm = tiny_lm()
     order = []
     real = graph_cache_module.capture
@@ -218,7 +291,7 @@ def test_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_pi
 
     monkeypatch.setattr(graph_cache_module, "capture", capture)
     graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
-                           True, GraphConfig(buckets=(8, 16, 32)), memory=NoMemory())
+                           True, GraphConfig(buckets=(8, 16, 32)), memory=NoMemory(), traced=True)
     graphs.capture_all(progress=False)
     sizes_in_order = [s for i, s in enumerate(order) if i == 0 or order[i - 1] != s]
     assert sizes_in_order == [32, 16, 8]
