@@ -322,7 +322,7 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     device = args.device if args.device or state.num_processes == 1 else str(state.device)
     try:
         pipe = Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, graph_mode=args.graph_mode,
-                                        **options)
+                                        startup_sampling=sampling, **options)
     except MmpipeError as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2

@@ -76,14 +76,15 @@ class _Pending:
 
 class Pipeline:
     def __init__(self, model: LoadedModel, tokenizer: Any, engine_config: EngineConfig,
-                 startup: StartupReport | None = None) -> None:
+                 startup: StartupReport | None = None, startup_sampling: SamplingParams | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.startup = startup if startup is not None else StartupReport()
-        self.runner = ModelRunner(model, engine_config, self.startup)
-        self.engine = Engine(self.runner, engine_config)
         self.defaults = _generation_defaults(model.path, tokenizer)
+        resolved = startup_sampling.resolve(self.defaults) if startup_sampling is not None else None
+        self.runner = ModelRunner(model, engine_config, self.startup, resolved)
+        self.engine = Engine(self.runner, engine_config)
         self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len,
                                         engine_config.max_banned_tokens, engine_config.preprocessed_cache_bytes,
                                         engine_config.image_decode)
@@ -94,15 +95,18 @@ class Pipeline:
     def from_pretrained(cls, path: str | os.PathLike[str] | None = None, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, engine_config: EngineConfig | None = None,
                         graph_mode: GraphMode | str | None = None, min_pixels: int | None = None,
-                        max_pixels: int | None = None, **engine_options: Any) -> "Pipeline":
+                        max_pixels: int | None = None, startup_sampling: SamplingParams | None = None,
+                        **engine_options: Any) -> "Pipeline":
         """Load a local checkpoint directory (None: the bundled model). `graph_mode`: which parts
         of the language model run as CUDA graphs (`GraphMode`; default full_and_piecewise on CUDA,
         none on the CPU). `min_pixels` / `max_pixels`: every image's area limits, in place of the
         checkpoint's preprocessor_config.json values (as transformers' `AutoProcessor.
         from_pretrained(..., min_pixels=, max_pixels=)`; None keeps the checkpoint's); an image
         part's own `min_pixels` / `max_pixels` / `resized_height` + `resized_width` keys override
-        them for that image. `engine_options` override fields of `engine_config` (e.g.
-        `kv_page_size=32`)."""
+        them for that image. `startup_sampling`: the sampling most requests will use; the decode
+        graphs captured at start-up are those it needs (default: greedy's; other settings capture
+        theirs at `warm_up` or on first use). `engine_options` override fields of `engine_config`
+        (e.g. `kv_page_size=32`)."""
         path = os.fspath(path) if path is not None else default_model_path()
         limits = min_pixels is not None or max_pixels is not None
         if limits and os.path.isdir(path):  # a mistake is reported before the weights load
@@ -132,7 +136,7 @@ class Pipeline:
             model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
         with startup.phase("tokenizer"):
             tokenizer = load_tokenizer(path)
-        pipe = cls(model, tokenizer, config, startup)
+        pipe = cls(model, tokenizer, config, startup, startup_sampling)
         log.info("%s", startup.line())
         return pipe
 

@@ -51,7 +51,11 @@ def _graph_detail(stats: dict[str, Any]) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, cfg: EngineConfig, startup: StartupReport | None = None) -> None:
+    def __init__(self, model: LoadedModel, cfg: EngineConfig, startup: StartupReport | None = None,
+                 startup_sampling: Any = None) -> None:
+        """`startup_sampling`: resolved sampling settings whose decode-graph variants are captured
+        at start-up instead of greedy's (a run that knows its sampling, such as the captioning
+        tool, captures one set of graphs rather than greedy's and then its own)."""
         self.model, self.cfg = model, cfg
         startup = startup if startup is not None else StartupReport()
         self.device, self.dtype = model.device, model.dtype
@@ -93,7 +97,10 @@ class ModelRunner:
             self.decoder = family.decode_runner(lm, self.kv, cfg.max_running_requests, self.max_model_len,
                                                 self.device, replace(cfg.decode_graph, enabled=decode_graphs),
                                                 ban_width=cfg.max_banned_tokens, memory=pool)
-            self.decoder.capture_all(progress=cfg.startup_progress)
+            if startup_sampling is not None:
+                self.decoder.capture_sampling(startup_sampling, progress=cfg.startup_progress)
+            else:
+                self.decoder.capture_all(progress=cfg.startup_progress)
             phase.detail = _graph_detail(self.decoder.stats())
 
     def _make_vit_runner(self) -> Any:

@@ -56,7 +56,7 @@ class CaptionStage:
         self.prompt = prompt
         self.sampling = SamplingParams(**{"max_new_tokens": 64, **(sampling or {})})
         self.image_column = image_column
-        self.pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype,
+        self.pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype, startup_sampling=self.sampling,
                                              **{"startup_progress": False, **(engine or {})})
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

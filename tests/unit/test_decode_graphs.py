@@ -614,3 +614,27 @@ def test_a_request_preempted_mid_prefill_is_not_prefilled_in_the_same_step(check
     reference = Pipeline.from_pretrained(checkpoint, device="cpu")
     assert first.output_ids == reference.chat([{"role": "user", "content": "hi"}], decode_params)[0].token_ids
     assert second.output_ids == reference.chat([{"role": "user", "content": words}], prompt_params)[0].token_ids
+
+
+def test_startup_sampling_captures_its_own_variants_instead_of_greedys(checkpoint, simulated_graphs):
+    """A Pipeline told its sampling (min_new_tokens: a ban while it holds) captures that variant at
+    start-up and nothing else; the ban graphs also serve the steps after the ban and greedy
+    requests, so a run captures nothing more (the captioning tool's start-up)."""
+    kw = dict(device="cpu", max_running_requests=4, decode_graph=GraphConfig(buckets=(1, 2, 4)))
+    sampling = SamplingParams(max_new_tokens=6, min_new_tokens=3, temperature=0.0)
+    pipe = Pipeline.from_pretrained(checkpoint, startup_sampling=sampling, **kw)
+    decode = pipe.stats()["decode"]
+    assert decode["captures"] == 3 and all(key[1].ban for key in pipe.runner.decoder.cache.live_keys())
+    assert pipe.warm_up((), sampling) == 0
+    eager = Pipeline.from_pretrained(checkpoint, **{**kw, "decode_graph": GraphConfig(enabled=False)})
+    conversation = [{"role": "user", "content": "tell me about the picture"}]
+    greedy = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.0)
+    for params in (sampling, greedy):
+        ours, reference = pipe.chat([conversation] * 3, params), eager.chat([conversation] * 3, params)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    after = pipe.stats()["decode"]
+    assert after["captures"] == 3 and after["graph_runs"] > 0
+    plain = Pipeline.from_pretrained(checkpoint, **kw)  # default: greedy's variant only
+    assert plain.stats()["decode"]["captures"] == 3
+    assert not any(key[1].ban for key in plain.runner.decoder.cache.live_keys())
+    FakeGraph.log = []
