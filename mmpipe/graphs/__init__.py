@@ -7,8 +7,11 @@
 - `capture`: capturing safely (the capture stream, garbage collection, cuBLAS workspaces).
 - `memory`, `vmm_arena`: where graph memory comes from (one pool, a pool per graph, or the VMM
   arena whose captures share physical pages).
+- `split_capture`: piecewise graphs captured straight from an eager forward, the capture ended
+  and resumed around each split point (the forward context's `split_point` hook); no tracing.
 - `piecewise`: the `torch.compile` backend that splits a traced forward at chosen ops and runs
-  each piece as a per-size CUDA graph (compilers `eager`/`inductor`, the compile cache).
+  each piece as a per-size CUDA graph (for the `inductor` compiler and its compile cache), and the
+  replay plans both paths share.
 - `transfer`: host-to-device copies into static buffers that never make the host wait.
 
 Imports nothing from the engine or model code.

@@ -4,7 +4,8 @@ custom op that `torch.compile` sees).
 
 Ops registered with `torch.library` (the LM attention) see only tensors and ints; they look up
 the rest here. This is what lets `torch.compile` trace a model forward with attention as an
-opaque op, and lets graph pieces be replayed while attention runs eagerly between them.
+opaque op, and lets graph pieces be replayed while attention runs eagerly between them. While a
+piecewise forward is captured from eager code, `split_point` tells attention to leave the graph.
 
 The context is per thread: two Pipelines stepped from two threads each see their own metadata and
 KV cache. (A CUDA graph replays without Python, so only eager code and captures read it.)
