@@ -116,6 +116,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group = parser.add_argument_group("running")
     run_group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     run_group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+    run_group.add_argument("--quantization", default=None, choices=["fp8"],
+                           help="fp8: the language model's linear layers in FP8 (needs compute capability 8.9+, e.g. H100)")
     run_group.add_argument("--workers", type=_positive, default=4, help="threads decoding images ahead")
     run_group.add_argument("--batch-size", type=_positive, default=None,
                            help="most requests decoding together (default: the engine's 256)")
@@ -305,6 +307,8 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     resolve = PromptResolver(prompt or "Describe this image.", args.dir_prompts)
     options: dict[str, Any] = {"preprocess_workers": args.workers, "startup_progress": not args.quiet,
                                "image_decode": "gpu" if args.gpu_decode else "cpu"}
+    if args.quantization:
+        options["quantization"] = args.quantization
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
     for name in ("min_pixels", "max_pixels"):

@@ -401,6 +401,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=4, help="answers generated at once (batched together)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the best available)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default: the checkpoint's)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: the language model's linear layers in FP8 (needs compute capability 8.9+, e.g. H100)")
     parser.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                         help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
     parser.add_argument("--min-pixels", type=int, default=None,
@@ -430,6 +432,8 @@ def run(args: argparse.Namespace) -> int:
         # The engine must admit every concurrent answer at once so they are batched together.
         default_running = EngineConfig().max_running_requests
         options = {"max_running_requests": args.concurrency} if args.concurrency > default_running else {}
+        if args.quantization:
+            options["quantization"] = args.quantization
         pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
                                         min_pixels=args.min_pixels, max_pixels=args.max_pixels, **options)
     except MmpipeError as exc:

@@ -32,6 +32,7 @@ from mmpipe.kernels.fused import add_rms_norm
 from mmpipe.kernels.rope_kv import rope_qk_write_kv
 from mmpipe.layers.attention import AttentionBackend
 from mmpipe.layers.context import get_forward_context
+from mmpipe.layers.fp8 import Fp8Linear
 from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.norm import RMSNorm
 from mmpipe.layers.weight_map import WeightMap
@@ -166,7 +167,7 @@ class Qwen2Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
                 ) -> torch.Tensor | gemv.PartialSums:
         n = x.shape[0]
-        qkv = gemv.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = _project(self.qkv_proj, x)
         k_cache, v_cache = kv_cache
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
         v = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)[:, self.num_heads + self.num_kv_heads:]
@@ -180,7 +181,15 @@ class Qwen2Attention(nn.Module):
             q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
                                        self.num_kv_heads, self.head_dim, q_norm, k_norm, self.eps)
             attention(q, k, v, out, self.layer, self.attention)
-        return gemv.linear_split(out.view(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return _project(self.o_proj, out.view(n, self.q_size), split=True)
+
+
+def _project(layer: nn.Module, x: torch.Tensor, split: bool = False) -> torch.Tensor | gemv.PartialSums:
+    """A projection: an FP8 layer (`quantization="fp8"`) runs itself; a bfloat16 one goes through
+    `gemv` (few-row kernels for decode, K-split partial sums where `split`)."""
+    if isinstance(layer, Fp8Linear):
+        return layer(x)
+    return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 
 
 class Qwen2DecoderLayer(nn.Module):

@@ -42,7 +42,7 @@ def _info(args: argparse.Namespace) -> int:
         info["varlen_attn"] = True
     except ImportError:
         info["varlen_attn"] = False
-    info["model"] = _model_summary(args.model, args.device, args.graph_mode)
+    info["model"] = _model_summary(args.model, args.device, args.graph_mode, args.quantization)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -60,17 +60,18 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_summary(path: str | None, device: str | None, graph_mode: str | None) -> dict[str, Any]:
+def _model_summary(path: str | None, device: str | None, graph_mode: str | None,
+                   quantization: str | None = None) -> dict[str, Any]:
     from mmpipe import Pipeline
     from mmpipe.errors import MmpipeError
 
     try:
-        pipe = Pipeline.from_pretrained(path, device=device, graph_mode=graph_mode)
+        pipe = Pipeline.from_pretrained(path, device=device, graph_mode=graph_mode, quantization=quantization)
     except MmpipeError as exc:
         return {"error": str(exc)}
     model, stats = pipe.model, pipe.stats()
     vit, text = model.vision.cfg, model.language.cfg
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    count = lambda m: sum(t.numel() for t in (*m.parameters(), *m.buffers()))  # noqa: E731 (FP8 weights are buffers)
     return {
         "path": model.path,
         "family": model.spec.family,
@@ -182,6 +183,8 @@ def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                       help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
+    info.add_argument("--quantization", default=None, choices=["fp8"],
+                      help="fp8: the language model's linear layers in FP8 (needs compute capability 8.9+, e.g. H100)")
     sub.add_parser("bench", help="GPU benchmarks (see `mmpipe bench -h`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:

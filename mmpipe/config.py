@@ -213,6 +213,10 @@ class EngineConfig:
     # Attention implementation for the language model and the ViT: "auto" picks the fastest
     # one available on the device; "torch" is the reference.
     attention_backend: str = "auto"
+    # Weights quantized at load: None (the checkpoint's dtype; FP8 checkpoints are dequantized) or
+    # "fp8" (the language model's linear layers in FP8 E4M3, per-channel weight scales, activations
+    # quantized per token; needs FP8 tensor cores: CUDA compute capability 8.9+).
+    quantization: str | None = None
     # Prefill (extend) attention on CUDA: "triton" (reads the cache's pages), "varlen"
     # (FlashAttention on contiguous K/V) or "auto" (by context length; see cuda_backend).
     extend_attention: str = "auto"

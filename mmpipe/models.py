@@ -22,7 +22,8 @@ from mmpipe.language.mrope import mrope_positions
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
-from mmpipe.quantization import fp8_checkpoint
+from mmpipe.layers.fp8 import quantize_linears
+from mmpipe.quantization import LM_FP8_LAYERS, check_runtime_quantization, fp8_checkpoint
 from mmpipe.vision.attention import make_vision_attention
 from mmpipe.vision.gpu_decode import deferred_jpeg
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
@@ -115,8 +116,10 @@ class LoadedModel:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-               extend_attention: str = "auto") -> LoadedModel:
-    """Build the checkpoint's models on `device` with the attention backends chosen for it."""
+               extend_attention: str = "auto", quantization: str | None = None) -> LoadedModel:
+    """Build the checkpoint's models on `device` with the attention backends chosen for it;
+    `quantization="fp8"`: the language model's linear layers quantized to FP8 after loading."""
+    quantization = check_runtime_quantization(quantization, device)  # before anything loads
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
     hf_config = read_json(path, "config.json")
@@ -142,6 +145,14 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8)
     prepare_for_kernels(vision)
     prepare_for_kernels(language)
+    stored = f"{fp8.describe()}, dequantized at load" if fp8 is not None else None
+    if quantization == "fp8":
+        layers = quantize_linears(language, LM_FP8_LAYERS)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bfloat16 weights' blocks, for the KV cache to size itself on
+        stored = (f"{stored + '; then ' if stored else ''}fp8: {layers} language-model linear layers quantized at "
+                  "load (E4M3, per-channel weight scales, per-token activation scales)")
+        log.info("%s: %s", path, stored)
     if vision_cfg.out_hidden_size != text_cfg.hidden_size:
         raise CheckpointError(f"{path}: vision out_hidden_size {vision_cfg.out_hidden_size} != language "
                               f"hidden_size {text_cfg.hidden_size}")
@@ -150,5 +161,4 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
         raise CheckpointError(f"{path}: config.json has no image_token_id")
     return LoadedModel(path=path, spec=spec, hf_config=hf_config, vision=vision, language=language,
                        image_processor=ImageProcessorConfig.from_dir(path), image_token_id=int(image_token_id),
-                       device=device, dtype=dtype,
-                       quantization=f"{fp8.describe()}, dequantized at load" if fp8 is not None else None)
+                       device=device, dtype=dtype, quantization=stored)

@@ -131,7 +131,7 @@ class Pipeline:
             require_gpu_decode(dev)
         startup = StartupReport()
         with startup.phase("weights"):
-            model = load_model(path, dev, dt, config.attention_backend, config.extend_attention)
+            model = load_model(path, dev, dt, config.attention_backend, config.extend_attention, config.quantization)
         if limits:
             model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
         with startup.phase("tokenizer"):

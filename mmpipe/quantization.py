@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from mmpipe.errors import CheckpointError
+from mmpipe.errors import CheckpointError, InputError
 
 FP8 = torch.float8_e4m3fn
 
@@ -167,3 +167,29 @@ def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Checkpoi
     if scales:
         raise CheckpointError(f"{path}: {len(scales)} {scheme.scale_suffix} tensor(s) without an FP8 weight: "
                               f"{', '.join(sorted(scales)[:10])}")
+
+
+# Quantizations applied at load (`EngineConfig.quantization`), and the language model's layers they cover.
+RUNTIME_QUANTIZATIONS = ("fp8",)
+LM_FP8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def check_runtime_quantization(name: str | None, device: torch.device) -> str | None:
+    """`name` normalised (None for none), or an `InputError` naming what is wrong: an unknown
+    scheme, or FP8 on a device without FP8 tensor cores."""
+    if name is None or name == "none":
+        return None
+    if name == "fp8-all":
+        raise InputError("quantization='fp8-all' (the vision tower in FP8 too) is not implemented yet; "
+                         "'fp8' quantizes the language model's linear layers")
+    if name not in RUNTIME_QUANTIZATIONS:
+        raise InputError(f"quantization={name!r}: use 'fp8' or None")
+    from mmpipe.layers.fp8 import fp8_available
+
+    if not fp8_available(device):
+        where = device.type if device.type != "cuda" else \
+            f"{torch.cuda.get_device_name(device)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+        raise InputError(f"quantization='fp8' needs a GPU with FP8 tensor cores (CUDA compute capability 8.9 or "
+                         f"higher: Ada, Hopper and later); this run's device is {where}. FP8 checkpoints still "
+                         "load anywhere, dequantized to the run's dtype")
+    return name

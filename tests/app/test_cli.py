@@ -42,6 +42,24 @@ def test_info_shows_an_fp8_checkpoints_quantization(checkpoint, tmp_path, capsys
     assert shown == "FP8 E4M3 weights (fp8, scales 128x64 blocks; dynamic per-token FP8 activations), dequantized at load"
 
 
+def test_quantization_fp8_where_it_cannot_run_is_one_line_per_command(checkpoint, tmp_path, capsys):
+    """--quantization fp8 on the CPU: `caption` and `info` name the reason in one line (exit 2);
+    an unknown scheme is refused by the parser."""
+    import pytest
+
+    random_image(60, 50, seed=1).save(tmp_path / "a.png")
+    code = main(["caption", str(tmp_path / "a.png"), "--model", checkpoint, "--device", "cpu",
+                 "--quantization", "fp8", "--output", str(tmp_path / "out.txt")])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs a GPU with FP8 tensor cores" in err and "Traceback" not in err
+    assert not (tmp_path / "out.txt").exists() or (tmp_path / "out.txt").read_text() == ""
+    assert main(["info", "--model", checkpoint, "--device", "cpu", "--quantization", "fp8"]) == 2
+    assert "mmpipe info: quantization='fp8' needs a GPU with FP8 tensor cores" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["caption", "x.png", "--model", checkpoint, "--quantization", "int8"])
+    assert exit_info.value.code == 2 and "--quantization" in capsys.readouterr().err
+
+
 def test_graph_mode_flag_is_checked(checkpoint, capsys):
     import pytest
 

@@ -1,0 +1,61 @@
+"""Per-row (per-token) FP8 E4M3 quantization of activations in one kernel: each row's largest
+magnitude, its scale (that / 448) and the row divided by it, rounded to FP8. The PyTorch reference
+(`quantize_per_row_reference`) is six kernels and two float32 copies of the activations; this is
+what `mmpipe.layers.fp8.Fp8Linear` runs before every FP8 product on CUDA. Both scale by the
+float32 reciprocal of 448 and divide the values with IEEE rounding, so they agree bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from mmpipe.kernels import tl, triton
+from mmpipe.kernels.launch import launch, next_power_of_2
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+TINY = 1e-12  # an all-zero row keeps a finite scale (its values quantize to zero)
+# Scales are the row maximum times the float32 reciprocal of 448 (an exact product on every device;
+# PyTorch's CUDA division by a number is that product, its CPU division is not).
+INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32))
+
+
+def quantize_per_row_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=TINY) * INV_FP8_MAX
+    values = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values, scale
+
+
+def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values [rows, K], float32 scales [rows, 1]) of a 2-D `x` with x ~= values * scales."""
+    if triton is None or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        return quantize_per_row_reference(x)
+    rows, cols = x.shape
+    values = torch.empty(rows, cols, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows and cols:
+        block = min(4096, next_power_of_2(cols))
+        launch(_quantize_rows_kernel, (rows,), x, values, scale, cols, x.stride(0), TINY, FP8_MAX, INV_FP8_MAX,
+               BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    elif rows:
+        scale.fill_(TINY / FP8_MAX)
+    return values, scale
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            mask = start + offs < cols
+            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), tiny) * inv_fp8_max
+        tl.store(s_ptr + row, scale)
+        for start in range(0, cols, BLOCK):
+            mask = start + offs < cols
+            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+            tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)

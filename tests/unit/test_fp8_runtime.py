@@ -1,0 +1,92 @@
+"""`quantization="fp8"`: weights quantized at load (per output channel), activations per token,
+products through `torch._scaled_mm` (which the CPU build also runs, so the arithmetic is checked
+here; the GPU tests check cuBLASLt's). Refused clearly where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mmpipe import Pipeline
+from mmpipe.errors import InputError
+from mmpipe.layers.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_linears, quantize_per_row
+from mmpipe.quantization import LM_FP8_LAYERS, check_runtime_quantization
+from tests.lm_helpers import tiny_lm
+
+
+def test_the_quantizer_round_trips_within_fp8_error_and_scales_each_row_to_its_own_maximum():
+    gen = torch.Generator().manual_seed(0)
+    # Rows of very different magnitudes: one shared scale would flush the small rows to zero.
+    x = torch.randn(6, 64, generator=gen) * torch.tensor([1e-3, 1e-1, 1.0, 10.0, 1e3, 0.0]).unsqueeze(1)
+    values, scale = quantize_per_row(x)
+    assert values.dtype == FP8 and scale.shape == (6, 1) and scale.dtype == torch.float32
+    back = values.float() * scale
+    peak = x.abs().amax(dim=1, keepdim=True)
+    assert torch.all(values.float().abs().amax(dim=1)[:5] == FP8_MAX)  # each row's largest hits 448
+    # E4M3 keeps 3 mantissa bits: relative error at most 2^-4 of the value (plus the subnormal floor).
+    assert torch.all((back - x).abs() <= x.abs() / 16 + peak * 2.0**-9 + 1e-30)
+    assert torch.all(back[5] == 0)  # an all-zero row stays zero, with a finite scale
+    assert torch.isfinite(scale).all()
+
+
+def test_an_fp8_linear_equals_its_arithmetic_and_applies_scales_per_output_channel():
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(64, 32, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(32, 64, generator=gen) * torch.logspace(-2, 2, 32).unsqueeze(1))
+        linear.bias.copy_(torch.randn(32, generator=gen))
+    layer = Fp8Linear.from_linear(linear)
+    x = torch.randn(2, 5, 64, generator=gen) * torch.logspace(-1, 1, 5).view(1, 5, 1)
+    xq, xs = quantize_per_row(x.reshape(-1, 64))
+    expected = (xq.float() * xs) @ (layer.weight.float() * layer.weight_scale.t()).t() + linear.bias
+    out = layer(x)
+    assert out.shape == (2, 5, 32)
+    torch.testing.assert_close(out.reshape(-1, 32), expected, rtol=1e-5, atol=1e-5)
+    # Close to the unquantized layer (each operand within E4M3's error).
+    reference = linear(x)
+    assert ((out - reference).norm() / reference.norm()).item() < 0.05
+    torch.testing.assert_close(layer.dequantized_weight(), linear.weight, rtol=1 / 16, atol=1e-6)
+
+
+class Emulated(Fp8Linear):
+    """An Fp8Linear's arithmetic in plain float32 ops: activations quantized and dequantized per
+    token, times the dequantized weight (a subclass, so the model calls it where it calls FP8)."""
+
+    def __init__(self, layer: Fp8Linear) -> None:
+        super().__init__(layer.weight, layer.weight_scale, layer.bias)
+
+    def forward(self, x):
+        values, scale = quantize_per_row(x.reshape(-1, x.shape[-1]))
+        return nn.functional.linear((values.float() * scale).reshape(x.shape), self.dequantized_weight(), self.bias)
+
+
+def test_every_language_model_projection_is_quantized_and_runs_its_arithmetic():
+    """All four projections of every layer become FP8 (the head does not); the model's forward
+    equals the same arithmetic written out in float32 ops, and stays near the unquantized model."""
+    from tests.lm_helpers import make_runner, run
+
+    lm, reference, emulated = tiny_lm(), tiny_lm(), tiny_lm()
+    count = quantize_linears(lm, LM_FP8_LAYERS)
+    assert count == 4 * lm.cfg.num_layers
+    for layer, twin in zip(lm.layers, emulated.layers):
+        for owner, other, names in ((layer.self_attn, twin.self_attn, ("qkv_proj", "o_proj")),
+                                    (layer.mlp, twin.mlp, ("gate_up_proj", "down_proj"))):
+            for name in names:
+                assert isinstance(getattr(owner, name), Fp8Linear), name
+                setattr(other, name, Emulated(getattr(owner, name)))
+    assert lm.lm_head is None or isinstance(lm.lm_head, nn.Linear)  # the head stays in the run's dtype
+    a, b, c = (run(make_runner(m, piecewise=False), [(0, 12)], seed=3) for m in (reference, lm, emulated))
+    torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-4)
+    assert 0 < ((b - a).norm() / a.norm()).item() < 0.25  # random weights, two layers of FP8 error
+
+
+def test_fp8_is_refused_by_name_where_it_cannot_run(checkpoint):
+    with pytest.raises(InputError, match="needs a GPU with FP8 tensor cores .* this run's device is cpu"):
+        Pipeline.from_pretrained(checkpoint, device="cpu", quantization="fp8")
+    with pytest.raises(InputError, match="'fp8-all' .* not implemented yet"):
+        check_runtime_quantization("fp8-all", torch.device("cpu"))
+    with pytest.raises(InputError, match="quantization='int4': use 'fp8' or None"):
+        Pipeline.from_pretrained(checkpoint, device="cpu", quantization="int4")
+    assert check_runtime_quantization(None, torch.device("cpu")) is None
+    assert check_runtime_quantization("none", torch.device("cpu")) is None
