@@ -185,10 +185,15 @@ class Qwen2Attention(nn.Module):
 
 
 def _project(layer: nn.Module, x: torch.Tensor, split: bool = False) -> torch.Tensor | gemv.PartialSums:
-    """A projection: an FP8 layer (`quantization="fp8"`) runs itself; a bfloat16 one goes through
-    `gemv` (few-row kernels for decode, K-split partial sums where `split`)."""
+    """A projection through `gemv` (few-row kernels for decode, K-split partial sums where `split`);
+    an FP8 layer (`quantization="fp8"`) through gemv's FP8 kernels for decode rows, else itself
+    (its cuBLASLt FP8 product)."""
     if isinstance(layer, Fp8Linear):
-        return layer(x)
+        if not gemv.fp8_usable(x, layer.weight):
+            return layer(x)
+        if split and layer.bias is None:
+            return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale)
+        return gemv.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
     return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 
 

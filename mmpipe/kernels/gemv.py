@@ -48,7 +48,8 @@ from mmpipe.kernels import pdl, tl, triton
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
 
-__all__ = ["MAX_ROWS", "PartialSums", "gated_linear_split", "kernel_linear", "linear", "linear_split", "usable"]
+__all__ = ["MAX_ROWS", "PartialSums", "fp8_gated_linear_split", "fp8_linear", "fp8_linear_split", "fp8_usable",
+           "gated_linear_split", "kernel_linear", "linear", "linear_split", "usable"]
 
 MAX_ROWS = 32
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -101,9 +102,57 @@ def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
             and x.shape[1] == weight.shape[1] * (2 if gated else 1) and x.shape[1] > 0 and enabled())
 
 
-def _bias_ok(bias: torch.Tensor | None, weight: torch.Tensor) -> bool:
+def _bias_ok(bias: torch.Tensor | None, weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     return bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()
-                            and bias.dtype == weight.dtype and bias.device == weight.device)
+                            and bias.dtype == (dtype or weight.dtype) and bias.device == weight.device)
+
+
+# ---------------------------------------------------------------------------- FP8 weights
+# `quantization="fp8"` (mmpipe.layers.fp8): the same kernels read an FP8 E4M3 weight, widen it in
+# registers and multiply each output channel by its float32 scale at the end; the activations stay
+# in the model's dtype (weight-only FP8: the step reads half the bytes, nothing else changes).
+
+_FP8 = torch.float8_e4m3fn
+
+
+def fp8_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """`usable` for an FP8 weight (with its per-output-channel scales)."""
+    if torch.compiler.is_compiling():
+        return False
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
+            and weight.dtype == _FP8 and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.device == x.device and weight.shape[0] > 0
+            and x.shape[1] == weight.shape[1] * (2 if gated else 1) and x.shape[1] > 0 and enabled())
+
+
+def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               gated: bool = False) -> None:
+    if (not fp8_usable(x, weight, gated) or not _bias_ok(bias, weight, x.dtype) or scale.dtype != torch.float32
+            or scale.numel() != weight.shape[0] or not scale.is_contiguous()):
+        raise ValueError("gemv FP8: inputs the few-row kernels do not take (see gemv.fp8_usable; one contiguous "
+                         "float32 scale per output channel, a bias of x's dtype)")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x @ (weight * scale[:, None]).T + bias, rounded to x's dtype once; requires `fp8_usable`."""
+    _check_fp8(x, weight, scale, bias)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _run(x, weight, bias, out, splits=1, scale=scale)
+    return out
+
+
+def fp8_linear_split(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | PartialSums:
+    """`fp8_linear` without bias, or its `PartialSums` where splitting K keeps more SMs reading."""
+    _check_fp8(x, weight, scale, None)
+    return _split_product(x, weight, gated=False, scale=scale)
+
+
+def fp8_gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+                           ) -> torch.Tensor | PartialSums:
+    """`gated_linear_split` for an FP8 weight."""
+    _check_fp8(gate_up, weight, scale, None, gated=True)
+    return _split_product(gate_up, weight, gated=True, scale=scale)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -147,18 +196,19 @@ def gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     return _split_product(gate_up, weight, gated=True)
 
 
-def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor | PartialSums:
+def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None = None
+                   ) -> torch.Tensor | PartialSums:
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     splits = _splits(rows, n, k)
     splits = cdiv(k, _k_split(rows, k, splits))  # no empty slice where rounding K up to blocks ends early
     if splits == 1:
-        if not gated:
+        if not gated and scale is None:
             return linear(x, weight)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        _run(x, weight, None, out, 1, gated)
+        _run(x, weight, None, out, 1, gated, scale)
         return out
     sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
-    _run(x, weight, None, sums, splits, gated)
+    _run(x, weight, None, sums, splits, gated, scale)
     return PartialSums(sums, x.dtype)
 
 
@@ -190,21 +240,24 @@ def _k_split(rows: int, k: int, splits: int) -> int:
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int,
-         gated: bool = False) -> None:
-    """Fill `out`: [rows, N] rounded (splits == 1) or [splits, rows, N] float32 partial sums."""
+         gated: bool = False, scale: torch.Tensor | None = None) -> None:
+    """Fill `out`: [rows, N] rounded (splits == 1) or [splits, rows, N] float32 partial sums.
+    `scale`: float32 per-output-channel scales of an FP8 weight."""
     rows = x.shape[0]
     n, k = weight.shape
     has_bias = bias is not None
     on = pdl.enabled(x)
     b = bias if has_bias else weight  # any pointer; never read
+    scaled = scale is not None
+    s = scale if scaled else out  # any pointer; never read
     if rows == 1:
         # Tuned on an H100 (docs/bench/gemv_sweep*_h100_afb45a2.json): 4 rows x 1024 per program unsplit;
         # 8 x 512 when split (more, shorter programs).
         block_n, block_k, warps = _config(rows, k, splits)
         k_split = _k_split(rows, k, splits)
-        launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, out, n, k, k_split, weight.stride(0),
-               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=on,
-               num_warps=warps, launch_pdl=on)
+        launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0),
+               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k,
+               PDL=on, num_warps=warps, launch_pdl=on)
         return
     # Stages: 3 for unsplit products (gate_up, 8 / 32 rows: 32.6 / 33.4 us against 32.8 / 34.5 with
     # 4, H100, docs/bench/swap_sweep_h100_7ba3d3d.txt; the same order in
@@ -212,8 +265,9 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     block_m = max(8, next_power_of_2(rows))
     block_k = _config(rows, k, splits)[1]
     k_split = _k_split(rows, k, splits)
-    launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, out, rows, n, k, k_split, x.stride(0),
-           weight.stride(0), HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, IEEE=x.dtype == torch.float32,
+    launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, s, out, rows, n, k, k_split, x.stride(0),
+           weight.stride(0), HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALED=scaled,
+           IEEE=x.dtype == torch.float32,
            BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, num_warps=4,
            num_stages=3 if splits == 1 else 4, launch_pdl=on)
 
@@ -235,9 +289,9 @@ if triton is not None:
         return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
-    def _row_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, K_SPLIT, stride_w, HAS_BIAS: tl.constexpr,
-                    PARTIAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
+    def _row_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, N, K, K_SPLIT, stride_w, HAS_BIAS: tl.constexpr,
+                    PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         split = tl.program_id(1)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,6 +307,8 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
             w_ptrs += BLOCK_K
+        if SCALED:  # an FP8 weight's per-channel scales
+            acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)
         if PARTIAL:
             tl.store(out_ptr + split * N + rn, acc, mask=n_mask)
         else:
@@ -262,9 +318,9 @@ if triton is not None:
             tl.store(out_ptr + rn, out, mask=n_mask)
 
     @triton.jit
-    def _swap_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, HAS_BIAS: tl.constexpr,
-                     PARTIAL: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _swap_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, HAS_BIAS: tl.constexpr,
+                     PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         split = tl.program_id(1)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -280,12 +336,16 @@ if triton is not None:
             k_mask = (k + rk) < K
             x = _input(x_ptrs, K, m_mask[:, None] & k_mask[None, :], GATED)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if SCALED:  # FP8 E4M3 widens exactly to the activations' dtype
+                w = w.to(x.dtype)
             if IEEE:  # float32 weights: no TF32 rounding
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if SCALED:
+            acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
         mask = n_mask[:, None] & m_mask[None, :]
         offs = rm[None, :] * N + rn[:, None]
         if PARTIAL:

@@ -11,6 +11,7 @@ from torch import nn
 from mmpipe.errors import CheckpointError
 from mmpipe.kernels import gemv
 from mmpipe.kernels.fused import silu_mul
+from mmpipe.layers.fp8 import Fp8Linear
 
 __all__ = ["GatedMLP", "activation", "padded_width"]
 
@@ -61,6 +62,14 @@ class GatedMLP(nn.Module):
         self.silu = act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | gemv.PartialSums:
+        up, down = self.gate_up_proj, self.down_proj
+        if (self.few_row_kernels and self.silu and isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear)
+                and down.bias is None and gemv.fp8_usable(x, up.weight)):
+            # FP8 weights (`quantization="fp8"`), decode rows: the same kernels reading FP8.
+            gate_up = gemv.fp8_linear(x, up.weight, up.weight_scale, up.bias)
+            if x.shape[0] == 1 and gemv.fp8_usable(gate_up, down.weight, gated=True):
+                return gemv.fp8_gated_linear_split(gate_up, down.weight, down.weight_scale)
+            return gemv.fp8_linear_split(silu_mul(gate_up), down.weight, down.weight_scale)
         if self.few_row_kernels and self.silu and gemv.usable(x, self.gate_up_proj.weight):
             gate_up = gemv.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if (x.shape[0] == 1 and self.down_proj.bias is None

@@ -79,3 +79,38 @@ def test_the_bundled_model_captions_held_out_scenes_in_fp8():
     print(f"bundled model, 40 held-out scenes: FP8 tokens equal bfloat16's for {same}/40; "
           f"exact captions bf16 {results['bf16'][1]['exact']:.3f}, fp8 {results['fp8'][1]['exact']:.3f}")
     assert results["fp8"][1]["exact"] >= results["bf16"][1]["exact"] - 0.05
+
+
+def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n).unsqueeze(1)).cuda()
+    values, scale = quantize_per_row_reference(w)
+    return values, scale.reshape(-1).contiguous(), values.float() * scale  # the weight it stands for
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 32])
+@pytest.mark.parametrize("n,k,bias", [(2560, 2048, True), (2048, 11008, False), (4096, 1024, False)])
+def test_few_row_kernels_read_fp8_weights_like_the_dequantized_product(rows, n, k, bias, dtype):
+    """Decode's products on FP8 weights (weight-only: activations stay in the model dtype): the
+    rounded product, its K-split partial sums, and the gated down projection."""
+    from mmpipe.kernels import gemv
+    from mmpipe.kernels.fused import silu_mul
+
+    weight, scale, dense = _fp8_weight(n, k, seed=rows + n)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, k, generator=gen).cuda().to(dtype)
+    b = (torch.randn(n, generator=gen).cuda().to(dtype)) if bias else None
+    expected = torch.nn.functional.linear(x.float(), dense, None if b is None else b.float())
+    # float32: summation order only (K up to 11008, sums of order 10); bfloat16: one rounding of the output
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert gemv.fp8_usable(x, weight)
+    torch.testing.assert_close(gemv.fp8_linear(x, weight, scale, b).float(), expected, **tol)
+    if not bias:
+        split = gemv.fp8_linear_split(x, weight, scale)
+        total = split.total() if isinstance(split, gemv.PartialSums) else split
+        torch.testing.assert_close(total.float(), expected, **tol)
+        gate_up = torch.randn(rows, 2 * k, generator=gen).cuda().to(dtype)
+        gated = gemv.fp8_gated_linear_split(gate_up, weight, scale)
+        gated = gated.total() if isinstance(gated, gemv.PartialSums) else gated
+        torch.testing.assert_close(gated.float(), torch.nn.functional.linear(silu_mul(gate_up).float(), dense), **tol)
