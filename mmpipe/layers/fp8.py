@@ -8,6 +8,9 @@ The arithmetic, for x [M, K] and W [N, K]:
     x_scale[m] = max_k |x[m, k]| / 448,   xq = fp8(x / x_scale)
     y[m, n]    = x_scale[m] * w_scale[n] * sum_k xq[m, k] * Wq[n, k]  (+ bias[n])
 Everything is shaped by the rows only (no host sync), so it runs inside the CUDA graphs as is.
+Decode steps of up to `gemv.MAX_ROWS` rows take another path, chosen by the model's call sites
+(`language/qwen2.py`, `layers/mlp.py`): the few-row kernels read the FP8 weight, widen it in
+registers and apply the scales at the end, activations unquantized (`gemv.fp8_linear`).
 """
 
 from __future__ import annotations
