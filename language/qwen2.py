@@ -194,6 +194,8 @@ def _project(layer: nn.Module, x: torch.Tensor, split: bool = False) -> torch.Te
         if split and layer.bias is None:
             return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale)
         return gemv.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+    if not isinstance(layer, nn.Linear):  # e.g. a tensor-parallel row shard, which all-reduces its product
+        return layer(x)
     return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 
 

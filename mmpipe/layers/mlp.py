@@ -70,7 +70,8 @@ class GatedMLP(nn.Module):
             if x.shape[0] == 1 and gemv.fp8_usable(gate_up, down.weight, gated=True):
                 return gemv.fp8_gated_linear_split(gate_up, down.weight, down.weight_scale)
             return gemv.fp8_linear_split(silu_mul(gate_up), down.weight, down.weight_scale)
-        if self.few_row_kernels and self.silu and gemv.usable(x, self.gate_up_proj.weight):
+        if (self.few_row_kernels and self.silu and isinstance(down, nn.Linear)
+                and gemv.usable(x, self.gate_up_proj.weight)):
             gate_up = gemv.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if (x.shape[0] == 1 and self.down_proj.bias is None
                     and gemv.usable(gate_up, self.down_proj.weight, gated=True)):

@@ -1,0 +1,169 @@
+"""Tensor parallelism for the Qwen2/Qwen3 language model, Megatron style: the sharded forward.
+
+Each of N ranks (one process per GPU, `torch.distributed` over NCCL; gloo on the CPU for tests)
+holds 1/N of every large weight and runs the same forward:
+
+- qkv: column-parallel by heads. Rank r computes query heads [r*H/N, (r+1)*H/N). KV heads are
+  divided the same way when there are at least N of them (KV % N == 0); with fewer, each is
+  replicated: rank r holds KV head r*KV // N, the one its query heads attend with (N % KV == 0).
+- o: row-parallel (the rank's query heads' input columns), then one all-reduce.
+- gate/up: column-parallel (1/N of the intermediate width each); down: row-parallel, one all-reduce.
+- embedding: vocabulary-parallel (rank r holds rows [r*V/N, (r+1)*V/N)); ids outside a rank's
+  rows look up zeros, and an all-reduce sums the one real row.
+- LM head: vocabulary-parallel columns; the logits are gathered to the whole vocabulary.
+Norms, rotary tables and everything per token are replicated. The sum in the all-reduce adds the
+ranks' partial products in a fixed order, so ranks agree bit for bit with each other, and with the
+unsharded model up to that summation order (float32: ~1e-6 relative).
+
+`shard_language_model` turns a loaded model into rank r's shard in place. This module is the
+sharded forward only: starting worker processes, broadcasting each step's inputs from rank 0,
+loading only a rank's slices from the checkpoint, and the graph runners in lockstep are the
+Pipeline's part (`tensor_parallel_size`), not built yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mmpipe.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group."""
+
+    rank: int
+    size: int
+    group: Any = None  # a torch.distributed process group (None: the default group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' `x` side by side along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """x @ W_r.T over the rank's input columns, summed across ranks (bias added once, after)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the embedding table; other ids look up zeros, then the ranks'
+    lookups are summed."""
+
+    def __init__(self, weight: torch.Tensor, start: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.tp = start, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return t[start:start + count].clone()
+
+
+def check_shardable(cfg: Any, size: int) -> None:
+    """An `UnsupportedModelError` naming what does not divide (before anything is sharded)."""
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of it)")
+    if cfg.vocab_size % size:
+        problems.append(f"a vocabulary of {cfg.vocab_size}")
+    if problems:
+        raise UnsupportedModelError(f"tensor_parallel_size={size} does not divide {', '.join(problems)}")
+
+
+def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
+    """Make `lm` (a loaded `Qwen2LanguageModel`, every rank holding the same weights) rank
+    `tp.rank`'s shard, in place; returns it. Its `cfg` then holds the rank's head counts and
+    intermediate width (the vocabulary stays whole: logits are gathered)."""
+    cfg, n, r = lm.cfg, tp.size, tp.rank
+    check_shardable(cfg, n)
+    d = cfg.head_dim
+    heads = cfg.num_heads // n
+    kv_heads = cfg.num_kv_heads // n if cfg.num_kv_heads % n == 0 else 1
+    kv_first = r * kv_heads if cfg.num_kv_heads % n == 0 else r * cfg.num_kv_heads // n
+    q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
+    for layer in lm.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        q_rows = slice(r * heads * d, (r + 1) * heads * d)
+        k_rows = slice(q_total + kv_first * d, q_total + (kv_first + kv_heads) * d)
+        v_rows = slice(q_total + kv_total + kv_first * d, q_total + kv_total + (kv_first + kv_heads) * d)
+        qkv = nn.Linear(w.shape[1], (heads + 2 * kv_heads) * d, bias=b is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            qkv.weight.copy_(torch.cat([w[q_rows], w[k_rows], w[v_rows]]))
+            if b is not None:
+                qkv.bias.copy_(torch.cat([b[q_rows], b[k_rows], b[v_rows]]))
+        attn.qkv_proj = qkv.requires_grad_(False)
+        o = attn.o_proj
+        attn.o_proj = RowParallelLinear(o.weight[:, q_rows].clone(), o.bias, tp)
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        attn.q_size, attn.kv_size = heads * d, kv_heads * d
+        width = mlp.hidden  # after any padding of the intermediate width
+        if width % n:
+            raise UnsupportedModelError(f"tensor_parallel_size={n} does not divide the MLP width {width}")
+        part = width // n
+        gu = mlp.gate_up_proj
+        rows = torch.cat([torch.arange(r * part, (r + 1) * part), width + torch.arange(r * part, (r + 1) * part)])
+        gate_up = nn.Linear(gu.in_features, 2 * part, bias=gu.bias is not None, device=gu.weight.device,
+                            dtype=gu.weight.dtype)
+        with torch.no_grad():
+            gate_up.weight.copy_(gu.weight[rows.to(gu.weight.device)])
+            if gu.bias is not None:
+                gate_up.bias.copy_(gu.bias[rows.to(gu.weight.device)])
+        mlp.gate_up_proj = gate_up.requires_grad_(False)
+        down = mlp.down_proj
+        mlp.down_proj = RowParallelLinear(down.weight[:, r * part:(r + 1) * part].clone(), down.bias, tp)
+        mlp.hidden = part
+    vocab = cfg.vocab_size // n
+    table = lm.embed_tokens.weight
+    if lm.lm_head is None:  # tied: the head is the embedding's rows
+        lm.head_rows = _rows(table, r * vocab, vocab)
+    else:
+        lm.head_rows = _rows(lm.lm_head.weight, r * vocab, vocab)
+        lm.lm_head = None
+    lm.embed_tokens = VocabParallelEmbedding(_rows(table, r * vocab, vocab), r * vocab, tp)
+    lm.tp = tp
+    # The unsharded model's lookups read the whole table; a shard's go through its collectives.
+    lm.embed = lambda ids, out=None: lm.embed_tokens(ids) if out is None else out.copy_(lm.embed_tokens(ids))
+    lm.compute_logits = lambda hidden: sharded_logits(lm, hidden)
+    lm.cfg = replace(cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=cfg.intermediate_size // n)
+    return lm
+
+
+def sharded_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits over the whole vocabulary from a shard: each rank's columns, gathered."""
+    local = F.linear(hidden, lm.head_rows).float()  # rounded to the model dtype first, as unsharded
+    return lm.tp.all_gather_last(local)

@@ -1,0 +1,106 @@
+"""The tensor-parallel sharded forward (`language/tensor_parallel.py`) on the CPU: 2-3 processes
+over gloo, each holding its shard, against the unsharded model in float32: hidden states and
+logits within 1e-5, and the same greedy tokens over a few steps. Head counts that split oddly
+(3 query heads per rank) and KV heads fewer than ranks (replicated) included."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from mmpipe.language.kv_cache import KVCache
+from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
+from mmpipe.language.tensor_parallel import TPGroup, check_shardable, shard_language_model
+
+from mmpipe.errors import UnsupportedModelError
+from mmpipe.layers.context import ForwardContext, forward_context
+from tests.lm_helpers import extend_meta
+
+CASES = {  # name: (world size, query heads, KV heads, tied head)
+    "kv_split": (2, 6, 2, False),  # 3 query heads and 1 KV head per rank
+    "kv_replicated": (2, 4, 1, True),  # one KV head shared: each rank holds a copy
+    "three_ranks": (3, 6, 3, False),
+}
+
+
+def build(heads: int, kv_heads: int, tied: bool) -> Qwen2LanguageModel:
+    torch.manual_seed(0)
+    cfg = TextConfig(vocab_size=96, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=8, mrope_section=(1, 2, 1), tie_word_embeddings=tied)
+    lm = Qwen2LanguageModel(cfg).eval()
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    return lm
+
+
+def greedy(lm: Qwen2LanguageModel, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Prefill `prompt`, then `steps` one-token extends, greedy: (prefill hidden, last logits, tokens)."""
+    kv = KVCache(lm.num_layers, 8, 4, lm.num_kv_heads, lm.head_dim, torch.float32, torch.device("cpu"))
+    ids, tokens, hidden0, logits = prompt, [], None, None
+    cached = 0
+    for _ in range(steps + 1):
+        n = ids.shape[0]
+        meta = extend_meta([(cached, n)], kv.page_size)
+        positions = torch.arange(cached, cached + n).expand(3, n).contiguous()
+        with forward_context(ForwardContext(meta, kv.layers, lm.attention)), torch.inference_mode():
+            hidden = lm(lm.embed(ids), positions, kv.layers, meta.slot_mapping)
+            logits = lm.compute_logits(hidden[-1:])
+        hidden0 = hidden if hidden0 is None else hidden0
+        tokens.append(int(logits.argmax()))
+        cached += n
+        ids = torch.tensor([tokens[-1]])
+    return hidden0, logits, tokens
+
+
+def _rank(rank: int, world: int, port: int, case: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _, heads, kv, tied = CASES[case]
+        prompt = torch.tensor([3, 17, 42, 5, 88, 61, 9, 30, 2, 77])
+        reference = greedy(build(heads, kv, tied), prompt, steps=4)
+        shard = shard_language_model(build(heads, kv, tied), TPGroup(rank, world))
+        assert shard.num_kv_heads == max(1, kv // world) and shard.cfg.num_heads == heads // world
+        ours = greedy(shard, prompt, steps=4)
+        torch.save({"reference": reference, "sharded": ours}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_sharded_forward_equals_the_unsharded_one(case, tmp_path):
+    world = CASES[case][0]
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(world, _free_port(), case, out), nprocs=world, join=True)
+    results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for result in results:
+        (h_ref, l_ref, t_ref), (h, l, t) = result["reference"], result["sharded"]
+        torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+        assert l.shape == l_ref.shape  # the whole vocabulary, gathered
+        torch.testing.assert_close(l, l_ref, rtol=1e-5, atol=1e-5)
+        assert t == t_ref and len(set(t)) > 1
+    # Every rank computes the same replicated result, bit for bit.
+    assert all(torch.equal(r["sharded"][1], results[0]["sharded"][1]) for r in results)
+
+
+def test_head_counts_that_do_not_divide_are_refused_by_name():
+    cfg = build(6, 2, False).cfg
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size=4 does not divide 6 attention heads"):
+        check_shardable(cfg, 4)
+    with pytest.raises(UnsupportedModelError, match="3 KV heads"):
+        check_shardable(build(6, 3, False).cfg, 2)
+    check_shardable(cfg, 2)
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machine
