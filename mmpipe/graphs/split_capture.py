@@ -14,6 +14,8 @@ A captured key is served by its `ReplayPlan`: replay piece 0, call split point 0
 saw at capture, replay piece 1, ... Those tensors are outputs of earlier pieces, whose addresses
 every replay writes again. A split point must read only such tensors and constants (the forward
 context supplies everything per step), and return nothing: its outputs are written in place.
+(So there is nothing for `MMPIPE_CHECK_GRAPH_INPUTS` to compare here: a plan's tensors are fixed
+when it is made; that check serves the traced path, whose plans are recorded from later forwards.)
 
 Memory. All pieces of a key capture into one `CaptureMemory` (for the language model, the pool its
 decode graphs share), largest key first. Split-point arguments and the final output are held as
