@@ -26,6 +26,7 @@ largest key's. The final output aliases graph memory: consume it before the next
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Hashable, Protocol
@@ -128,8 +129,9 @@ class SplitGraphs:
             handle = recorder.begin(memory)
 
         previous = getattr(context, "split_point", None)
+        on_device = torch.cuda.device(cache.device) if on_cuda else contextlib.nullcontext()
         try:
-            with capture_lock, gc_paused(), cache.memory.capturing(memory):
+            with capture_lock, on_device, gc_paused(), cache.memory.capturing(memory):
                 context.split_point = split_point
                 try:
                     handle = recorder.begin(memory)
