@@ -305,19 +305,7 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
     todo = [i for i in items if not sink.done(i)]
     tally.already = len(items) - len(todo)
     resolve = PromptResolver(prompt or "Describe this image.", args.dir_prompts)
-    options: dict[str, Any] = {"preprocess_workers": args.workers, "startup_progress": not args.quiet,
-                               "image_decode": "gpu" if args.gpu_decode else "cpu"}
-    if args.quantization:
-        options["quantization"] = args.quantization
-    if args.batch_size:
-        options["max_running_requests"] = args.batch_size
-    for name in ("min_pixels", "max_pixels"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    if args.vit_graphs is not None:
-        from mmpipe import EngineConfig
-
-        options["vit_graph"] = dataclasses.replace(EngineConfig().vit_graph, enabled=args.vit_graphs)
+    options = {**engine_options(args), "startup_progress": not args.quiet}
     if not todo:
         sink.finish()
         if not args.quiet:
@@ -375,6 +363,23 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
         sys.stderr.flush()
         sink.finish()
     return 1 if tally.failed or tally.unmatched_inputs else 0
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Pipeline settings the command's flags give, for the local run and the Ray job alike."""
+    options: dict[str, Any] = {"preprocess_workers": args.workers, "image_decode": "gpu" if args.gpu_decode else "cpu"}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    if args.batch_size:
+        options["max_running_requests"] = args.batch_size
+    for name in ("min_pixels", "max_pixels"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.vit_graphs is not None:
+        from mmpipe import EngineConfig
+
+        options["vit_graph"] = dataclasses.replace(EngineConfig().vit_graph, enabled=args.vit_graphs)
+    return options
 
 
 def _captures(pipe: Any) -> int:

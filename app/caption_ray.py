@@ -36,15 +36,11 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
     if gpus and actors > gpus:
         print(f"mmpipe caption: --ray-actors {actors} needs {actors} GPUs; the cluster has {gpus}", file=sys.stderr)
         return 2
-    engine: dict[str, Any] = {"preprocess_workers": args.workers,
-                              "image_decode": "gpu" if args.gpu_decode else "cpu"}
+    from mmpipe.app.caption import engine_options
+
+    engine = engine_options(args)
     if args.graph_mode:
         engine["graph_mode"] = args.graph_mode
-    if args.batch_size:
-        engine["max_running_requests"] = args.batch_size
-    for name in ("min_pixels", "max_pixels"):
-        if getattr(args, name) is not None:
-            engine[name] = getattr(args, name)
     fields = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
     try:
         summary = caption_files(paths, args.output, model=args.model, prompt=prompt,

@@ -194,6 +194,9 @@ def test_the_caption_command_runs_the_job_on_ray(ray_cluster, images, tmp_path, 
     for extra, refused in ((["--gpus", "2"], "not with --gpus"), (["--prefix", "sks, "], "--ray does not take --prefix"),
                            (["--append"], "--overwrite/--append"), (["--format", "csv"], "not csv")):
         assert main(args + extra) == 2 and refused in capsys.readouterr().err
+    # The engine flags reach the actors' Pipelines: FP8 on the CPU fails the job with its cause.
+    assert main(args[:-2] + ["--ray-actors", "1", "--quantization", "fp8", "--output", str(tmp_path / "q")]) == 1
+    assert "needs a GPU with FP8 tensor cores" in capsys.readouterr().err
     assert main(["caption", str(images), "--ray", "--device", "cpu"]) == 2
     assert "--ray writes a directory of row files: give it with --output DIR" in capsys.readouterr().err
     assert main(["caption", str(images), "--format", "parquet", "--output", str(tmp_path / "p"), "--device", "cpu"]) == 2
