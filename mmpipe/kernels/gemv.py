@@ -94,10 +94,14 @@ def enabled() -> bool:
 def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether `x @ weight.T` runs on the few-row kernels (see the module docstring); `gated`: x is
     a fused [gate, up] projection of twice the weight's width (`gated_linear_split`)."""
+    return _takes(x, weight, x.dtype, gated)
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor, weight_dtype: torch.dtype, gated: bool) -> bool:
     if torch.compiler.is_compiling():  # traced code keeps F.linear (no guard on the row count)
         return False
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
-            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.dtype == weight_dtype and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
             and weight.device == x.device and weight.shape[0] > 0
             and x.shape[1] == weight.shape[1] * (2 if gated else 1) and x.shape[1] > 0 and enabled())
 
@@ -117,12 +121,7 @@ _FP8 = torch.float8_e4m3fn
 
 def fp8_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """`usable` for an FP8 weight (with its per-output-channel scales)."""
-    if torch.compiler.is_compiling():
-        return False
-    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
-            and weight.dtype == _FP8 and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
-            and weight.device == x.device and weight.shape[0] > 0
-            and x.shape[1] == weight.shape[1] * (2 if gated else 1) and x.shape[1] > 0 and enabled())
+    return _takes(x, weight, _FP8, gated)
 
 
 def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
