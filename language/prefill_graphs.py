@@ -191,8 +191,8 @@ class PrefillRunner(GraphRunner):
 
     def rows_for(self, num_tokens: int) -> int:
         """Rows the forward runs: the smallest schedule size >= num_tokens; num_tokens above the
-        schedule or without compilation."""
-        if not self.piecewise:
+        schedule, without compilation, or for eager pieces without graphs (padding buys nothing there)."""
+        if not self.piecewise or (self.split is None and self.compiled is None):
             return num_tokens
         bucket = bucket_for(self.schedule, num_tokens)
         return num_tokens if bucket is None else bucket

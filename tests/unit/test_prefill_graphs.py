@@ -181,8 +181,9 @@ def test_simulated_piece_graphs_replay_padded_sizes_like_the_plain_forward(simul
     lm = tiny_lm()
     schedule = (8, 16, 32)
     plain = make_runner(lm, piecewise=False)
+    # The same padded sizes without graphs: traced pieces (eager pieces without graphs do not pad).
     compiled = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU,
-                             64, True, GraphConfig(buckets=schedule, enabled=False), traced=traced)
+                             64, True, GraphConfig(buckets=schedule, enabled=False), traced=True)
     graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
                            True, GraphConfig(buckets=schedule), memory=NoMemory(), traced=traced)
     graphs.capture_all(progress=False)
@@ -378,3 +379,15 @@ def test_a_replay_plan_is_made_only_from_piece_outputs_and_constants():
     assert recorded(result=a) is None
     assert recorded(piece_graphed=False) is None
     assert recorded(output=fresh) is None
+
+
+def test_eager_pieces_without_graphs_run_the_exact_size():
+    """Padding to a schedule size pays only for graphs (or traced pieces compiled for it): without
+    them the eager forward runs the step's own rows."""
+    lm = tiny_lm()
+    plain_pieces = make_runner(lm, piecewise=True, graphs=GraphConfig(buckets=(8, 16), enabled=False))
+    traced = make_runner(lm, piecewise=True, graphs=GraphConfig(buckets=(8, 16), enabled=False), traced=True)
+    assert plain_pieces.split is None and plain_pieces.rows_for(5) == 5
+    assert traced.rows_for(5) == 8
+    run(plain_pieces, [(0, 5)], seed=1)
+    assert plain_pieces.padded_tokens == 0
