@@ -50,6 +50,7 @@ from mmpipe.app.caption_io import (
 
 from mmpipe.config import GraphMode
 from mmpipe.errors import InputError
+from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
 FORMAT_NAMES = ["txt", *FORMATS, "parquet"]  # parquet: --ray only
 
@@ -116,8 +117,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group = parser.add_argument_group("running")
     run_group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     run_group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
-    run_group.add_argument("--quantization", default=None, choices=["fp8"],
-                           help="fp8: the language model's linear layers in FP8 (needs compute capability 8.9+, e.g. H100)")
+    run_group.add_argument("--quantization", default=None, choices=list(RUNTIME_QUANTIZATIONS),
+                           help=QUANTIZATION_HELP)
     run_group.add_argument("--workers", type=_positive, default=4, help="threads decoding images ahead")
     run_group.add_argument("--batch-size", type=_positive, default=None,
                            help="most requests decoding together (default: the engine's 256)")

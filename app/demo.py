@@ -32,6 +32,7 @@ from typing import Any, Iterator, Sequence
 
 from mmpipe.config import EngineConfig, GraphMode, SamplingParams
 from mmpipe.errors import InputError, MmpipeError
+from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
 log = logging.getLogger("mmpipe.demo")
 
@@ -401,8 +402,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=4, help="answers generated at once (batched together)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the best available)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default: the checkpoint's)")
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="fp8: the language model's linear layers in FP8 (needs compute capability 8.9+, e.g. H100)")
+    parser.add_argument("--quantization", default=None, choices=list(RUNTIME_QUANTIZATIONS),
+                        help=QUANTIZATION_HELP)
     parser.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                         help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
     parser.add_argument("--min-pixels", type=int, default=None,

@@ -22,8 +22,14 @@ from mmpipe.language.mrope import mrope_positions
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
-from mmpipe.layers.fp8 import quantize_linears
-from mmpipe.quantization import LM_FP8_LAYERS, check_runtime_quantization, fp8_checkpoint
+from mmpipe.layers.fp8 import Fp8Linear, fp8_available, quantize_linears
+from mmpipe.quantization import (
+    LM_FP8_LAYERS,
+    VISION_FP8_LAYERS,
+    Fp8Checkpoint,
+    check_runtime_quantization,
+    fp8_checkpoint,
+)
 from mmpipe.vision.attention import make_vision_attention
 from mmpipe.vision.gpu_decode import deferred_jpeg
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
@@ -32,7 +38,14 @@ from mmpipe.vision.preprocess import ImageProcessorConfig, patches_on_device, pr
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransformer
 from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer, qwen3_vision_config
-from mmpipe.weights import load_checkpoint, materialize, prepare_for_kernels, read_json
+from mmpipe.weights import (
+    load_checkpoint,
+    materialize,
+    place_fp8_layers,
+    prepare_for_kernels,
+    read_json,
+    stored_fp8_modules,
+)
 
 log = logging.getLogger("mmpipe")
 
@@ -115,9 +128,24 @@ class LoadedModel:
         return self.vision.cfg.spatial_merge_size
 
 
+def _describe_stored(fp8: Fp8Checkpoint | None, dtype: torch.dtype, kept: int, refused: int) -> str | None:
+    """How an FP8 checkpoint's weights are held in this run (`mmpipe info`, the load log line)."""
+    if fp8 is None:
+        return None
+    to = str(dtype).removeprefix("torch.")
+    if not kept:
+        why = "no FP8 tensor cores on this device" if not refused else "shapes the FP8 kernels do not take"
+        return f"{fp8.describe()}, dequantized to {to} at load ({why})"
+    rest = f"; {refused} more dequantized to {to} (shapes the FP8 kernels do not take)" if refused else ""
+    return f"{fp8.describe()}; {kept} language-model linear layers kept in FP8{rest}; other FP8 weights dequantized"
+
+
 def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-               extend_attention: str = "auto", quantization: str | None = None) -> LoadedModel:
-    """Build the checkpoint's models on `device` with the attention backends chosen for it;
+               extend_attention: str = "auto", quantization: str | None = None,
+               keep_fp8: bool | None = None) -> LoadedModel:
+    """Build the checkpoint's models on `device` with the attention backends chosen for it.
+    An FP8 checkpoint's language-model projections stay in FP8 (`Fp8Linear`) where `keep_fp8`
+    (default: the device has FP8 tensor cores), everything else of it is dequantized;
     `quantization="fp8"`: the language model's linear layers quantized to FP8 after loading."""
     quantization = check_runtime_quantization(quantization, device)  # before anything loads
     if not os.path.isdir(path):
@@ -136,22 +164,33 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     with torch.device("meta"):
         vision = spec.vision_model(vision_cfg, vision_attention)
         language = spec.language_model(text_cfg, language_attention)
+    kept: set[str] = set()
+    placed = {"refused": 0}
+
+    def keep_fp8_layers(meta_language: nn.Module) -> None:
+        found, placed["refused"] = place_fp8_layers("language", meta_language, LM_FP8_LAYERS,
+                                                    stored_fp8_modules(path), fp8)
+        kept.update(found)
+
+    keep = fp8 is not None and (fp8_available(device) if keep_fp8 is None else keep_fp8)
     vision = materialize(vision, device, dtype)
-    language = materialize(language, device, dtype)
-    if fp8 is not None:
-        log.info("%s: %s, dequantized to %s at load (FP8 kernels are not used yet: the published weights' "
-                 "results, an unquantized model's memory and speed)", path, fp8.describe(),
-                 str(dtype).removeprefix("torch."))
-    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8)
+    language = materialize(language, device, dtype, keep_fp8_layers if keep else None)
+    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8, frozenset(kept))
     prepare_for_kernels(vision)
     prepare_for_kernels(language)
-    stored = f"{fp8.describe()}, dequantized at load" if fp8 is not None else None
-    if quantization == "fp8":
+    stored = _describe_stored(fp8, dtype, sum(isinstance(m, Fp8Linear) for m in language.modules()),
+                              placed["refused"])
+    if stored is not None:
+        log.info("%s: %s", path, stored)
+    if quantization in ("fp8", "fp8-all"):
         layers = quantize_linears(language, LM_FP8_LAYERS)
+        done = f"{layers} language-model linear layers"
+        if quantization == "fp8-all":
+            done += f" and {quantize_linears(vision, VISION_FP8_LAYERS)} vision-tower ones"
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the bfloat16 weights' blocks, for the KV cache to size itself on
-        stored = (f"{stored + '; then ' if stored else ''}fp8: {layers} language-model linear layers quantized at "
-                  "load (E4M3, per-channel weight scales, per-token activation scales)")
+        stored = (f"{stored + '; then ' if stored else ''}{quantization}: {done} quantized at load (E4M3, "
+                  "per-channel weight scales, per-token activation scales)")
         log.info("%s: %s", path, stored)
     if vision_cfg.out_hidden_size != text_cfg.hidden_size:
         raise CheckpointError(f"{path}: vision out_hidden_size {vision_cfg.out_hidden_size} != language "

@@ -10,17 +10,21 @@ Two formats of FP8 (E4M3) weights:
   releases): `weight` in float8 with `weight_scale_inv` [ceil(out / bm), ceil(in / bk)], each
   scale multiplying its bm x bk block (the last row and column of blocks may be partial).
 
-For now every such weight is dequantized as it loads (weight * scale, then the run's dtype), with
-one log line saying so: the results are those of the published weights, the memory and speed
-those of an unquantized model (FP8 kernels are the next step). Anything else (other methods,
-integer or 4-bit weights, group scales, static activation scales, an FP8 KV cache) is refused
-with a `CheckpointError` naming it, as is an FP8 weight whose scale is missing.
+On a GPU with FP8 tensor cores the language model's projections stay in FP8 as published
+(`mmpipe.layers.fp8.Fp8Linear`: per-channel or 128 x 128 block scales, activations quantized
+per token, or per token and 128 columns for block scales); `dequantized(keep=...)` passes their
+weights through with their scales in the layer's layout (`Fp8Checkpoint.kernel_scale`). Every
+other FP8 weight (the CPU, older GPUs, layers whose shape the FP8 kernels do not take) is
+dequantized as it loads (weight * scale, then the run's dtype), with one log line saying so.
+Anything else (other methods, integer or 4-bit weights, group scales, static activation scales,
+an FP8 KV cache) is refused with a `CheckpointError` naming it, as is an FP8 weight whose scale
+is missing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -45,16 +49,37 @@ class Fp8Checkpoint:
         activations = "dynamic per-token FP8 activations" if self.dynamic_activations else "activations unquantized"
         return f"FP8 E4M3 weights ({self.method}, scales {weights}; {activations})"
 
+    def kernel_scale(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`scale` in the layout of `Fp8Linear.weight_scale`: [N, 1] per channel (a per-tensor
+        scale repeated), or the [ceil(N / 128), ceil(K / 128)] block grid with its columns padded
+        to a multiple of 4 (`block_scale_columns`; the padding is never read)."""
+        scale = scale.to(torch.float32)
+        rows = weight.shape[0]
+        if self.block is not None:
+            self._check_grid(name, weight, scale)
+            columns = -(-scale.shape[1] // 4) * 4
+            return torch.cat([scale, scale.new_ones(scale.shape[0], columns - scale.shape[1])], 1)
+        if scale.numel() == 1:
+            return scale.reshape(1, 1).expand(rows, 1).contiguous()
+        if scale.numel() != rows:
+            raise CheckpointError(f"tensor {name!r}: a {tuple(weight.shape)} weight needs one scale per output "
+                                  f"channel ({rows}), found {tuple(scale.shape)}")
+        return scale.reshape(rows, 1).contiguous()
+
+    def _check_grid(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        rows, cols = self.block
+        grid = (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols))
+        if tuple(scale.shape) != grid:
+            raise CheckpointError(f"tensor {name!r}: a {tuple(weight.shape)} weight in {rows}x{cols} blocks needs "
+                                  f"scales of shape {grid}, found {tuple(scale.shape)}")
+
     def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """`weight` (float8, [out, in]) times its scales, in float32."""
         out = weight.to(torch.float32)
         scale = scale.to(torch.float32)
         if self.block is not None:
             rows, cols = self.block
-            grid = (-(-out.shape[0] // rows), -(-out.shape[1] // cols))
-            if tuple(scale.shape) != grid:
-                raise CheckpointError(f"tensor {name!r}: a {tuple(out.shape)} weight in {rows}x{cols} blocks needs "
-                                      f"scales of shape {grid}, found {tuple(scale.shape)}")
+            self._check_grid(name, out, scale)
             full = scale.repeat_interleave(rows, 0)[:out.shape[0]].repeat_interleave(cols, 1)[:, :out.shape[1]]
             return out * full
         if scale.numel() == 1:
@@ -132,10 +157,21 @@ def _block_fp8(config: dict[str, Any], path: str) -> Fp8Checkpoint:
 
 
 def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Checkpoint | None, dtype: torch.dtype,
-                path: str) -> Iterator[tuple[str, torch.Tensor]]:
+                path: str, keep: Callable[[str], bool] = lambda module: False
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every FP8 weight times its scale (its scale tensor consumed),
-    floating tensors in `dtype`. An FP8 weight waits for its scale (and a scale for its weight)
-    wherever in the files the other comes."""
+    floating tensors in `dtype`; the modules `keep` names (checkpoint names without `.weight`)
+    instead give their FP8 weight and `<module>.weight_scale` in `Fp8Linear`'s layout. An FP8
+    weight waits for its scale (and a scale for its weight) wherever in the files the other comes."""
+
+    def pair(weight_name: str, weight: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        module = weight_name[:-len(".weight")]
+        if keep(module):
+            yield weight_name, weight
+            yield module + ".weight_scale", scheme.kernel_scale(weight_name, weight, scale)
+        else:
+            yield weight_name, scheme.dequantize(weight_name, weight, scale).to(dtype)
+
     weights: dict[str, tuple[str, torch.Tensor]] = {}  # module -> (weight's name, FP8 weight)
     scales: dict[str, torch.Tensor] = {}
     suffix = "." + scheme.scale_suffix if scheme is not None else None
@@ -144,7 +180,7 @@ def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Checkpoi
             module = name[:-len(suffix)]
             if module in weights:
                 weight_name, weight = weights.pop(module)
-                yield weight_name, scheme.dequantize(weight_name, weight, tensor).to(dtype)
+                yield from pair(weight_name, weight, tensor)
             else:
                 scales[module] = tensor
             continue
@@ -155,7 +191,7 @@ def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Checkpoi
                 raise CheckpointError(f"{path}: tensor {name!r} is FP8; only Linear weights may be")
             module = name[:-len(".weight")]
             if module in scales:
-                yield name, scheme.dequantize(name, tensor, scales.pop(module)).to(dtype)
+                yield from pair(name, tensor, scales.pop(module))
             else:
                 weights[module] = (name, tensor)
             continue
@@ -170,8 +206,14 @@ def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Checkpoi
 
 
 # Quantizations applied at load (`EngineConfig.quantization`), and the language model's layers they cover.
-RUNTIME_QUANTIZATIONS = ("fp8",)
+# "fp8" covers the language model's projections; "fp8-all" the vision tower's linear layers too
+# (attention, MLP and the patch merger's; not the patch embedding, whose width cuBLASLt's FP8 GEMM
+# does not take at 14 px patches).
+RUNTIME_QUANTIZATIONS = ("fp8", "fp8-all")
 LM_FP8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+VISION_FP8_LAYERS = ("qkv", "proj", "gate_up_proj", "down_proj", "fc1", "fc2")
+QUANTIZATION_HELP = ("fp8: the language model's linear layers in FP8; fp8-all: the vision tower's too (both need "
+                     "compute capability 8.9+, e.g. H100). FP8 checkpoints are read as published without it")
 
 
 def check_runtime_quantization(name: str | None, device: torch.device) -> str | None:
@@ -179,17 +221,15 @@ def check_runtime_quantization(name: str | None, device: torch.device) -> str | 
     scheme, or FP8 on a device without FP8 tensor cores."""
     if name is None or name == "none":
         return None
-    if name == "fp8-all":
-        raise InputError("quantization='fp8-all' (the vision tower in FP8 too) is not implemented yet; "
-                         "'fp8' quantizes the language model's linear layers")
     if name not in RUNTIME_QUANTIZATIONS:
-        raise InputError(f"quantization={name!r}: use 'fp8' or None")
+        raise InputError(f"quantization={name!r}: use 'fp8' (the language model), 'fp8-all' (the vision tower "
+                         "too) or None")
     from mmpipe.layers.fp8 import fp8_available
 
     if not fp8_available(device):
         where = device.type if device.type != "cuda" else \
             f"{torch.cuda.get_device_name(device)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
-        raise InputError(f"quantization='fp8' needs a GPU with FP8 tensor cores (CUDA compute capability 8.9 or "
+        raise InputError(f"quantization={name!r} needs a GPU with FP8 tensor cores (CUDA compute capability 8.9 or "
                          f"higher: Ada, Hopper and later); this run's device is {where}. FP8 checkpoints still "
                          "load anywhere, dequantized to the run's dtype")
     return name

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from mmpipe.errors import CheckpointError
+from mmpipe.layers.fp8 import BLOCK, Fp8Linear, fp8_shape_ok
+from mmpipe.layers.weight_map import WeightMap
 from mmpipe.quantization import Fp8Checkpoint, dequantized
 
 # Checkpoint prefix -> (component, prefix of the name inside the component). First match wins.
@@ -73,11 +75,64 @@ def split_name(name: str) -> tuple[str, str] | None:
     return None
 
 
-def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype,
-                    fp8: Fp8Checkpoint | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype, fp8: Fp8Checkpoint | None = None,
+                    keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor, on `device`, floating tensors cast to `dtype`; FP8
-    weights times their scales (`mmpipe.quantization.dequantized`)."""
-    return dequantized(_raw_tensors(directory, device), fp8, dtype, directory)
+    weights times their scales (`mmpipe.quantization.dequantized`), except those of the modules in
+    `keep` (checkpoint names without `.weight`), which stay FP8 beside their scales."""
+    return dequantized(_raw_tensors(directory, device), fp8, dtype, directory, keep.__contains__)
+
+
+def stored_fp8_modules(directory: str) -> set[str]:
+    """Checkpoint module names whose `weight` is stored in FP8 E4M3 (from the files' headers)."""
+    found: set[str] = set()
+    for path in checkpoint_files(directory):
+        try:
+            with safe_open(path, framework="pt") as handle:
+                found.update(name[:-len(".weight")] for name in handle.keys()
+                             if name.endswith(".weight") and handle.get_slice(name).get_dtype() == "F8_E4M3")
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from exc
+    return found
+
+
+def place_fp8_layers(component: str, module: nn.Module, names: tuple[str, ...], stored: set[str],
+                     scheme: Fp8Checkpoint) -> tuple[set[str], int]:
+    """Before `materialize` (on the meta device, dtype set): replace each `nn.Linear` of `module`
+    named in `names` whose checkpoint weights are all stored in FP8 (`stored`) and whose shape
+    the FP8 kernels take by an empty `Fp8Linear` to load them into as published. Returns the
+    checkpoint module names kept in FP8 and how many layers could not be (dequantized instead)."""
+    wmap: WeightMap = module.weight_map()
+    prefixes = [prefix for prefix, comp, inner in _LAYOUTS if comp == component and not inner]
+    kept: set[str] = set()
+    refused = 0
+    for path, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            if name not in names or not isinstance(child, nn.Linear):
+                continue
+            param = f"{path}.{name}.weight" if path else f"{name}.weight"
+            sources = [(source[:-len(".weight")], rows) for source, rows in wmap.sources(param)]
+            full = {source: [p + source for p in prefixes] for source, _ in sources}
+            if not all(any(n in stored for n in full[source]) for source, _ in sources):
+                continue  # left in the run's dtype by the checkpoint (an `ignore` list)
+            if not _fp8_layer_fits(child, [rows for _, rows in sources], scheme):
+                refused += 1
+                continue
+            setattr(parent, name, Fp8Linear.empty(child.out_features, child.in_features, child.bias is not None,
+                                                  child.weight.dtype, scheme.block is not None))
+            kept.update(n for candidates in full.values() for n in candidates if n in stored)
+    return kept, refused
+
+
+def _fp8_layer_fits(linear: nn.Linear, part_rows: list[int], scheme: Fp8Checkpoint) -> bool:
+    """Whether the FP8 kernels take this layer as stored: dimensions cuBLASLt's FP8 GEMM takes and,
+    for block scales, 128 x 128 blocks that the fused parts' rows and the input width align with."""
+    if not fp8_shape_ok(linear):
+        return False
+    if scheme.block is None:
+        return True
+    return (scheme.block == (BLOCK, BLOCK) and linear.in_features % BLOCK == 0
+            and all(rows % BLOCK == 0 for rows in part_rows[:-1]))
 
 
 def _raw_tensors(directory: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -93,13 +148,14 @@ def _raw_tensors(directory: str, device: torch.device) -> Iterator[tuple[str, to
 
 
 def load_checkpoint(directory: str, components: dict[str, nn.Module], device: torch.device,
-                    dtype: torch.dtype, fp8: Fp8Checkpoint | None = None) -> None:
-    """Fill every component's parameters from the checkpoint; raise listing every problem."""
+                    dtype: torch.dtype, fp8: Fp8Checkpoint | None = None, keep: frozenset[str] = frozenset()) -> None:
+    """Fill every component's parameters from the checkpoint (the FP8 modules in `keep` into
+    their `Fp8Linear` layers, `place_fp8_layers`); raise listing every problem."""
     maps = {name: module.weight_map() for name, module in components.items()}
     loaded: dict[str, set[str]] = {name: set() for name in components}
     unexpected: list[str] = []
     seen: set[str] = set()
-    for name, tensor in iter_checkpoint(directory, device, dtype, fp8):
+    for name, tensor in iter_checkpoint(directory, device, dtype, fp8, keep):
         if name in seen:
             raise CheckpointError(f"{directory}: tensor {name!r} appears in more than one shard")
         seen.add(name)
@@ -139,10 +195,15 @@ def prepare_for_kernels(module: nn.Module) -> nn.Module:
     return module
 
 
-def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype,
+                before_storage: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Give a module built on the meta device real (uninitialised) storage, then rebuild the
-    derived buffers (rotary tables) that are computed rather than loaded."""
-    module = module.to(dtype=dtype).to_empty(device=device)
+    derived buffers (rotary tables) that are computed rather than loaded. `before_storage` runs
+    on the meta module once its dtype is set (`place_fp8_layers`: FP8 layers keep their dtypes)."""
+    module = module.to(dtype=dtype)
+    if before_storage is not None:
+        before_storage(module)
+    module = module.to_empty(device=device)
     for sub in module.modules():
         if hasattr(sub, "init_buffers"):
             sub.init_buffers()

@@ -106,7 +106,7 @@ class PlainMLP(nn.Module):
         self.gelu_tanh = act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gelu_tanh and x.is_cuda and x.dim() == 2:
+        if self.gelu_tanh and x.is_cuda and x.dim() == 2 and isinstance(self.fc1, nn.Linear):  # not an FP8 fc1
             return self.fc2(torch._addmm_activation(self.fc1.bias, x, self.fc1.weight.t(), use_gelu=True))
         return self.fc2(self.act(self.fc1(x)))
 

@@ -1,8 +1,10 @@
-"""Per-row (per-token) FP8 E4M3 quantization of activations in one kernel: each row's largest
-magnitude, its scale (that / 448) and the row divided by it, rounded to FP8. The PyTorch reference
-(`quantize_per_row_reference`) is six kernels and two float32 copies of the activations; this is
-what `mmpipe.layers.fp8.Fp8Linear` runs before every FP8 product on CUDA. Both scale by the
-float32 reciprocal of 448 and divide the values with IEEE rounding, so they agree bit for bit."""
+"""FP8 E4M3 quantization of activations in one kernel, per row (per token: each row's largest
+magnitude, its scale (that / 448) and the row divided by it, rounded to FP8) or per group of 128
+columns of a row (`quantize_per_group`, for block-scaled FP8 weights: one scale per row and
+128-column group). The PyTorch references are six kernels and two float32 copies of the
+activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before every FP8 product on CUDA.
+Both scale by the float32 reciprocal of 448 and divide the values with IEEE rounding, so they
+agree bit for bit."""
 
 from __future__ import annotations
 
@@ -41,7 +43,67 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale
 
 
+def quantize_per_group_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :cols] = x
+    tiles = padded.view(rows, groups, group)
+    scale = tiles.abs().amax(dim=-1).clamp(min=TINY) * INV_FP8_MAX  # [rows, groups]
+    values = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, -1)[:, :cols]
+    return values.contiguous(), _column_major(scale)
+
+
+def _column_major(scale: torch.Tensor) -> torch.Tensor:
+    """[rows, groups] with the rows adjacent in memory (cuBLASLt's layout for 1x128 scales),
+    allocated fresh so a single row keeps unit strides."""
+    out = torch.empty(scale.shape[1], scale.shape[0], dtype=torch.float32, device=scale.device)
+    out.copy_(scale.t())
+    return out.t()
+
+
+def quantize_per_group(x: torch.Tensor, group: int = 128, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values [rows, K], float32 scales [rows, ceil(K / group)] in column-major layout) of a
+    2-D `x`, one scale per row and group of `group` columns (the last group may be partial).
+    `row_multiple`: both come with their rows padded to a multiple of it (zero values, unit
+    scales), as cuBLASLt's block-scaled GEMM takes only row counts that are multiples of 4."""
+    if triton is None or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        values, scale = quantize_per_group_reference(x, group)
+        padded = -(-x.shape[0] // row_multiple) * row_multiple
+        if padded != x.shape[0]:
+            values = torch.cat([values, values.new_zeros(padded - x.shape[0], values.shape[1])])
+            scale = _column_major(torch.cat([scale, scale.new_ones(padded - x.shape[0], scale.shape[1])]))
+        return values, scale
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = -(-rows // row_multiple) * row_multiple
+    values = torch.empty(padded, cols, dtype=FP8, device=x.device)
+    scale = torch.empty(groups, padded, dtype=torch.float32, device=x.device)
+    if padded != rows:
+        values[rows:].zero_()
+        scale[:, rows:].fill_(1.0)
+    if rows and cols:
+        # One program per row, its groups in turn: one program per group was ~90k one-warp programs
+        # for a 1024-token prefill's down projection.
+        launch(_quantize_groups_kernel, (rows,), x, values, scale, padded, cols, x.stride(0), TINY, FP8_MAX,
+               INV_FP8_MAX, GROUP=group, num_warps=1 if group <= 128 else 4)
+    return values, scale.t()
+
+
 if triton is not None:
+
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, scale_stride, cols, stride_x, tiny, fp8_max, inv_fp8_max,
+                                GROUP: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        for group in range(0, tl.cdiv(cols, GROUP)):
+            offs = group * GROUP + tl.arange(0, GROUP)
+            mask = offs < cols
+            x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0), tiny) * inv_fp8_max
+            tl.store(s_ptr + group * scale_stride + row, scale)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+            tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr):

@@ -115,21 +115,35 @@ def _bias_ok(bias: torch.Tensor | None, weight: torch.Tensor, dtype: torch.dtype
 # `quantization="fp8"` (mmpipe.layers.fp8): the same kernels read an FP8 E4M3 weight, widen it in
 # registers and multiply each output channel by its float32 scale at the end; the activations stay
 # in the model's dtype (weight-only FP8: the step reads half the bytes, nothing else changes).
+# Block-scaled weights (a [ceil(N / 128), >= ceil(K / 128)] scale per 128 x 128 tile, FP8
+# checkpoints kept as published) multiply each tile's partial sum by its scale instead.
 
 _FP8 = torch.float8_e4m3fn
+_SCALE_BLOCK = 128  # the tile of a block-scaled weight (one scale per 128 x 128)
 
 
 def fp8_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """`usable` for an FP8 weight (with its per-output-channel scales)."""
+    """`usable` for an FP8 weight (with its per-output-channel or 128 x 128 block scales)."""
     return _takes(x, weight, _FP8, gated)
 
 
 def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                gated: bool = False) -> None:
+    n, k = weight.shape
+    channel = scale.numel() == n and scale.is_contiguous() and (scale.dim() == 1 or scale.shape[-1] == 1)
+    block = (scale.dim() == 2 and scale.shape[0] == cdiv(n, _SCALE_BLOCK) and scale.shape[1] >= cdiv(k, _SCALE_BLOCK)
+             and scale.stride(1) == 1)
     if (not fp8_usable(x, weight, gated) or not _bias_ok(bias, weight, x.dtype) or scale.dtype != torch.float32
-            or scale.numel() != weight.shape[0] or not scale.is_contiguous()):
-        raise ValueError("gemv FP8: inputs the few-row kernels do not take (see gemv.fp8_usable; one contiguous "
-                         "float32 scale per output channel, a bias of x's dtype)")
+            or not (channel or block)):
+        raise ValueError("gemv FP8: inputs the few-row kernels do not take (see gemv.fp8_usable; a float32 scale "
+                         "per output channel or per 128 x 128 block, a bias of x's dtype)")
+
+
+def _scale_mode(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The kernels' SCALE: 0 none, 1 per output channel, 2 per 128 x 128 block."""
+    if scale is None:
+        return 0
+    return 1 if scale.dim() == 1 or scale.shape[-1] == 1 else 2  # per channel: [N] or [N, 1]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
@@ -247,15 +261,16 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     has_bias = bias is not None
     on = pdl.enabled(x)
     b = bias if has_bias else weight  # any pointer; never read
-    scaled = scale is not None
-    s = scale if scaled else out  # any pointer; never read
+    mode = _scale_mode(weight, scale)
+    s = scale if mode else out  # any pointer; never read
+    stride_s = scale.stride(0) if mode == 2 else 0
     if rows == 1:
         # Tuned on an H100 (docs/bench/gemv_sweep*_h100_afb45a2.json): 4 rows x 1024 per program unsplit;
         # 8 x 512 when split (more, shorter programs).
         block_n, block_k, warps = _config(rows, k, splits)
         k_split = _k_split(rows, k, splits)
-        launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0),
-               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k,
+        launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0), stride_s,
+               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n, BLOCK_K=block_k,
                PDL=on, num_warps=warps, launch_pdl=on)
         return
     # Stages: 3 for unsplit products (gate_up, 8 / 32 rows: 32.6 / 33.4 us against 32.8 / 34.5 with
@@ -265,7 +280,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     block_k = _config(rows, k, splits)[1]
     k_split = _k_split(rows, k, splits)
     launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, s, out, rows, n, k, k_split, x.stride(0),
-           weight.stride(0), HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALED=scaled,
+           weight.stride(0), stride_s, HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode,
            IEEE=x.dtype == torch.float32,
            BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, num_warps=4,
            num_stages=3 if splits == 1 else 4, launch_pdl=on)
@@ -288,8 +303,8 @@ if triton is not None:
         return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
-    def _row_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, N, K, K_SPLIT, stride_w, HAS_BIAS: tl.constexpr,
-                    PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _row_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, N, K, K_SPLIT, stride_w, stride_s, HAS_BIAS: tl.constexpr,
+                    PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         split = tl.program_id(1)
@@ -304,9 +319,14 @@ if triton is not None:
             x = _input(x_ptr + k + rk, K, k_mask, GATED)
             # weights are read once per step: keep them from evicting what is reused
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            xf = x.to(tl.float32)
+            if SCALE == 2:  # BLOCK_N divides 128: the program's rows share their tiles' scales, so
+                # scaling the input row by its 128-column tile's scale is the same product
+                xf = xf * tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_s + (k + rk) // 128,
+                                  mask=k_mask, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
             w_ptrs += BLOCK_K
-        if SCALED:  # an FP8 weight's per-channel scales
+        if SCALE == 1:  # an FP8 weight's per-channel scales
             acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)
         if PARTIAL:
             tl.store(out_ptr + split * N + rn, acc, mask=n_mask)
@@ -317,8 +337,9 @@ if triton is not None:
             tl.store(out_ptr + rn, out, mask=n_mask)
 
     @triton.jit
-    def _swap_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, HAS_BIAS: tl.constexpr,
-                     PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
+    def _swap_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, stride_s,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr,
+                     IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         split = tl.program_id(1)
@@ -335,15 +356,21 @@ if triton is not None:
             k_mask = (k + rk) < K
             x = _input(x_ptrs, K, m_mask[:, None] & k_mask[None, :], GATED)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if SCALED:  # FP8 E4M3 widens exactly to the activations' dtype
+            if SCALE != 0:  # FP8 E4M3 widens exactly to the activations' dtype
                 w = w.to(x.dtype)
-            if IEEE:  # float32 weights: no TF32 rounding
+            if SCALE == 2:  # the tile lies in one 128 x 128 block (BLOCK_N and BLOCK_K divide 128): scale its sum
+                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_s + k // 128)
+                if IEEE:
+                    acc += tl.dot(w, tl.trans(x), input_precision="ieee") * s
+                else:
+                    acc += tl.dot(w, tl.trans(x)) * s
+            elif IEEE:  # float32 weights: no TF32 rounding
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if SCALED:
+        if SCALE == 1:
             acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
         mask = n_mask[:, None] & m_mask[None, :]
         offs = rm[None, :] * N + rn[:, None]

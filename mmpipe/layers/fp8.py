@@ -11,14 +11,23 @@ Everything is shaped by the rows only (no host sync), so it runs inside the CUDA
 Decode steps of up to `gemv.MAX_ROWS` rows take another path, chosen by the model's call sites
 (`language/qwen2.py`, `layers/mlp.py`): the few-row kernels read the FP8 weight, widen it in
 registers and apply the scales at the end, activations unquantized (`gemv.fp8_linear`).
+
+Block-scaled weights (FP8 checkpoints in the Qwen team's `weight_block_size: [128, 128]` format,
+kept as published): one scale per 128 x 128 tile of W, activations quantized per token and
+128-column group, the product through cuBLASLt's block-scaled FP8 GEMM (`F.scaled_mm` with
+BlockWise1x128 x BlockWise128x128); the few-row kernels apply each tile's scale to its partial
+sum. Off CUDA the same arithmetic runs in float32 (`_reference_block_product`), for tests.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mmpipe.kernels.fp8_quant import FP8, FP8_MAX, quantize_per_row  # noqa: F401 (re-exported)
+from mmpipe.kernels.fp8_quant import FP8, FP8_MAX, quantize_per_group, quantize_per_row  # noqa: F401 (re-exported)
+
+BLOCK = 128  # the weight tile that block-scaled layers (and their kernels) take: 128 x 128
 
 
 def fp8_shape_ok(linear: nn.Linear) -> bool:
@@ -32,14 +41,29 @@ def fp8_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-class Fp8Linear(nn.Module):
-    """`nn.Linear` with an FP8 weight and per-channel scales (see the module docstring)."""
+def block_scale_columns(in_features: int) -> int:
+    """Columns of a block-scaled layer's scale tensor: one per 128 input columns, rounded up to a
+    multiple of 4 (cuBLASLt's layout for 128x128 scales; the extra columns are never read)."""
+    return -(-(-(-in_features // BLOCK)) // 4) * 4
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class Fp8Linear(nn.Module):
+    """`nn.Linear` with an FP8 weight: per-channel scales ([N, 1]) or, with `block`, one scale per
+    128 x 128 tile ([ceil(N / 128), block_scale_columns(K)]); see the module docstring."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 block: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.block = block
+        if block:
+            want = (-(-self.out_features // BLOCK), block_scale_columns(self.in_features))
+            if tuple(scale.shape) != want:
+                raise ValueError(f"Fp8Linear: block scales of shape {want} expected, got {tuple(scale.shape)}")
+        else:
+            scale = scale.reshape(-1, 1)
         self.register_buffer("weight", weight)  # [N, K] fp8
-        self.register_buffer("weight_scale", scale.reshape(1, -1).float().contiguous())  # [1, N]
+        self.register_buffer("weight_scale", scale.float().contiguous())
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -48,23 +72,64 @@ class Fp8Linear(nn.Module):
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls(weight.contiguous(), scale, bias)
 
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool, dtype: torch.dtype, block: bool,
+              device: torch.device | str = "meta") -> "Fp8Linear":
+        """A layer to load an FP8 checkpoint's weights into (`mmpipe.weights.load_checkpoint`)."""
+        rows = (-(-out_features // BLOCK), block_scale_columns(in_features)) if block else (out_features, 1)
+        return cls(torch.empty(out_features, in_features, dtype=FP8, device=device),
+                   torch.ones(rows, dtype=torch.float32, device=device),
+                   torch.empty(out_features, dtype=dtype, device=device) if bias else None, block)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.weight_scale.t()).to(dtype)
+        return (self.weight.float() * self._full_scale()).to(dtype)
+
+    def _full_scale(self) -> torch.Tensor:
+        if not self.block:
+            return self.weight_scale
+        n, k = self.weight.shape
+        return self.weight_scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        values, scale = quantize_per_row(rows)  # one Triton kernel on CUDA
-        # cuBLASLt takes a bias only in half precision; float32 runs (tests) add it after.
-        fused_bias = self.bias is not None and x.dtype in (torch.bfloat16, torch.float16)
-        out = torch._scaled_mm(values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale,
-                               bias=self.bias if fused_bias else None, out_dtype=x.dtype)
-        if self.bias is not None and not fused_bias:
-            out = out + self.bias
+        if self.block:
+            out = self._block_product(rows)
+        else:
+            out = self._channel_product(rows)
         return out.reshape(*shape[:-1], self.out_features)
 
+    def _channel_product(self, rows: torch.Tensor) -> torch.Tensor:
+        values, scale = quantize_per_row(rows)  # one Triton kernel on CUDA
+        # cuBLASLt takes a bias only in half precision; float32 runs (tests) add it after.
+        fused_bias = self.bias is not None and rows.dtype in (torch.bfloat16, torch.float16)
+        out = torch._scaled_mm(values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.view(1, -1),
+                               bias=self.bias if fused_bias else None, out_dtype=rows.dtype)
+        if self.bias is not None and not fused_bias:
+            out = out + self.bias
+        return out
+
+    def _block_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.is_cuda:
+            # cuBLASLt's block-scaled GEMM takes row counts that are multiples of 4 (H100, torch 2.11).
+            values, scale = quantize_per_group(rows, BLOCK, row_multiple=4)  # one Triton kernel
+            out = F.scaled_mm(values, self.weight.t(), scale, F.ScalingType.BlockWise1x128, self.weight_scale.t(),
+                              F.ScalingType.BlockWise128x128, output_dtype=rows.dtype)[:rows.shape[0]]
+        else:
+            values, scale = quantize_per_group(rows, BLOCK)
+            out = _reference_block_product(values, scale, self.weight, self._full_scale()).to(rows.dtype)
+        return out + self.bias if self.bias is not None else out
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, per-channel scales"
+        scales = "128x128 block scales" if self.block else "per-channel scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, {scales}"
+
+
+def _reference_block_product(values: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                             weight_scale: torch.Tensor) -> torch.Tensor:
+    """What the block-scaled GEMM computes, in float32 (CPU runs and tests)."""
+    x = values.float() * scale.repeat_interleave(BLOCK, 1)[:, :values.shape[1]]
+    return x @ (weight.float() * weight_scale).t()
 
 
 def quantize_linears(module: nn.Module, names: tuple[str, ...]) -> int:

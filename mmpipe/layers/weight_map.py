@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mmpipe.errors import CheckpointError
+from mmpipe.layers.fp8 import BLOCK, Fp8Linear
 
 
 class WeightMap:
@@ -20,12 +21,24 @@ class WeightMap:
     `renames`: checkpoint substring -> model substring (first match wins).
     `fused`: checkpoint substring -> (model substring, block index); `blocks` gives, for each
     fused model substring, the row count of each block (q/k/v blocks differ under GQA).
+    An FP8 layer's `weight` and `weight_scale` load like parameters; a block-scaled layer's scale
+    rows are per 128 weight rows, so a fused part's scale lands at its rows / 128.
     """
 
     def __init__(self, module: nn.Module, renames: dict[str, str] | None = None,
                  fused: dict[str, tuple[str, int]] | None = None,
                  blocks: dict[str, list[int]] | None = None) -> None:
         self.params = dict(module.named_parameters())
+        self.row_units: dict[str, int] = {}  # parameter -> weight rows per row (block scales)
+        for path, sub in module.named_modules():
+            if isinstance(sub, Fp8Linear):
+                prefix = f"{path}." if path else ""
+                self.params[prefix + "weight"] = sub.weight
+                self.params[prefix + "weight_scale"] = sub.weight_scale
+                if sub.bias is not None:
+                    self.params[prefix + "bias"] = sub.bias
+                if sub.block:
+                    self.row_units[prefix + "weight_scale"] = BLOCK
         self.renames = renames or {}
         self.fused = fused or {}
         self.blocks = blocks or {}
@@ -55,9 +68,25 @@ class WeightMap:
             if param is None:
                 unexpected.append(name)
                 continue
+            unit = self.row_units.get(target, 1)
+            if rows is not None and unit > 1:
+                rows = (rows[0] // unit, -(-rows[1] // unit))
             copy_into(param, tensor, name, rows)
             loaded.add(name)
         return loaded, unexpected
+
+    def sources(self, param: str) -> list[tuple[str, int]]:
+        """The checkpoint names that fill `param`, with the rows each fills, in row order."""
+        for model_sub, sizes in self.blocks.items():
+            if model_sub in param:
+                parts = sorted((index, ckpt) for ckpt, (model, index) in self.fused.items() if model == model_sub)
+                return [(param.replace(model_sub, ckpt), sizes[index]) for index, ckpt in parts]
+        name = param
+        for ckpt_sub, model_sub in self.renames.items():
+            if model_sub in name:
+                name = name.replace(model_sub, ckpt_sub)
+                break
+        return [(name, self.params[param].shape[0])]
 
     def _target(self, name: str) -> tuple[str, tuple[int, int] | None]:
         for ckpt_sub, (model_sub, index) in self.fused.items():

@@ -39,7 +39,7 @@ def test_info_shows_an_fp8_checkpoints_quantization(checkpoint, tmp_path, capsys
     quantized, _ = fp8_pair(checkpoint, tmp_path, "block")
     assert main(["info", "--model", quantized, "--device", "cpu", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["model"]["quantization"]
-    assert shown == "FP8 E4M3 weights (fp8, scales 128x64 blocks; dynamic per-token FP8 activations), dequantized at load"
+    assert shown == "FP8 E4M3 weights (fp8, scales 128x64 blocks; dynamic per-token FP8 activations), dequantized to float32 at load (no FP8 tensor cores on this device)"
 
 
 def test_quantization_fp8_where_it_cannot_run_is_one_line_per_command(checkpoint, tmp_path, capsys):

@@ -12,8 +12,14 @@ from mmpipe.app.tiny.scenes import make_scene, score
 from torch import nn
 
 from mmpipe import Pipeline, SamplingParams
-from mmpipe.kernels.fp8_quant import quantize_per_row, quantize_per_row_reference
-from mmpipe.layers.fp8 import Fp8Linear
+from mmpipe.kernels.fp8_quant import (
+    FP8,
+    quantize_per_group,
+    quantize_per_group_reference,
+    quantize_per_row,
+    quantize_per_row_reference,
+)
+from mmpipe.layers.fp8 import Fp8Linear, _reference_block_product, block_scale_columns
 from tests.helpers import random_image
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -45,7 +51,7 @@ def test_an_fp8_layer_on_cuda_equals_its_arithmetic():
     for rows in (1, 8, 33, 512):
         x = torch.randn(rows, 2048, generator=gen).cuda().bfloat16()
         xq, xs = quantize_per_row_reference(x)
-        expected = (xq.float() * xs) @ (layer.weight.float() * layer.weight_scale.t()).t() + linear.bias.float()
+        expected = (xq.float() * xs) @ (layer.weight.float() * layer.weight_scale).t() + linear.bias.float()
         torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2)
 
 
@@ -81,23 +87,35 @@ def test_the_bundled_model_captions_held_out_scenes_in_fp8():
     assert results["fp8"][1]["exact"] >= results["bf16"][1]["exact"] - 0.05
 
 
-def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fp8_weight(n: int, k: int, seed: int, block: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 weight, its scales, the float32 weight it stands for); `block`: 128 x 128 tiles with
+    uneven scales (`Fp8Linear`'s layout, columns padded to a multiple of 4)."""
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n).unsqueeze(1)).cuda()
-    values, scale = quantize_per_row_reference(w)
-    return values, scale.reshape(-1).contiguous(), values.float() * scale  # the weight it stands for
+    if not block:
+        values, scale = quantize_per_row_reference(w)
+        return values, scale.reshape(-1).contiguous(), values.float() * scale
+    grid = (-(-n // 128), -(-k // 128))
+    scale = torch.rand(grid, generator=gen).cuda() * 0.01 + 0.001
+    full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    values = (w / full).clamp(-448, 448).to(FP8)
+    padded = torch.ones(grid[0], block_scale_columns(k), device="cuda")
+    padded[:, :grid[1]] = scale
+    return values, padded, values.float() * full
 
 
+@pytest.mark.parametrize("scales", ["channel", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 32])
 @pytest.mark.parametrize("n,k,bias", [(2560, 2048, True), (2048, 11008, False), (4096, 1024, False)])
-def test_few_row_kernels_read_fp8_weights_like_the_dequantized_product(rows, n, k, bias, dtype):
-    """Decode's products on FP8 weights (weight-only: activations stay in the model dtype): the
-    rounded product, its K-split partial sums, and the gated down projection."""
+def test_few_row_kernels_read_fp8_weights_like_the_dequantized_product(rows, n, k, bias, dtype, scales):
+    """Decode's products on FP8 weights (weight-only: activations stay in the model dtype), with
+    per-channel or 128 x 128 block scales: the rounded product, its K-split partial sums, and the
+    gated down projection."""
     from mmpipe.kernels import gemv
     from mmpipe.kernels.fused import silu_mul
 
-    weight, scale, dense = _fp8_weight(n, k, seed=rows + n)
+    weight, scale, dense = _fp8_weight(n, k, seed=rows + n, block=scales == "block")
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(rows, k, generator=gen).cuda().to(dtype)
     b = (torch.randn(n, generator=gen).cuda().to(dtype)) if bias else None
@@ -114,3 +132,104 @@ def test_few_row_kernels_read_fp8_weights_like_the_dequantized_product(rows, n, 
         gated = gemv.fp8_gated_linear_split(gate_up, weight, scale)
         gated = gated.total() if isinstance(gated, gemv.PartialSums) else gated
         torch.testing.assert_close(gated.float(), torch.nn.functional.linear(silu_mul(gate_up).float(), dense), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 128), (7, 2048), (33, 5000), (300, 11008)])
+def test_the_group_quantizer_kernel_equals_pytorch_bit_for_bit(shape, dtype):
+    """One scale per row and 128 columns (the last group partial where K is not a multiple)."""
+    gen = torch.Generator(device="cuda").manual_seed(shape[1])
+    x = (torch.randn(shape, device="cuda", generator=gen) *
+         torch.logspace(-3, 3, shape[1], device="cuda").unsqueeze(0)).to(dtype)  # groups of very different range
+    values, scale = quantize_per_group(x)
+    ref_values, ref_scale = quantize_per_group_reference(x, 128)
+    assert scale.shape == ref_scale.shape == (shape[0], -(-shape[1] // 128)) and scale.stride(0) == 1
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    padded_values, padded_scale = quantize_per_group(x, row_multiple=4)  # cuBLASLt's row multiple
+    rows = -(-shape[0] // 4) * 4
+    assert padded_values.shape[0] == padded_scale.shape[0] == rows and padded_scale.stride(0) == 1
+    assert torch.equal(padded_scale[:shape[0]], scale) and torch.equal(padded_values[:shape[0]].view(torch.uint8),
+                                                                       values.view(torch.uint8))
+    assert not padded_values[shape[0]:].float().any() and bool((padded_scale[shape[0]:] == 1).all())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("n,k", [(384, 256), (2560, 2048), (2048, 11008)])
+def test_a_block_scaled_fp8_layer_on_cuda_equals_its_arithmetic(rows, n, k):
+    """cuBLASLt's block-scaled GEMM (1x128 activation groups, 128x128 weight tiles with uneven
+    scales) against the same arithmetic in float32; a bias added after."""
+    weight, scale, _ = _fp8_weight(n, k, seed=n + k, block=True)
+    bias = torch.randn(n, device="cuda").bfloat16()
+    layer = Fp8Linear(weight, scale, bias, block=True)
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    values, x_scale = quantize_per_group(x)
+    expected = _reference_block_product(values, x_scale, weight, layer._full_scale()) + bias.float()
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().mean().item())
+
+
+KEEP_TEXT = {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    from tests.helpers import make_checkpoint
+
+    return make_checkpoint(str(tmp_path_factory.mktemp("wide")), text=KEEP_TEXT)
+
+
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+def test_an_fp8_checkpoint_runs_in_fp8_in_every_graph_mode(wide, tmp_path, fmt):
+    """A published-format FP8 checkpoint keeps its projections in FP8 on the GPU: every graph mode
+    gives eager's greedy tokens, and the first-token logits stay within the activation
+    quantization's error of the weights dequantized by hand."""
+    from tests.helpers import first_logits, rel_err
+    from tests.unit.test_fp8_checkpoints import fp8_pair
+
+    quantized, reference = fp8_pair(wide, tmp_path, fmt, block=(128, 128))
+    images = [random_image(90 + 30 * i, 70 + 20 * i, seed=40 + i) for i in range(3)]
+    conversations = [[{"role": "user", "content": [{"type": "image", "image": images[i % 3]},
+                                                   {"type": "text", "text": "describe it " * (1 + 2 * i)}]}]
+                     for i in range(4)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0)
+    tokens = {}
+    for mode in ("none", "full_decode_only", "piecewise", "full_and_piecewise"):
+        pipe = Pipeline.from_pretrained(quantized, device="cuda", dtype="float32", graph_mode=mode,
+                                        num_kv_pages=512, max_running_requests=4)
+        assert "8 language-model linear layers kept in FP8" in pipe.model.quantization
+        tokens[mode] = [o.token_ids for o in pipe.chat(conversations, params)]
+        if mode == "none":
+            ours = first_logits(pipe, conversations[0])
+        pipe.close()
+    assert all(t == tokens["none"] for t in tokens.values()), tokens
+    by_hand = Pipeline.from_pretrained(reference, device="cuda", dtype="float32", graph_mode="none", num_kv_pages=512)
+    assert 1e-5 < rel_err(ours, first_logits(by_hand, conversations[0])) < 0.1
+    by_hand.close()
+
+
+def test_fp8_all_quantizes_the_vision_tower_and_keeps_graphs_exact(checkpoint):
+    """`fp8-all`: the ViT's linear layers in FP8 too; its image embeddings stay close to bfloat16's
+    and every graph mode gives eager's greedy tokens."""
+    images = [random_image(90 + 30 * i, 70 + 20 * i, seed=50 + i) for i in range(3)]
+    conversations = [[{"role": "user", "content": [{"type": "image", "image": images[i % 3]},
+                                                   {"type": "text", "text": "describe it"}]}] for i in range(3)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0)
+    tokens, embeds = {}, {}
+    for quantization, mode in (("fp8", "none"), ("fp8-all", "none"), ("fp8-all", "full_and_piecewise")):
+        pipe = Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16", graph_mode=mode,
+                                        quantization=quantization, num_kv_pages=512, max_running_requests=4)
+        fp8_vit = sum(isinstance(m, Fp8Linear) for m in pipe.model.vision.modules())
+        plain_vit = sum(type(m) is nn.Linear for m in pipe.model.vision.modules())
+        if quantization == "fp8-all":
+            assert fp8_vit > 0 and plain_vit == 1, (fp8_vit, plain_vit)  # all but the patch embedding
+        else:
+            assert fp8_vit == 0
+        tokens[(quantization, mode)] = [o.token_ids for o in pipe.chat(conversations, params)]
+        embeds[(quantization, mode)] = pipe.runner.encode_images([pipe.processor.load_image(i, "probe") for i in images])
+        pipe.close()
+    assert tokens[("fp8-all", "none")] == tokens[("fp8-all", "full_and_piecewise")]
+    from tests.helpers import rel_err
+
+    for a, b in zip(embeds[("fp8-all", "none")], embeds[("fp8", "none")]):
+        assert 1e-4 < rel_err(a.float(), b.float()) < 0.1

@@ -66,8 +66,9 @@ def _write(source: str, target: str, tensors: dict[str, torch.Tensor], quantizat
     return target
 
 
-def fp8_pair(base: str, tmp, fmt: str) -> tuple[str, str]:
+def fp8_pair(base: str, tmp, fmt: str, block: tuple[int, int] = (128, 64)) -> tuple[str, str]:
     """(the checkpoint in `fmt`, the same weights dequantized by hand in float32)."""
+    rows, cols = block
     original = load_file(os.path.join(base, "model.safetensors"))
     stored, by_hand = {}, {}
     for k, (name, w) in enumerate(sorted(original.items())):
@@ -75,8 +76,8 @@ def fp8_pair(base: str, tmp, fmt: str) -> tuple[str, str]:
             stored[name] = by_hand[name] = w
             continue
         if fmt == "block":
-            q, scale = quantize_blocks(w.float(), 128, 64, seed=k)
-            full = scale.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(64, 1)[:, :w.shape[1]]
+            q, scale = quantize_blocks(w.float(), rows, cols, seed=k)
+            full = scale.repeat_interleave(rows, 0)[:w.shape[0]].repeat_interleave(cols, 1)[:, :w.shape[1]]
             stored[name], stored[name + "_scale_inv"] = q, scale
             by_hand[name] = q.float() * full
         else:
@@ -85,7 +86,7 @@ def fp8_pair(base: str, tmp, fmt: str) -> tuple[str, str]:
             by_hand[name] = q.float() * (scale.reshape(-1, 1) if fmt == "channel" else scale)
     if fmt == "block":
         config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                  "weight_block_size": [128, 64], "modules_to_not_convert": ["lm_head", "visual"]}
+                  "weight_block_size": [rows, cols], "modules_to_not_convert": ["lm_head", "visual"]}
     else:
         config = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
                   "config_groups": {"group_0": {
@@ -94,8 +95,8 @@ def fp8_pair(base: str, tmp, fmt: str) -> tuple[str, str]:
                       "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
                                             "symmetric": True}}},
                   "ignore": ["lm_head", "re:.*visual.*"]}
-    quantized = _write(base, str(tmp / f"fp8_{fmt}"), stored, config)
-    reference = _write(base, str(tmp / f"by_hand_{fmt}"), by_hand, None)
+    quantized = _write(base, str(tmp / f"fp8_{fmt}_{rows}x{cols}"), stored, config)
+    reference = _write(base, str(tmp / f"by_hand_{fmt}_{rows}x{cols}"), by_hand, None)
     return quantized, reference
 
 
@@ -216,3 +217,83 @@ def test_a_scale_may_come_before_its_weight_in_the_files():
         got = dict(dequantized(order + [("b.bias", torch.ones(2, dtype=torch.float64))], scheme, torch.float32, "ckpt"))
         assert torch.equal(got["a.weight"], want) and got["b.bias"].dtype == torch.float32
         assert set(got) == {"a.weight", "b.bias"}  # the scale is consumed, not a tensor of its own
+
+
+# ---------------------------------------------------------------------------- kept in FP8
+# On a GPU with FP8 tensor cores the language model's projections stay FP8 as published. The same
+# loading runs on the CPU with `keep_fp8=True` (the products then run in float32 on the
+# quantized values: `Fp8Linear`'s reference path).
+
+KEEP_TEXT = {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Widths the FP8 kernels take: every fused part and input a multiple of 128."""
+    return make_checkpoint(str(tmp_path_factory.mktemp("wide")), text=KEEP_TEXT)
+
+
+def _load(path: str, keep: bool):
+    from mmpipe.models import load_model
+
+    return load_model(path, torch.device("cpu"), torch.float32, keep_fp8=keep)
+
+
+@pytest.mark.parametrize("fmt", ["channel", "tensor", "block"])
+def test_fp8_layers_hold_the_published_weights(wide, tmp_path, fmt):
+    """Each FP8 layer (q/k/v and gate/up fused) holds the published FP8 values and scales: its
+    dequantized weight equals the by-hand dequantization exactly, fused parts in their order and
+    non-uniform block scales on their own tiles."""
+    from mmpipe.layers.fp8 import Fp8Linear
+
+    quantized, reference = fp8_pair(wide, tmp_path, fmt, block=(128, 128))
+    kept, by_hand = _load(quantized, True), _load(reference, False)
+    layers = {name: m for name, m in kept.language.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(layers) == 4 * 2  # qkv, o, gate_up, down in both layers
+    assert all(m.block == (fmt == "block") for m in layers.values())
+    for name, layer in layers.items():
+        want = by_hand.language.get_submodule(name).weight
+        assert torch.equal(layer.dequantized_weight(), want), name
+    assert "8 language-model linear layers kept in FP8" in kept.quantization
+    assert not any(isinstance(m, Fp8Linear) for m in by_hand.language.modules())
+
+
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+def test_an_fp8_checkpoint_runs_on_its_fp8_layers(wide, tmp_path, monkeypatch, fmt):
+    """End to end with the layers kept in FP8 (the CPU standing in for an FP8 GPU): logits within
+    the dynamic activation quantization's error of the by-hand dequantized model, and not equal
+    to them (the activations really are quantized)."""
+    import mmpipe.models
+
+    quantized, reference = fp8_pair(wide, tmp_path, fmt, block=(128, 128))
+    monkeypatch.setattr(mmpipe.models, "fp8_available", lambda device: True)
+    kept = Pipeline.from_pretrained(quantized, device="cpu", dtype="float32")
+    monkeypatch.undo()
+    by_hand = Pipeline.from_pretrained(reference, device="cpu", dtype="float32")
+    assert "kept in FP8" in kept.model.quantization
+    ours, want = first_logits(kept, _chat()), first_logits(by_hand, _chat())
+    assert 1e-5 < rel_err(ours, want) < 0.1  # a random tiny model: ~4% from 8-bit activations
+
+
+def test_layers_the_fp8_kernels_cannot_take_are_dequantized(base, tmp_path):
+    """128x64 blocks and widths that are not multiples of 128: every FP8 weight is dequantized,
+    and the model says why."""
+    from mmpipe.layers.fp8 import Fp8Linear
+
+    quantized, _ = fp8_pair(base, tmp_path, "block")
+    kept = _load(quantized, True)
+    assert not any(isinstance(m, Fp8Linear) for m in kept.language.modules())
+    assert "dequantized to float32 at load (shapes the FP8 kernels do not take)" in kept.quantization
+
+
+def test_kernel_scales_take_the_layers_layout():
+    scheme = Fp8Checkpoint("fp8", "weight_scale_inv", "block", (128, 128))
+    weight = torch.randn(300, 600).to(FP8)
+    grid = torch.arange(1.0, 16.0).reshape(3, 5)
+    padded = scheme.kernel_scale("w", weight, grid)
+    assert padded.shape == (3, 8) and torch.equal(padded[:, :5], grid)  # columns to a multiple of 4
+    tensor = Fp8Checkpoint("compressed-tensors", "weight_scale", "tensor")
+    assert torch.equal(tensor.kernel_scale("w", weight, torch.tensor([2.5])), torch.full((300, 1), 2.5))
+    with pytest.raises(CheckpointError, match="needs scales of shape"):
+        scheme.kernel_scale("w", weight, grid.t())

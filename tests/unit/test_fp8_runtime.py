@@ -39,7 +39,7 @@ def test_an_fp8_linear_equals_its_arithmetic_and_applies_scales_per_output_chann
     layer = Fp8Linear.from_linear(linear)
     x = torch.randn(2, 5, 64, generator=gen) * torch.logspace(-1, 1, 5).view(1, 5, 1)
     xq, xs = quantize_per_row(x.reshape(-1, 64))
-    expected = (xq.float() * xs) @ (layer.weight.float() * layer.weight_scale.t()).t() + linear.bias
+    expected = (xq.float() * xs) @ (layer.weight.float() * layer.weight_scale).t() + linear.bias
     out = layer(x)
     assert out.shape == (2, 5, 32)
     torch.testing.assert_close(out.reshape(-1, 32), expected, rtol=1e-5, atol=1e-5)
@@ -84,9 +84,9 @@ def test_every_language_model_projection_is_quantized_and_runs_its_arithmetic():
 def test_fp8_is_refused_by_name_where_it_cannot_run(checkpoint):
     with pytest.raises(InputError, match="needs a GPU with FP8 tensor cores .* this run's device is cpu"):
         Pipeline.from_pretrained(checkpoint, device="cpu", quantization="fp8")
-    with pytest.raises(InputError, match="'fp8-all' .* not implemented yet"):
+    with pytest.raises(InputError, match="quantization='fp8-all' needs a GPU with FP8 tensor cores"):
         check_runtime_quantization("fp8-all", torch.device("cpu"))
-    with pytest.raises(InputError, match="quantization='int4': use 'fp8' or None"):
+    with pytest.raises(InputError, match="quantization='int4': use 'fp8' .*, 'fp8-all' .* or None"):
         Pipeline.from_pretrained(checkpoint, device="cpu", quantization="int4")
     assert check_runtime_quantization(None, torch.device("cpu")) is None
     assert check_runtime_quantization("none", torch.device("cpu")) is None
