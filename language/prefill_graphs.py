@@ -208,8 +208,14 @@ class PrefillRunner(GraphRunner):
         if n > self.max_tokens:
             raise ValueError(f"a prefill of {n} tokens exceeds max_prefill_tokens={self.max_tokens}")
         size = self.rows_for(n)
-        stage_rows(self.lm.embed_tokens.weight, token_ids, positions, meta.slot_mapping, count, self.input_embeds,
-                   self.positions, self.slots, size, self.dummy_slot)
+        if getattr(self.lm, "tp", None) is None:
+            stage_rows(self.lm.embed_tokens.weight, token_ids, positions, meta.slot_mapping, count,
+                       self.input_embeds, self.positions, self.slots, size, self.dummy_slot)
+        else:  # a tensor-parallel shard holds part of the table: its lookup sums the ranks' rows
+            self.lm.embed(token_ids, out=self.input_embeds[:n])
+            self.positions[:n].copy_(positions)
+            self.slots[:n].copy_(meta.slot_mapping)
+            self.slots[n:size].fill_(self.dummy_slot)
         self._write_images(images)
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             if not self.piecewise:

@@ -8,17 +8,21 @@ holds 1/N of every large weight and runs the same forward:
   replicated: rank r holds KV head r*KV // N, the one its query heads attend with (N % KV == 0).
 - o: row-parallel (the rank's query heads' input columns), then one all-reduce.
 - gate/up: column-parallel (1/N of the intermediate width each); down: row-parallel, one all-reduce.
-- embedding: vocabulary-parallel (rank r holds rows [r*V/N, (r+1)*V/N)); ids outside a rank's
-  rows look up zeros, and an all-reduce sums the one real row.
-- LM head: vocabulary-parallel columns; the logits are gathered to the whole vocabulary.
+- embedding: vocabulary-parallel (rank r holds rows [r*P, (r+1)*P), P = ceil(V/N), the last rank's
+  padded with zero rows when N does not divide V); ids outside a rank's rows look up zeros, and an
+  all-reduce sums the one real row.
+- LM head: vocabulary-parallel columns, padded the same way; the logits are gathered and cut back
+  to the V real columns.
 Norms, rotary tables and everything per token are replicated. The sum in the all-reduce adds the
 ranks' partial products in a fixed order, so ranks agree bit for bit with each other, and with the
 unsharded model up to that summation order (float32: ~1e-6 relative).
 
-`shard_language_model` turns a loaded model into rank r's shard in place. This module is the
-sharded forward only: starting worker processes, broadcasting each step's inputs from rank 0,
-loading only a rank's slices from the checkpoint, and the graph runners in lockstep are the
-Pipeline's part (`tensor_parallel_size`), not built yet.
+`shard_language_model` turns a loaded model into rank r's shard in place. The collectives go
+through a `TPGroup`: the default `torch.distributed` group, or a standalone backend (NCCL on GPUs,
+gloo on the CPU) that the Pipeline makes for its own ranks (`mmpipe.engine.tensor_parallel`), so a
+process that already belongs to another group (`mmpipe caption --gpus N`, which runs under
+accelerate) can hold one. Every collective is launched on the current stream's order, so the
+decode and prefill graphs capture them like any other kernel.
 """
 
 from __future__ import annotations
@@ -36,24 +40,56 @@ from mmpipe.errors import UnsupportedModelError
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in a tensor-parallel group."""
+    """This process's place in a tensor-parallel group. `group`: a `torch.distributed` process
+    group (None: the default group); `backend`: instead, a standalone backend object
+    (`ProcessGroupNCCL` / `ProcessGroupGloo` built on a store of the group's own)."""
 
     rank: int
     size: int
-    group: Any = None  # a torch.distributed process group (None: the default group)
+    group: Any = None
+    backend: Any = None
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+    def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """Sum (or `op`, a `dist.ReduceOp`) over the ranks, in place."""
+        if self.size == 1:
+            return x
+        if self.backend is None:
+            dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group)
+            return x
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op or dist.ReduceOp.SUM
+        self.backend.allreduce([x], opts).wait()
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`src`'s `x` on every rank, in place (contiguous tensors)."""
+        if self.size == 1:
+            return x
+        if self.backend is None:
+            dist.broadcast(x, src, group=self.group)
+            return x
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.backend.broadcast([x], opts).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` side by side along the last dimension, in rank order."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        rows, width = flat.shape
+        stacked = torch.empty(self.size * rows, width, dtype=x.dtype, device=x.device)  # rank-major
+        if self.backend is None:
+            dist.all_gather_into_tensor(stacked, flat, group=self.group)
+        else:
+            self.backend._allgather_base(stacked, flat).wait()
+        return stacked.view(self.size, rows, width).transpose(0, 1).reshape(*x.shape[:-1], self.size * width)
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' `value`s (e.g. KV pages: each rank sizes its own cache)."""
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
 
 
 class RowParallelLinear(nn.Module):
@@ -88,7 +124,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    return t[start:start + count].clone()
+    """Rows [start, start + count) of `t`, zero rows past its end (a padded vocabulary shard)."""
+    out = t.new_zeros(count, *t.shape[1:])
+    real = max(0, min(count, t.shape[0] - start))
+    out[:real] = t[start:start + real]
+    return out
 
 
 def check_shardable(cfg: Any, size: int) -> None:
@@ -98,8 +138,6 @@ def check_shardable(cfg: Any, size: int) -> None:
         problems.append(f"{cfg.num_heads} attention heads")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of it)")
-    if cfg.vocab_size % size:
-        problems.append(f"a vocabulary of {cfg.vocab_size}")
     if problems:
         raise UnsupportedModelError(f"tensor_parallel_size={size} does not divide {', '.join(problems)}")
 
@@ -108,6 +146,8 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     """Make `lm` (a loaded `Qwen2LanguageModel`, every rank holding the same weights) rank
     `tp.rank`'s shard, in place; returns it. Its `cfg` then holds the rank's head counts and
     intermediate width (the vocabulary stays whole: logits are gathered)."""
+    if getattr(lm, "tp", None) is not None:
+        raise ValueError("shard_language_model: this language model is a shard already")
     cfg, n, r = lm.cfg, tp.size, tp.rank
     check_shardable(cfg, n)
     d = cfg.head_dim
@@ -147,7 +187,7 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
         down = mlp.down_proj
         mlp.down_proj = RowParallelLinear(down.weight[:, r * part:(r + 1) * part].clone(), down.bias, tp)
         mlp.hidden = part
-    vocab = cfg.vocab_size // n
+    vocab = -(-cfg.vocab_size // n)  # rows per rank; the last rank's padded with zeros
     table = lm.embed_tokens.weight
     if lm.lm_head is None:  # tied: the head is the embedding's rows
         lm.head_rows = _rows(table, r * vocab, vocab)
@@ -164,6 +204,7 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
 
 
 def sharded_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits over the whole vocabulary from a shard: each rank's columns, gathered."""
+    """float32 logits over the whole vocabulary from a shard: each rank's columns, gathered (the
+    padding columns of an uneven split cut off)."""
     local = F.linear(hidden, lm.head_rows).float()  # rounded to the model dtype first, as unsharded
-    return lm.tp.all_gather_last(local)
+    return lm.tp.all_gather_last(local)[..., :lm.cfg.vocab_size]

@@ -65,6 +65,7 @@ _EXPORTS = {
     "CheckpointError": "mmpipe.errors",
     "UnsupportedModelError": "mmpipe.errors",
     "DeviceMemoryError": "mmpipe.errors",
+    "EngineError": "mmpipe.errors",
 }
 
 __all__ = list(_EXPORTS)

@@ -220,10 +220,15 @@ class EngineConfig:
     # Prefill (extend) attention on CUDA: "triton" (reads the cache's pages), "varlen"
     # (FlashAttention on contiguous K/V) or "auto" (by context length; see cuda_backend).
     extend_attention: str = "auto"
+    # Tensor parallelism: the language model split over this many GPUs (the device given and the
+    # next ones; one worker process per extra GPU; gloo processes on the CPU). The ViT runs on
+    # the first GPU. See mmpipe.engine.tensor_parallel.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("kv_page_size", "max_running_requests", "max_prefill_tokens", "max_vision_patches",
-                     "cpu_kv_tokens", "preprocess_workers", "vit_graph_max_images", "max_banned_tokens"):
+                     "cpu_kv_tokens", "preprocess_workers", "vit_graph_max_images", "max_banned_tokens",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")

@@ -24,3 +24,7 @@ class UnsupportedModelError(CheckpointError):
 class DeviceMemoryError(MmpipeError, MemoryError):
     """The device has too little free memory for the model and settings asked for (said with how
     much was needed and how much was free)."""
+
+
+class EngineError(MmpipeError, RuntimeError):
+    """The engine cannot go on (a tensor-parallel worker failed or exited); says which and why."""

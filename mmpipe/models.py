@@ -122,6 +122,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quantization: str | None = None  # how the checkpoint's weights were stored, and what was done with them
+    tp: Any = None  # the language model's tensor-parallel group (`TPGroup`) once sharded, else None
 
     @property
     def merge_size(self) -> int:

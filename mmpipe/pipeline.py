@@ -76,14 +76,22 @@ class _Pending:
 
 class Pipeline:
     def __init__(self, model: LoadedModel, tokenizer: Any, engine_config: EngineConfig,
-                 startup: StartupReport | None = None, startup_sampling: SamplingParams | None = None) -> None:
+                 startup: StartupReport | None = None, startup_sampling: SamplingParams | None = None,
+                 workers: Any = None) -> None:
+        """`workers`: the tensor-parallel ranks 1..N-1 (`mmpipe.engine.tensor_parallel.Workers`),
+        started by `from_pretrained`; this process is rank 0."""
         self.model = model
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.startup = startup if startup is not None else StartupReport()
         self.defaults = _generation_defaults(model.path, tokenizer)
         resolved = startup_sampling.resolve(self.defaults) if startup_sampling is not None else None
-        self.runner = ModelRunner(model, engine_config, self.startup, resolved)
+        if workers is not None:
+            from mmpipe.engine.tensor_parallel import start_runner
+
+            self.runner = start_runner(model, engine_config, workers, self.startup, resolved)
+        else:
+            self.runner = ModelRunner(model, engine_config, self.startup, resolved)
         self.engine = Engine(self.runner, engine_config)
         self.processor = InputProcessor(tokenizer, model, self.defaults, self.runner.max_model_len,
                                         engine_config.max_banned_tokens, engine_config.preprocessed_cache_bytes,
@@ -130,13 +138,28 @@ class Pipeline:
         if config.image_decode == "gpu":  # before the weights load
             require_gpu_decode(dev)
         startup = StartupReport()
-        with startup.phase("weights"):
-            model = load_model(path, dev, dt, config.attention_backend, config.extend_attention, config.quantization)
-        if limits:
-            model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
-        with startup.phase("tokenizer"):
-            tokenizer = load_tokenizer(path)
-        pipe = cls(model, tokenizer, config, startup, startup_sampling)
+        workers = None
+        if config.tensor_parallel_size > 1:
+            from mmpipe.engine.tensor_parallel import Workers, check_tensor_parallel
+
+            check_tensor_parallel(config.tensor_parallel_size, dev, config)
+            if not os.path.isdir(path):
+                raise CheckpointError(f"{path}: not a directory")
+            workers = Workers(path, dev, dt, config)  # they load their weights beside this process
+        try:
+            with startup.phase("weights"):
+                # Sharded layers are plain Linear layers: an FP8 checkpoint is dequantized under tensor parallelism.
+                model = load_model(path, dev, dt, config.attention_backend, config.extend_attention,
+                                   config.quantization, keep_fp8=False if workers is not None else None)
+            if limits:
+                model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
+            with startup.phase("tokenizer"):
+                tokenizer = load_tokenizer(path)
+            pipe = cls(model, tokenizer, config, startup, startup_sampling, workers)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
         log.info("%s", startup.line())
         return pipe
 
@@ -161,7 +184,7 @@ class Pipeline:
         if sampling is not None and self.runner.decoder is not None:
             resolved = sampling.resolve(self.defaults)
             with self.startup.phase("decode graphs for the sampling") as phase:
-                more = self.runner.decoder.capture_sampling(resolved, self.engine_config.startup_progress)
+                more = self.runner.capture_decode_sampling(resolved)
                 phase.detail = f"{more} graphs"
             captured += more
         log.info("%s", self.startup.line())
@@ -281,6 +304,7 @@ class Pipeline:
                 "preprocessed_cache": self.processor.preprocessed.stats(),
                 "steps": self.engine.steps,
                 "overlap_schedule": self.engine.overlap,
+                "tensor_parallel_size": self.engine_config.tensor_parallel_size,
                 "vision_stream": self.runner.vision_stream is not None,
                 "startup": self.startup.as_dict(),
             }

@@ -65,6 +65,8 @@ class ModelRunner:
         family = model.spec
         with startup.phase("KV cache"):
             num_pages = self._num_pages()
+            if model.tp is not None:  # every rank's cache holds the pages rank 0's scheduler hands out
+                num_pages = model.tp.agree_min(num_pages, self.device)
             # Graphs bake in the KV cache's addresses: it is allocated once and never reallocated.
             self.kv = family.kv_cache(lm.num_layers, num_pages, self.page_size, lm.num_kv_heads, lm.head_dim,
                                       self.dtype, self.device)
@@ -258,18 +260,31 @@ class ModelRunner:
         """Run the chunks as one extend forward; returns logits [n, vocab] for the chunks that
         complete their sequence, in order."""
         inputs = PrefillInputs.build(chunks, self.page_size)
-        ids, positions, meta, logit_rows, count = self.prefiller.upload(inputs)
-        hidden = self.prefiller.forward(ids, positions, inputs.images, meta, count)
+        logits = self.forward_prefill(inputs)
         for chunk in chunks:
             chunk.request.num_computed = chunk.end
             if chunk.end >= chunk.request.prompt_len:
                 chunk.request.image_embeds = [None] * len(chunk.request.images)  # consumed
         self.stats.prefill_forwards += 1
         self.stats.prefill_tokens += int(inputs.token_ids.shape[0])
+        return logits
+
+    @torch.inference_mode()
+    def forward_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
+        """The forward of one prefill step's host inputs: logits of its `logit_rows`."""
+        ids, positions, meta, logit_rows, count = self.prefiller.upload(inputs)
+        hidden = self.prefiller.forward(ids, positions, inputs.images, meta, count)
         rows = inputs.logit_rows
         if rows.shape[0] == 1:  # one sequence completes (a first token): a view, not a gather kernel
             return self.model.language.compute_logits(hidden[int(rows[0]):int(rows[0]) + 1])
         return self.model.language.compute_logits(hidden[logit_rows])
+
+    def capture_decode_sampling(self, sampling: Any) -> int:
+        """Capture the decode graphs a run with these resolved sampling settings uses (see
+        `DecodeGraphRunner.capture_sampling`); the number captured."""
+        if self.decoder is None:
+            return 0
+        return self.decoder.capture_sampling(sampling, self.cfg.startup_progress)
 
     def launch_decode(self, requests: Sequence[Request]) -> PendingDecode:
         """Queue one decode step (sampling inside) without waiting for its tokens."""

@@ -19,16 +19,17 @@ from mmpipe.errors import UnsupportedModelError
 from mmpipe.layers.context import ForwardContext, forward_context
 from tests.lm_helpers import extend_meta
 
-CASES = {  # name: (world size, query heads, KV heads, tied head)
-    "kv_split": (2, 6, 2, False),  # 3 query heads and 1 KV head per rank
-    "kv_replicated": (2, 4, 1, True),  # one KV head shared: each rank holds a copy
-    "three_ranks": (3, 6, 3, False),
+CASES = {  # name: (world size, query heads, KV heads, tied head, vocabulary)
+    "kv_split": (2, 6, 2, False, 96),  # 3 query heads and 1 KV head per rank
+    "kv_replicated": (2, 4, 1, True, 96),  # one KV head shared: each rank holds a copy
+    "three_ranks": (3, 6, 3, False, 96),
+    "uneven_vocabulary": (3, 6, 3, True, 97),  # 33 rows per rank, the last padded with two zero rows
 }
 
 
-def build(heads: int, kv_heads: int, tied: bool) -> Qwen2LanguageModel:
+def build(heads: int, kv_heads: int, tied: bool, vocab: int = 96) -> Qwen2LanguageModel:
     torch.manual_seed(0)
-    cfg = TextConfig(vocab_size=96, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=heads,
+    cfg = TextConfig(vocab_size=vocab, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=heads,
                      num_kv_heads=kv_heads, head_dim=8, mrope_section=(1, 2, 1), tie_word_embeddings=tied)
     lm = Qwen2LanguageModel(cfg).eval()
     with torch.no_grad():
@@ -61,10 +62,10 @@ def _rank(rank: int, world: int, port: int, case: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        _, heads, kv, tied = CASES[case]
-        prompt = torch.tensor([3, 17, 42, 5, 88, 61, 9, 30, 2, 77])
-        reference = greedy(build(heads, kv, tied), prompt, steps=4)
-        shard = shard_language_model(build(heads, kv, tied), TPGroup(rank, world))
+        _, heads, kv, tied, vocab = CASES[case]
+        prompt = torch.tensor([3, 17, 42, 5, 88, 61, 9, 30, 2, 96 if vocab > 96 else 77])
+        reference = greedy(build(heads, kv, tied, vocab), prompt, steps=4)
+        shard = shard_language_model(build(heads, kv, tied, vocab), TPGroup(rank, world))
         assert shard.num_kv_heads == max(1, kv // world) and shard.cfg.num_heads == heads // world
         ours = greedy(shard, prompt, steps=4)
         torch.save({"reference": reference, "sharded": ours}, f"{out}.{rank}")

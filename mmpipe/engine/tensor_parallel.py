@@ -1,0 +1,388 @@
+"""Tensor parallelism for a Pipeline: one worker process per extra GPU, each holding a shard of the
+language model (`mmpipe.language.tensor_parallel`) and running rank 0's forwards in lockstep.
+
+Rank 0 is the caller's process. It alone holds requests: the scheduler, the vision tower, the
+encoder cache, sampling for the first token, detokenising. The workers hold shards and the same
+graph runners; for every model call that runs collectives, rank 0 first sends the call's host
+inputs over a pipe to each worker, which replays it on its own `ModelRunner`:
+
+- prefill: the step's `PrefillInputs` (numpy), then each image span's embeddings, broadcast from
+  rank 0's GPU (the ViT runs on rank 0 only: a ~0.7B tower gains little from splitting, and the
+  broadcast of a 448 px image's embeddings is one 1 MB copy);
+- decode: each row's state (length, new KV pages; prompt, sampling and tokens when the request
+  joins the decode batch). A worker keeps a mirror per request for the decode batch's
+  bookkeeping. Sampling runs inside the decode step on every rank over the gathered, identical
+  logits, so each rank's device batch advances the same way; only rank 0 reads the tokens;
+- release, and capturing a sampling's decode graphs (`Pipeline.warm_up`).
+
+Graphs stay in lockstep by construction: every rank captures the same sizes in the same order at
+start-up (same configuration), and a graph captured later is captured by every rank in the same
+step, since the same inputs make the same decision. The collectives inside them (NCCL on GPUs)
+are captured like any other kernel. The ranks' groups are standalone backends on a store of
+their own (not the default `torch.distributed` group), so a process that already belongs to
+another group (`mmpipe caption --gpus N` under accelerate) can hold a tensor-parallel Pipeline.
+
+A worker that fails reports the error on its pipe and exits; rank 0 raises it at its next call
+(`EngineError`), and the Pipeline is then unusable. Workers die with rank 0 (daemonic, and the
+parent-death signal on Linux), and `Pipeline.close` stops and joins them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mmpipe.config import EngineConfig
+from mmpipe.engine.batch import ImageSpan, PendingDecode, PrefillInputs
+from mmpipe.engine.model_runner import ModelRunner
+from mmpipe.engine.request import Request
+from mmpipe.errors import EngineError, InputError
+from mmpipe.language.tensor_parallel import TPGroup, shard_language_model
+from mmpipe.models import LoadedModel, load_model
+from mmpipe.startup import StartupReport
+
+log = logging.getLogger("mmpipe")
+
+# How long a rank waits for the others in a collective or at the store before failing.
+TIMEOUT = datetime.timedelta(minutes=10)
+_STOP_WAIT_S = 30.0
+
+
+def rank_device(first: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU after the Pipeline's own (all ranks on the CPU share it)."""
+    if first.type != "cuda":
+        return first
+    return torch.device("cuda", (first.index if first.index is not None else torch.cuda.current_device()) + rank)
+
+
+def check_tensor_parallel(size: int, device: torch.device, config: EngineConfig) -> None:
+    """An `InputError` for a tensor-parallel request this machine or build cannot serve."""
+    if size <= 1:
+        return
+    if config.quantization:
+        raise InputError(f"quantization={config.quantization!r} with tensor_parallel_size={size}: not supported yet "
+                         "(FP8 layers are not sharded); use one or the other")
+    if device.type == "cuda":
+        last = rank_device(device, size - 1).index
+        if last >= torch.cuda.device_count():
+            raise InputError(f"tensor_parallel_size={size} from {device}: needs GPUs {rank_device(device, 0).index}.."
+                             f"{last}, this machine has {torch.cuda.device_count()}")
+        if not dist.is_nccl_available():
+            raise InputError(f"tensor_parallel_size={size}: this torch build has no NCCL")
+    elif device.type != "cpu":
+        raise InputError(f"tensor_parallel_size={size}: runs on CUDA GPUs or the CPU, not {device.type}")
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    path: str
+    device: str  # rank 0's device; rank r uses `rank_device(device, r)`
+    dtype: torch.dtype
+    config: EngineConfig
+    size: int
+    port: int
+
+
+def join_group(rank: int, size: int, store: Any, device: torch.device) -> TPGroup:
+    """This rank's place in the group: a standalone NCCL (GPU) or gloo (CPU) backend on the
+    group's own store, with one collective run now (NCCL sets up its communicator on the first
+    one, which must not happen inside a graph capture)."""
+    prefixed = dist.PrefixStore("mmpipe-tp", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = TIMEOUT
+        backend = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    else:
+        backend = dist.ProcessGroupGloo(prefixed, rank, size, TIMEOUT)
+    group = TPGroup(rank, size, backend=backend)
+    group.all_reduce(torch.ones(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return group
+
+
+def shard(model: LoadedModel, group: TPGroup) -> LoadedModel:
+    """The model with its language model replaced by this rank's shard (in place)."""
+    shard_language_model(model.language, group)
+    model.tp = group
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()  # the other ranks' slices, for the KV cache to size itself on
+    return model
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: their processes and pipes, and the group's store."""
+
+    def __init__(self, path: str, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> None:
+        """Start ranks 1..N-1 (they load their weights beside rank 0's own load)."""
+        self.size = config.tensor_parallel_size
+        self.device = device
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=TIMEOUT, wait_for_workers=False)
+        spec = _WorkerSpec(path, str(device), dtype, config, self.size, self.store.port)
+        context = mp.get_context("spawn")
+        self.processes: list[Any] = []
+        self.pipes: list[Any] = []
+        self.failure: str | None = None
+        for rank in range(1, self.size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_worker_main, args=(rank, spec, theirs), name=f"mmpipe-tp-rank{rank}",
+                                      daemon=True)
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(ours)
+
+    def wait_for(self, what: str) -> None:
+        """Block until every worker has said `what` ("loaded", "ready"); a worker's error or exit
+        raises instead."""
+        for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
+            while True:
+                if pipe.poll(1.0):
+                    try:
+                        kind, detail = pipe.recv()
+                    except EOFError:
+                        self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}) before it "
+                                   f"was {what}")
+                    if kind == what:
+                        break
+                    self._fail(f"tensor-parallel rank {rank} failed: {detail}")
+                elif not process.is_alive():
+                    self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}) before it was "
+                               f"{what}")
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        """One call for every worker to replay; raises if a worker has failed or exited."""
+        self.check()
+        for pipe in self.pipes:
+            pipe.send((kind, payload))
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise EngineError(self.failure)
+        for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
+            if pipe.poll():
+                try:
+                    kind, detail = pipe.recv()
+                except EOFError:
+                    process.join(1.0)
+                    self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode})")
+                self._fail(f"tensor-parallel rank {rank} failed: {detail}")
+            if not process.is_alive():
+                self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode})")
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        raise EngineError(message)
+
+    def close(self) -> None:
+        """Stop every worker (after the step in flight) and reap its process; kill one that
+        does not stop in time."""
+        for pipe in self.pipes:
+            try:
+                pipe.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self.processes:
+            process.join(_STOP_WAIT_S)
+            if process.is_alive():
+                log.warning("tensor-parallel worker %s did not stop in %.0f s; killing it", process.name, _STOP_WAIT_S)
+                process.kill()
+                process.join(5.0)
+        for pipe in self.pipes:
+            pipe.close()
+        self.processes, self.pipes = [], []
+        self.failure = self.failure or "the Pipeline was closed"
+
+
+def start_runner(model: LoadedModel, cfg: EngineConfig, workers: Workers, startup: StartupReport,
+                 startup_sampling: Any) -> "TensorParallelRunner":
+    """Rank 0's side of the start: once every worker has loaded its weights, all ranks join the
+    group, shard, and build their runners (capturing the same graphs in lockstep)."""
+    try:
+        with startup.phase("tensor-parallel workers"):
+            workers.wait_for("loaded")
+        workers.send("start", startup_sampling)
+        group = join_group(0, workers.size, workers.store, model.device)
+        with startup.phase("sharding"):
+            shard(model, group)
+        runner = TensorParallelRunner(model, cfg, workers, startup, startup_sampling)
+        workers.wait_for("ready")
+        return runner
+    except BaseException:
+        workers.close()
+        raise
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's model runner: each call that runs collectives is first sent to the workers."""
+
+    def __init__(self, model: LoadedModel, cfg: EngineConfig, workers: Workers, startup: StartupReport | None = None,
+                 startup_sampling: Any = None) -> None:
+        self.workers = workers
+        self._pages_sent: dict[int, int] = {}  # request id -> KV pages its worker mirror holds
+        super().__init__(model, cfg, startup, startup_sampling)
+
+    def forward_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
+        spans = [(span.row, tuple(span.values.shape)) for span in inputs.images]
+        self.workers.send("prefill", (replace(inputs, images=[]), spans))
+        for span in inputs.images:
+            self.model.tp.broadcast(span.values.contiguous())
+        return super().forward_prefill(inputs)
+
+    def launch_decode(self, requests: Sequence[Request]) -> PendingDecode:
+        self.workers.send("decode", [self._row_state(r) for r in requests])
+        return super().launch_decode(requests)
+
+    def _row_state(self, request: Request) -> tuple[Any, ...]:
+        """What a worker's mirror of `request` needs for this decode step: the request's full
+        state when the decode batch (re)writes its row, else its length and new pages."""
+        rid = id(request)
+        sent = self._pages_sent.get(rid)
+        intro = None
+        if sent is None:
+            seen = list(request.prompt_ids) if request.sampling.repetition_penalty != 1.0 else []
+            intro = (seen, request.sampling, request.seed, request.mrope_delta)
+            sent = 0
+        if len(request.pages) < sent:  # pages handed back and taken again: send them all
+            sent = 0
+        row = self.decoder.row_of.get(rid)
+        joins = row is None or int(self.decoder.lens[row]) + 1 != request.seq_len
+        self._pages_sent[rid] = len(request.pages)
+        return (rid, request.seq_len, request.total_len, sent, list(request.pages[sent:]),
+                list(request.output_ids) if joins else None, intro)
+
+    def release(self, requests: Sequence[Request]) -> None:
+        gone = [id(r) for r in requests if self._pages_sent.pop(id(r), None) is not None]
+        if gone:
+            self.workers.send("release", gone)
+        super().release(requests)
+
+    def capture_decode_sampling(self, sampling: Any) -> int:
+        if self.decoder is None:
+            return 0
+        self.workers.send("capture_sampling", sampling)
+        return super().capture_decode_sampling(sampling)
+
+    def close(self) -> None:
+        workers, self.workers = self.__dict__.get("workers"), None
+        if workers is not None:
+            workers.close()
+        super().close()
+        group = self.model.tp
+        if group is not None and group.backend is not None:
+            try:
+                group.backend.shutdown()
+            except Exception:  # nothing left to talk to; closing must not fail
+                log.debug("shutting down the tensor-parallel backend failed", exc_info=True)
+
+
+# ---------------------------------------------------------------------- the worker side
+
+
+@dataclass
+class _Mirror:
+    """What the decode batch reads of a request (`DecodeSource`), as rank 0 last sent it."""
+
+    prompt_ids: list[int]
+    sampling: Any
+    seed: int
+    mrope_delta: int
+    pages: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    total_len: int = 0
+    seq_len: int = 0
+
+
+def _mirrors(table: dict[int, _Mirror], rows: list[tuple[Any, ...]]) -> list[_Mirror]:
+    out = []
+    for rid, seq_len, total_len, first_page, pages, output_ids, intro in rows:
+        if intro is not None:
+            table[rid] = _Mirror(intro[0], intro[1], intro[2], intro[3])
+        mirror = table[rid]
+        mirror.pages[first_page:] = pages
+        if output_ids is not None:
+            mirror.output_ids = output_ids
+        mirror.seq_len, mirror.total_len = seq_len, total_len
+        out.append(mirror)
+    return out
+
+
+def _serve(runner: ModelRunner, group: TPGroup, pipe: Any) -> None:
+    """Replay rank 0's calls until it says stop."""
+    table: dict[int, _Mirror] = {}
+    while True:
+        kind, payload = pipe.recv()
+        if kind == "stop":
+            return
+        if kind == "prefill":
+            inputs, spans = payload
+            images = [ImageSpan(row, group.broadcast(torch.empty(shape, dtype=runner.dtype, device=runner.device)))
+                      for row, shape in spans]
+            runner.forward_prefill(replace(inputs, images=images))
+        elif kind == "decode":
+            runner.decoder.launch(_mirrors(table, payload))
+        elif kind == "release":
+            runner.decoder.release([table.pop(rid) for rid in payload if rid in table])
+        elif kind == "capture_sampling":
+            runner.capture_decode_sampling(payload)
+        else:
+            raise RuntimeError(f"unknown call {kind!r} from rank 0")
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when rank 0's process dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the workers
+    group = None
+    try:
+        device = rank_device(torch.device(spec.device), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        cfg = spec.config
+        model = load_model(spec.path, device, spec.dtype, cfg.attention_backend, cfg.extend_attention, None,
+                           keep_fp8=False)
+        pipe.send(("loaded", None))
+        kind, startup_sampling = pipe.recv()  # rank 0 resolves the sampling once its tokenizer is loaded
+        if kind != "start":
+            os._exit(0)  # rank 0 gave up before the start
+        store = dist.TCPStore("127.0.0.1", spec.port, spec.size, False, timeout=TIMEOUT)
+        group = join_group(rank, spec.size, store, device)
+        runner = ModelRunner(shard(model, group), cfg, None, startup_sampling)
+        pipe.send(("ready", None))
+        _serve(runner, group, pipe)
+        runner.close()
+        code = 0
+    except BaseException as exc:  # reported to rank 0, which raises it
+        detail = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        try:
+            pipe.send(("error", detail))
+        except (BrokenPipeError, OSError):
+            pass
+        code = 1
+    finally:
+        if group is not None:
+            try:
+                group.backend.shutdown()
+            except Exception:
+                pass
+    os._exit(code)  # no interpreter teardown racing the CUDA context and NCCL threads

@@ -1,0 +1,131 @@
+"""`Pipeline.from_pretrained(..., tensor_parallel_size=N)` on the CPU: rank 0 in this process, the
+other ranks in spawned worker processes over gloo, each holding its shard of the language model.
+In float32 the sharded Pipeline gives the unsharded one's tokens (images, several requests at
+once, prompts chunked across steps, seeded sampling with a repetition penalty, a request
+aborted mid-decode, a KV cache small enough to preempt); its workers stop with `close()`; a
+worker that dies is reported by name, not waited on forever."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mmpipe import EngineError, InputError, Pipeline, SamplingParams
+from tests.helpers import random_image
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machine
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def conversations() -> list:
+    images = [random_image(120, 90, seed=1), random_image(64, 200, seed=2), random_image(150, 150, seed=3)]
+    texts = ["Describe this image.", "compare the two pictures", "Tell me a story about a fox."]
+    convs = [[{"role": "user", "content": [{"type": "image", "image": images[i]}, {"type": "text", "text": t}]}]
+             for i, t in enumerate(texts)]
+    convs.append([{"role": "user", "content": [{"type": "image", "image": images[0]},
+                                               {"type": "image", "image": images[1]},
+                                               {"type": "text", "text": texts[1]}]}])
+    convs.append([{"role": "user", "content": "a small green triangle at the bottom"}])
+    return convs
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoint(checkpoint_factory):
+    """Tiny Qwen2.5-VL with 4 query heads and 2 KV heads: one KV head per rank at 2 ranks, and a
+    vocabulary that 2 ranks do not divide evenly."""
+    return checkpoint_factory()
+
+
+def run(path: str, size: int, sampling: SamplingParams | list[SamplingParams] = GREEDY, **options) -> list:
+    pipe = Pipeline.from_pretrained(path, device="cpu", dtype="float32", tensor_parallel_size=size, **options)
+    try:
+        return [o.token_ids for o in pipe.chat(conversations(), sampling, progress=False)], pipe.stats()
+    finally:
+        pipe.close()
+
+
+def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint):
+    reference, _ = run(tp_checkpoint, 1)
+    ours, stats = run(tp_checkpoint, 2)
+    assert ours == reference
+    assert len({tuple(t) for t in reference}) > 2  # the prompts give different answers
+    assert stats["tensor_parallel_size"] == 2
+
+
+def test_chunked_prompts_sampling_and_a_small_kv_cache_match_too(tp_checkpoint):
+    """Prompts split over several prefill steps, few KV pages (requests wait and are preempted),
+    seeded sampling with a repetition penalty (the workers' sampler rows carry the penalty's
+    history and the seeds)."""
+    sampled = [SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=7 + i, repetition_penalty=1.3,
+                              ignore_eos=True) for i in range(len(conversations()))]
+    options = dict(max_prefill_tokens=48, num_kv_pages=40, kv_page_size=4)
+    reference, _ = run(tp_checkpoint, 1, sampled, **options)
+    ours, stats = run(tp_checkpoint, 2, sampled, **options)
+    assert ours == reference
+    assert stats["requests"]["preemptions"] > 0 and stats["runner"]["prefill_forwards"] > len(sampled)
+
+
+def test_abort_mid_decode_and_close_leave_no_worker(tp_checkpoint):
+    import multiprocessing
+
+    pipe = Pipeline.from_pretrained(tp_checkpoint, device="cpu", dtype="float32", tensor_parallel_size=2)
+    workers = list(pipe.runner.workers.processes)
+    assert workers and all(w.is_alive() for w in workers)
+    stream = pipe.stream(conversations()[0], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    first = [next(stream) for _ in range(3)]
+    stream.close()  # aborts the request: its rows leave every rank's decode batch
+    again = pipe.chat(conversations()[:2], GREEDY, progress=False)
+    single = Pipeline.from_pretrained(tp_checkpoint, device="cpu", dtype="float32")
+    try:
+        assert [o.token_ids for o in again] == [o.token_ids for o in single.chat(conversations()[:2], GREEDY,
+                                                                                  progress=False)]
+    finally:
+        single.close()
+    assert len(first) == 3
+    pipe.close()
+    assert not any(w.is_alive() for w in workers)
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("mmpipe-tp")]
+
+
+def test_a_worker_that_dies_is_reported_not_waited_on(tp_checkpoint):
+    pipe = Pipeline.from_pretrained(tp_checkpoint, device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        worker = pipe.runner.workers.processes[0]
+        worker.kill()
+        worker.join(10)
+        with pytest.raises(EngineError, match="tensor-parallel rank 1 exited"):
+            pipe.chat(conversations()[0], GREEDY, errors="raise")
+    finally:
+        pipe.close()
+
+
+def test_settings_it_cannot_serve_are_refused_by_name(tp_checkpoint, monkeypatch):
+    from mmpipe.config import EngineConfig
+    from mmpipe.engine.tensor_parallel import check_tensor_parallel
+
+    with pytest.raises(InputError, match="tensor_parallel_size=0"):
+        Pipeline.from_pretrained(tp_checkpoint, device="cpu", tensor_parallel_size=0)
+    with pytest.raises(InputError, match="quantization='fp8' with tensor_parallel_size=2"):
+        Pipeline.from_pretrained(tp_checkpoint, device="cpu", tensor_parallel_size=2, quantization="fp8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InputError, match="tensor_parallel_size=2 from cuda:0: needs GPUs 0..1, this machine has 1"):
+        check_tensor_parallel(2, torch.device("cuda", 0), EngineConfig())
+
+
+def test_the_bundled_model_captions_the_same_on_two_ranks():
+    """The trained bundled model (485-token vocabulary: 243 rows on rank 0, 242 and a zero row on
+    rank 1) captions the sample images exactly as unsharded."""
+    from mmpipe.pipeline import default_model_path
+
+    images = sorted(os.path.join("assets/images", f) for f in os.listdir("assets/images") if f.endswith(".png"))
+    captions = []
+    for size in (1, 2):
+        pipe = Pipeline.from_pretrained(default_model_path(), device="cpu", dtype="float32", tensor_parallel_size=size)
+        try:
+            captions.append(pipe.caption(images, progress=False))
+        finally:
+            pipe.close()
+    assert captions[0] == captions[1] and all(captions[0])
