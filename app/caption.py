@@ -123,7 +123,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group.add_argument("--batch-size", type=_positive, default=None,
                            help="most requests decoding together (default: the engine's 256)")
     run_group.add_argument("--gpus", type=_positive, default=None,
-                           help="data parallel: start this many processes, one per GPU (via accelerate)")
+                           help="data parallel: start one process per GPU (via accelerate); with --tp T, one "
+                                "per T GPUs (--gpus 4 --tp 2: two replicas of two GPUs each)")
+    run_group.add_argument("--tp", type=_positive, default=1,
+                           help="tensor parallel: split the language model over this many GPUs (the device's and "
+                                "the next ones)")
     run_group.add_argument("--gpu-decode", action="store_true",
                            help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "
                                 "transformers' torchvision-backed processor does; other files use Pillow")
@@ -213,8 +217,12 @@ def run(args: argparse.Namespace) -> int:
         print("mmpipe caption: --ray runs its own actors (--ray-actors); not with --gpus or a multi-process launcher",
               file=sys.stderr)
         return 2
-    if args.gpus and args.gpus > 1 and "WORLD_SIZE" not in os.environ and "ACCELERATE_PROCESS_INDEX" not in os.environ:
-        return _launch_processes(args.gpus)
+    if args.gpus and args.gpus % args.tp:
+        print(f"mmpipe caption: --gpus {args.gpus} is not a multiple of --tp {args.tp}", file=sys.stderr)
+        return 2
+    replicas = args.gpus // args.tp if args.gpus else 1
+    if replicas > 1 and "WORLD_SIZE" not in os.environ and "ACCELERATE_PROCESS_INDEX" not in os.environ:
+        return _launch_processes(replicas, args.gpus)
     try:
         _check(args)
         prompt = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
@@ -312,7 +320,8 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
         if not args.quiet:
             _summary(tally, 0.0, sink, args, state)
         return 1 if tally.failed or tally.unmatched_inputs else 0
-    device = args.device if args.device or state.num_processes == 1 else str(state.device)
+    device = args.device if args.device or state.num_processes == 1 else replica_device(state.local_process_index,
+                                                                                        args.tp)
     try:
         pipe = Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, graph_mode=args.graph_mode,
                                         startup_sampling=sampling, **options)
@@ -371,6 +380,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"preprocess_workers": args.workers, "image_decode": "gpu" if args.gpu_decode else "cpu"}
     if args.quantization:
         options["quantization"] = args.quantization
+    if args.tp > 1:
+        options["tensor_parallel_size"] = args.tp
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
     for name in ("min_pixels", "max_pixels"):
@@ -430,8 +441,14 @@ def _process_state(cpu: bool) -> Any:
     return PartialState(cpu=cpu or not torch.cuda.is_available())
 
 
-def _launch_processes(count: int) -> int:
-    """`--gpus N`: the same command again under `accelerate launch` with N processes."""
+def replica_device(local_index: int, tp: int) -> str:
+    """The first GPU of a data-parallel replica: replica i of T GPUs each holds GPUs iT .. iT+T-1."""
+    return f"cuda:{local_index * tp}"
+
+
+def _launch_processes(count: int, gpus: int) -> int:
+    """`--gpus N`: the same command again under `accelerate launch` with `count` processes (N, or
+    N / T replicas of T GPUs with --tp T)."""
     argv = [a for a in _strip_gpus(sys.argv[1:])]
     if argv[:1] == ["caption"]:  # started as `mmpipe caption ...`
         argv = argv[1:]
@@ -439,9 +456,9 @@ def _launch_processes(count: int) -> int:
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < count:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        print(f"mmpipe caption: --gpus {count} but this machine has {have} CUDA GPU(s)", file=sys.stderr)
+        print(f"mmpipe caption: --gpus {gpus} but this machine has {have} CUDA GPU(s)", file=sys.stderr)
         return 2
     command += ["--multi_gpu", "-m", "mmpipe.app.caption", *argv]
     with tempfile.TemporaryDirectory(prefix="mmpipe-caption-shards-") as status:

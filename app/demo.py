@@ -404,6 +404,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default: the checkpoint's)")
     parser.add_argument("--quantization", default=None, choices=list(RUNTIME_QUANTIZATIONS),
                         help=QUANTIZATION_HELP)
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor parallel: split the language model over this many GPUs (the device's and the "
+                             "next ones)")
     parser.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                         help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
     parser.add_argument("--min-pixels", type=int, default=None,
@@ -435,6 +438,8 @@ def run(args: argparse.Namespace) -> int:
         options = {"max_running_requests": args.concurrency} if args.concurrency > default_running else {}
         if args.quantization:
             options["quantization"] = args.quantization
+        if args.tp != 1:  # validated by EngineConfig
+            options["tensor_parallel_size"] = args.tp
         pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
                                         min_pixels=args.min_pixels, max_pixels=args.max_pixels, **options)
     except MmpipeError as exc:

@@ -843,3 +843,25 @@ def test_the_command_ends_as_soon_as_its_captions_are_committed(tmp_path):
     assert proc.stdout.strip().endswith(f"a.png\t{EXPECTED['scene_2.png']}")
     assert "strip.png" in proc.stderr and "Traceback" not in proc.stderr
     assert "TEARDOWN RAN" not in proc.stderr
+
+
+def test_tp_two_captions_as_one_process_does(dataset, tmp_path):
+    """`--tp 2` on the CPU: the language model split over two gloo ranks, the captions those of
+    the bundled model (its 485-token vocabulary split unevenly)."""
+    root, expected = dataset
+    out = tmp_path / "tp.jsonl"
+    assert main([str(root), "--output", str(out), "--tp", "2", *CPU]) == 0
+    assert {r["image"]: r["caption"] for r in read_jsonl(out)} == expected
+    # Its rank 1 is alive: this module's pipelines stay open until the module ends.
+    import multiprocessing
+
+    assert [p for p in multiprocessing.active_children() if p.name == "mmpipe-tp-rank1"]
+
+
+def test_gpus_and_tp_make_replicas_of_tp_gpus(capsys):
+    from mmpipe.app.caption import replica_device
+
+    assert [replica_device(i, 2) for i in range(2)] == ["cuda:0", "cuda:2"]
+    assert [replica_device(i, 1) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert main([SAMPLE_DIR, "--gpus", "3", "--tp", "2", *CPU]) == 2
+    assert "--gpus 3 is not a multiple of --tp 2" in capsys.readouterr().err
