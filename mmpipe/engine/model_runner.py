@@ -93,12 +93,14 @@ class ModelRunner:
             self.prefiller = family.prefill_runner(lm, self.kv, self.device, cfg.max_prefill_tokens, prefill_graphs,
                                                    replace(cfg.prefill_graph, enabled=prefill_graphs),
                                                    cfg.prefill_compiler, cfg.compile_cache_dir, memory=pool)
+            self.prefiller.lockstep = model.tp is not None
             self.prefiller.capture_all(progress=cfg.startup_progress)
             phase.detail = _graph_detail(self.prefiller.stats())
         with startup.phase("decode graphs") as phase:
             self.decoder = family.decode_runner(lm, self.kv, cfg.max_running_requests, self.max_model_len,
                                                 self.device, replace(cfg.decode_graph, enabled=decode_graphs),
                                                 ban_width=cfg.max_banned_tokens, memory=pool)
+            self.decoder.lockstep = model.tp is not None
             if startup_sampling is not None:
                 self.decoder.capture_sampling(startup_sampling, progress=cfg.startup_progress)
             else:

@@ -66,6 +66,10 @@ class GraphRunner:
                  memory: GraphMemory | str = "shared", max_graphs: int | None = None) -> None:
         self.name, self.device = name, device
         self.sizes = sorted(set(sizes))
+        # Set where several processes must run the same forwards in the same order (tensor
+        # parallelism: the forwards hold collectives): no start-up precompile pass, whose extent
+        # depends on each process's timing of its Triton cache.
+        self.lockstep = False
         self.counts = RunCounts()
         on_cuda = can_capture_on(device)
         self.enabled = wanted and on_cuda and capturable(backend)
@@ -175,7 +179,7 @@ class GraphRunner:
         the disk cache) in parallel, and only if they took compile time, not load time, are the
         other keys' kernels compiled too (a warm cache would pay a pass over every key for
         nothing: ~2 s for the decode and prefill schedules)."""
-        if not keys:
+        if not keys or self.lockstep:
             return
         with TritonCompileClock() as probe:
             with compile_in_parallel() as parallel:

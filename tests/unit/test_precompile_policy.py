@@ -25,8 +25,9 @@ class _Clock:
 
 
 class _Runner(GraphRunner):
-    def __init__(self) -> None:
+    def __init__(self, lockstep: bool = False) -> None:
         self.precompiled: list[list[int]] = []
+        self.lockstep = lockstep
 
     def precompile(self, keys: Any) -> None:
         self.precompiled.append(list(keys))
@@ -49,3 +50,32 @@ def test_the_first_key_probes_and_the_rest_follow_only_when_cold(monkeypatch, ke
     runner._precompile_if_cold([256, 128, 64, 1])
     assert runner.precompiled == expected
     assert 0.004 < COLD_COMPILE_SECONDS < 0.4
+
+
+def test_ranks_in_lockstep_skip_the_timed_pass(monkeypatch):
+    """Tensor-parallel ranks run the same forwards in the same order (each holds collectives): a
+    pass whose extent depends on each rank's own cache timing is skipped, cold or warm."""
+    @contextlib.contextmanager
+    def fake_parallel(workers: int | None = None) -> Any:
+        yield True
+
+    monkeypatch.setattr(runner_module, "compile_in_parallel", fake_parallel)
+    monkeypatch.setattr(runner_module, "TritonCompileClock", lambda: _Clock(4, 4 * 0.4))
+    runner = _Runner(lockstep=True)
+    runner._precompile_if_cold([256, 128, 64, 1])
+    assert runner.precompiled == []
+
+
+def test_a_tensor_parallel_model_runner_puts_its_language_graphs_in_lockstep(monkeypatch):
+    from mmpipe.engine.model_runner import ModelRunner
+    from mmpipe.config import EngineConfig
+    from mmpipe.models import load_model
+    from mmpipe.pipeline import default_model_path
+
+    import torch
+
+    model = load_model(default_model_path(), torch.device("cpu"), torch.float32)
+    assert not ModelRunner(model, EngineConfig()).decoder.lockstep
+    model.tp = type("OneRank", (), {"agree_min": staticmethod(lambda value, device: value)})()
+    runner = ModelRunner(model, EngineConfig())
+    assert runner.decoder.lockstep and runner.prefiller.lockstep
