@@ -128,6 +128,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group.add_argument("--tp", type=_positive, default=1,
                            help="tensor parallel: split the language model over this many GPUs (the device's and "
                                 "the next ones)")
+    run_group.add_argument("--vit-parallel", default=None, choices=["data", "rank0"],
+                           help="with --tp: each GPU encodes a share of the images (data, the default) or the "
+                                "first GPU encodes them all (rank0)")
     run_group.add_argument("--gpu-decode", action="store_true",
                            help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "
                                 "transformers' torchvision-backed processor does; other files use Pillow")
@@ -382,6 +385,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["quantization"] = args.quantization
     if args.tp > 1:
         options["tensor_parallel_size"] = args.tp
+    if args.vit_parallel:
+        options["vit_parallel"] = args.vit_parallel
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
     for name in ("min_pixels", "max_pixels"):

@@ -73,6 +73,21 @@ class TPGroup:
         self.backend.broadcast([x], opts).wait()
         return x
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point to point: `x` to rank `dst` (which receives it with `recv`, in the same order)."""
+        if self.backend is None:
+            dist.send(x, dst, group=self.group)
+        else:
+            self.backend.send([x], dst, 0).wait()
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Point to point: fill `x` with what rank `src` sends next."""
+        if self.backend is None:
+            dist.recv(x, src, group=self.group)
+        else:
+            self.backend.recv([x], src, 0).wait()
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` side by side along the last dimension, in rank order."""
         if self.size == 1:

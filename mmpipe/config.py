@@ -224,6 +224,10 @@ class EngineConfig:
     # next ones; one worker process per extra GPU; gloo processes on the CPU). The ViT runs on
     # the first GPU. See mmpipe.engine.tensor_parallel.
     tensor_parallel_size: int = 1
+    # The vision tower under tensor parallelism: "data" (each rank encodes a share of a step's
+    # images with its own copy of the tower; the embeddings come back to rank 0) or "rank0" (rank 0
+    # encodes them all).
+    vit_parallel: str = "data"
 
     def __post_init__(self) -> None:
         for name in ("kv_page_size", "max_running_requests", "max_prefill_tokens", "max_vision_patches",
@@ -260,6 +264,8 @@ class EngineConfig:
         if self.extend_attention not in ("auto", "triton", "varlen"):
             raise InputError(f"EngineConfig.extend_attention={self.extend_attention!r}: "
                              "use 'auto', 'triton' or 'varlen'")
+        if self.vit_parallel not in ("data", "rank0"):
+            raise InputError(f"EngineConfig.vit_parallel={self.vit_parallel!r}: use 'data' or 'rank0'")
         if self.attention_backend not in ("auto", "torch", "cuda"):
             raise InputError(f"EngineConfig.attention_backend={self.attention_backend!r}: "
                              "use 'auto', 'torch' or 'cuda'")

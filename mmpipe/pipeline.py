@@ -289,7 +289,8 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         """Engine statistics: graph mode; ViT, decode and prefill graphs (graphs, captures, capture
         seconds, bytes held, replays, eager fallbacks); step counters and decode host time; KV
-        pages, requests and the encoder cache."""
+        pages, requests and the encoder cache; tensor parallelism (size, and with several ranks
+        the vision split and the images the workers encoded)."""
         with self.engine.lock:
             scheduler = self.engine.scheduler
             return {
@@ -304,7 +305,7 @@ class Pipeline:
                 "preprocessed_cache": self.processor.preprocessed.stats(),
                 "steps": self.engine.steps,
                 "overlap_schedule": self.engine.overlap,
-                "tensor_parallel_size": self.engine_config.tensor_parallel_size,
+                "tensor_parallel": self.runner.parallel_stats(),
                 "vision_stream": self.runner.vision_stream is not None,
                 "startup": self.startup.as_dict(),
             }

@@ -142,6 +142,10 @@ class ModelRunner:
                 setattr(self, name, None)
         self.kv = None  # type: ignore[assignment]
 
+    def parallel_stats(self) -> dict[str, Any]:
+        """Tensor parallelism (none here: one process holds the whole model)."""
+        return {"size": 1}
+
     def graph_stats(self) -> dict[str, Any]:
         """Graph statistics of the ViT and the language model (one shape each, see
         `mmpipe.graphs.runner.GraphRunner.stats`), for `Pipeline.stats()`."""

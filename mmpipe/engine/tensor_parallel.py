@@ -6,9 +6,14 @@ encoder cache, sampling for the first token, detokenising. The workers hold shar
 graph runners; for every model call that runs collectives, rank 0 first sends the call's host
 inputs over a pipe to each worker, which replays it on its own `ModelRunner`:
 
+- vision (`EngineConfig.vit_parallel="data"`, the default): a step's images are split into one
+  contiguous share per rank, balanced by patches; each rank encodes its share with its own full
+  copy of the tower (its own lazily captured ViT graphs: no collectives inside) and the workers
+  send their embeddings back to rank 0, whose encoder cache keeps them all. `"rank0"`: rank 0
+  encodes every image. (A ~0.7B tower gains little from a tensor-parallel split and pays a
+  collective per layer; it is not offered.)
 - prefill: the step's `PrefillInputs` (numpy), then each image span's embeddings, broadcast from
-  rank 0's GPU (the ViT runs on rank 0 only: a ~0.7B tower gains little from splitting, and the
-  broadcast of a 448 px image's embeddings is one 1 MB copy);
+  rank 0's GPU (a 448 px image's embeddings are one 1 MB copy);
 - decode: each row's state (length, new KV pages; prompt, sampling and tokens when the request
   joins the decode batch). A worker keeps a mirror per request for the decode batch's
   bookkeeping. Sampling runs inside the decode step on every rank over the gathered, identical
@@ -167,6 +172,11 @@ class Workers:
         for pipe in self.pipes:
             pipe.send((kind, payload))
 
+    def send_to(self, rank: int, kind: str, payload: Any = None) -> None:
+        """A call for one worker only (its share of a step's images)."""
+        self.check()
+        self.pipes[rank - 1].send((kind, payload))
+
     def check(self) -> None:
         if self.failure is not None:
             raise EngineError(self.failure)
@@ -231,7 +241,45 @@ class TensorParallelRunner(ModelRunner):
                  startup_sampling: Any = None) -> None:
         self.workers = workers
         self._pages_sent: dict[int, int] = {}  # request id -> KV pages its worker mirror holds
+        self.images_on_workers = 0  # images the workers encoded (data-parallel vision)
         super().__init__(model, cfg, startup, startup_sampling)
+
+    def parallel_stats(self) -> dict[str, Any]:
+        return {"size": self.workers.size if self.workers is not None else self.model.tp.size,
+                "vit_parallel": self.cfg.vit_parallel, "images_encoded_by_workers": self.images_on_workers}
+
+    def _encode_packs(self, images: Sequence[Any]) -> list[torch.Tensor]:
+        """Data-parallel vision: rank r encodes share r, rank 0 gathers the embeddings in order."""
+        size = self.workers.size
+        if self.cfg.vit_parallel != "data" or len(images) < 2:
+            return super()._encode_packs(images)
+        shares = split_shares([image.num_patches for image in images], size)
+        for rank in range(1, size):
+            lo, hi = shares[rank]
+            if hi > lo:
+                self.workers.send_to(rank, "encode", [_portable(image) for image in images[lo:hi]])
+                self.images_on_workers += hi - lo
+        lo, hi = shares[0]
+        results = super()._encode_packs(images[lo:hi])
+        tail = self._embedding_tail()
+        for rank in range(1, size):
+            lo, hi = shares[rank]
+            for image in images[lo:hi]:
+                out = torch.empty(image.num_tokens, *tail, dtype=self.dtype, device=self.device)
+                results.append(self.model.tp.recv(out, rank))
+        return results
+
+    def _embedding_tail(self) -> tuple[int, ...]:
+        """An image embedding's shape after its token rows: [hidden], or [1 + levels, hidden] with
+        deepstack features."""
+        lm = self.model.language
+        levels = int(getattr(lm, "deepstack_levels", 0))
+        return (1 + levels, lm.hidden_size) if levels else (lm.hidden_size,)
+
+    def capture_vision(self, grids: Sequence[tuple[int, int, int]]) -> int:
+        if self.cfg.vit_parallel == "data" and grids:
+            self.workers.send("capture_vision", list(grids))  # their shares are packs of the same sizes
+        return super().capture_vision(grids)
 
     def forward_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
         spans = [(span.row, tuple(span.values.shape)) for span in inputs.images]
@@ -287,6 +335,37 @@ class TensorParallelRunner(ModelRunner):
                 log.debug("shutting down the tensor-parallel backend failed", exc_info=True)
 
 
+def split_shares(patches: Sequence[int], size: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) index ranges, one per rank, with about equal patch counts (an image
+    goes to the rank whose equal share its middle falls in; shares may be empty)."""
+    total = sum(patches)
+    bounds = [0] * (size + 1)
+    bounds[size] = len(patches)
+    done = 0
+    rank = 1
+    for index, count in enumerate(patches):
+        while rank < size and done + count / 2 > total * rank / size:
+            bounds[rank] = index
+            rank += 1
+        done += count
+    for r in range(rank, size):
+        bounds[r] = len(patches)
+    return [(bounds[r], bounds[r + 1]) for r in range(size)]
+
+
+def _portable(image: Any) -> Any:
+    """An image to send to a worker: its uint8 pixels as numpy (pinned host memory does not
+    travel through a pipe), made a tensor again there (`_restored`)."""
+    pixels = getattr(image, "pixels", None)
+    return replace(image, pixels=pixels.numpy()) if isinstance(pixels, torch.Tensor) else image
+
+
+def _restored(image: Any) -> Any:
+    pixels = getattr(image, "pixels", None)
+    return replace(image, pixels=torch.from_numpy(pixels)) if pixels is not None and not isinstance(
+        pixels, torch.Tensor) else image
+
+
 # ---------------------------------------------------------------------- the worker side
 
 
@@ -336,6 +415,12 @@ def _serve(runner: ModelRunner, group: TPGroup, pipe: Any) -> None:
             runner.decoder.release([table.pop(rid) for rid in payload if rid in table])
         elif kind == "capture_sampling":
             runner.capture_decode_sampling(payload)
+        elif kind == "encode":
+            with torch.inference_mode():
+                for embeds in runner._encode_packs([_restored(image) for image in payload]):
+                    group.send(embeds.contiguous(), 0)
+        elif kind == "capture_vision":
+            runner.capture_vision(payload)
         else:
             raise RuntimeError(f"unknown call {kind!r} from rank 0")
 

@@ -41,7 +41,7 @@ def reference(checkpoint):
 def test_two_gpus_give_one_gpus_tokens_in_every_graph_mode(checkpoint, reference, mode):
     ours, stats = tokens(checkpoint, 2, mode)
     assert ours == reference
-    assert stats["tensor_parallel_size"] == 2
+    assert stats["tensor_parallel"]["size"] == 2
     assert all(stats[name]["capture_failures"] == 0 for name in ("decode", "prefill"))
     if mode in ("full_decode_only", "full_and_piecewise"):
         assert stats["decode"]["graphs"] > 0 and stats["decode"]["graph_runs"] > 0

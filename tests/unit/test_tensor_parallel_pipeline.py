@@ -47,12 +47,29 @@ def run(path: str, size: int, sampling: SamplingParams | list[SamplingParams] = 
         pipe.close()
 
 
-def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint):
+@pytest.mark.parametrize("vit_parallel", ["data", "rank0"])
+def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, vit_parallel):
     reference, _ = run(tp_checkpoint, 1)
-    ours, stats = run(tp_checkpoint, 2)
+    ours, stats = run(tp_checkpoint, 2, vit_parallel=vit_parallel)
     assert ours == reference
     assert len({tuple(t) for t in reference}) > 2  # the prompts give different answers
-    assert stats["tensor_parallel_size"] == 2
+    assert stats["tensor_parallel"]["size"] == 2 and stats["tensor_parallel"]["vit_parallel"] == vit_parallel
+    on_workers = stats["tensor_parallel"]["images_encoded_by_workers"]
+    assert (on_workers > 0) if vit_parallel == "data" else on_workers == 0
+    assert stats["runner"]["images_encoded"] + on_workers == 3  # each distinct image once
+
+
+def test_shares_split_a_steps_images_by_patches():
+    from mmpipe.engine.tensor_parallel import split_shares
+
+    assert split_shares([10] * 8, 2) == [(0, 4), (4, 8)]
+    assert split_shares([5, 100, 5], 2) == [(0, 2), (2, 3)]  # the big image's middle lies in the first half
+    assert split_shares([10] * 7, 3) == [(0, 2), (2, 5), (5, 7)]
+    assert split_shares([10, 10], 4) == [(0, 1), (1, 1), (1, 2), (2, 2)]  # empty shares
+    for patches in ([3, 1, 4, 1, 5, 9, 2, 6], [7], []):
+        shares = split_shares(patches, 3)
+        assert shares[0][0] == 0 and shares[-1][1] == len(patches)
+        assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(shares, shares[1:]))
 
 
 def test_chunked_prompts_sampling_and_a_small_kv_cache_match_too(tp_checkpoint):
