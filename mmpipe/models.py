@@ -22,6 +22,7 @@ from mmpipe.language.mrope import mrope_positions
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
+from mmpipe.language.tensor_parallel import shard_language_model
 from mmpipe.layers.fp8 import Fp8Linear, fp8_available, quantize_linears
 from mmpipe.quantization import (
     LM_FP8_LAYERS,
@@ -71,6 +72,7 @@ class ModelSpec:
     prefill_runner: Callable[..., Any]
     decode_runner: Callable[..., Any]
     kv_cache: Any
+    shard_language: Callable[..., Any]  # (language model, TPGroup) -> the rank's shard, in place
     image_token: str = "<|image_pad|>"
     vision_start_token: str = "<|vision_start|>"
 
@@ -85,7 +87,8 @@ def _qwen_vl(architecture: str, family: str, vision_config: Callable[[dict[str, 
         text_config=text_config, language_model=language_model, preprocess=preprocess_image,
         defer_jpeg=deferred_jpeg, patches=patches_on_device,
         positions=mrope_positions, pack_meta=build_pack_meta, vit_runner=ViTGraphRunner,
-        vit_buckets=default_buckets, prefill_runner=PrefillRunner, decode_runner=DecodeGraphRunner, kv_cache=KVCache)
+        vit_buckets=default_buckets, prefill_runner=PrefillRunner, decode_runner=DecodeGraphRunner, kv_cache=KVCache,
+        shard_language=shard_language_model)
 
 
 REGISTRY: dict[str, ModelSpec] = {spec.architecture: spec for spec in (

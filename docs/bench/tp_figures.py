@@ -11,6 +11,7 @@ configuration measured in this one process (rank 0; rank 1 in a worker):
     PYTHONPATH=. python docs/bench/tp_figures.py CHECKPOINT [FLOAT32_CHECKPOINT]
 """
 import json
+import os
 import sys
 import time
 
@@ -57,7 +58,8 @@ def _collective_rank(rank: int, port: int, hidden: int, vocab: int, out: dict) -
             result[f"{name}_us_rows{rows}"] = round((time.perf_counter() - start) / (20 * 64) * 1e6, 2)
     if rank == 0:
         out.update(result)
-    group.backend.shutdown()
+    torch.cuda.synchronize()
+    os._exit(0)  # no orderly NCCL teardown (see mmpipe.engine.tensor_parallel._abort)
 
 
 def collectives(hidden: int, vocab: int) -> dict:

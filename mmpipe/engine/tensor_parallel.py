@@ -1,5 +1,6 @@
 """Tensor parallelism for a Pipeline: one worker process per extra GPU, each holding a shard of the
-language model (`mmpipe.language.tensor_parallel`) and running rank 0's forwards in lockstep.
+language model (the family's `ModelSpec.shard_language`, `mmpipe.language.tensor_parallel`) and
+running rank 0's forwards in lockstep.
 
 Rank 0 is the caller's process. It alone holds requests: the scheduler, the vision tower, the
 encoder cache, sampling for the first token, detokenising. The workers hold shards and the same
@@ -53,7 +54,7 @@ from mmpipe.engine.batch import ImageSpan, PendingDecode, PrefillInputs
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
 from mmpipe.errors import EngineError, InputError
-from mmpipe.language.tensor_parallel import TPGroup, shard_language_model
+from mmpipe.layers.parallel import TPGroup
 from mmpipe.models import LoadedModel, load_model
 from mmpipe.startup import StartupReport
 
@@ -119,7 +120,7 @@ def join_group(rank: int, size: int, store: Any, device: torch.device) -> TPGrou
 
 def shard(model: LoadedModel, group: TPGroup) -> LoadedModel:
     """The model with its language model replaced by this rank's shard (in place)."""
-    shard_language_model(model.language, group)
+    model.spec.shard_language(model.language, group)
     model.tp = group
     if model.device.type == "cuda":
         torch.cuda.empty_cache()  # the other ranks' slices, for the KV cache to size itself on
@@ -329,10 +330,7 @@ class TensorParallelRunner(ModelRunner):
         super().close()
         group = self.model.tp
         if group is not None and group.backend is not None:
-            try:
-                group.backend.shutdown()
-            except Exception:  # nothing left to talk to; closing must not fail
-                log.debug("shutting down the tensor-parallel backend failed", exc_info=True)
+            _abort(group.backend)
 
 
 def split_shares(patches: Sequence[int], size: int) -> list[tuple[int, int]]:
@@ -364,6 +362,19 @@ def _restored(image: Any) -> Any:
     pixels = getattr(image, "pixels", None)
     return replace(image, pixels=torch.from_numpy(pixels)) if pixels is not None and not isinstance(
         pixels, torch.Tensor) else image
+
+
+def _abort(backend: Any) -> None:
+    """Free the group's communicators, locally. (NCCL's orderly `shutdown` waited forever on an
+    H200 pair once both ranks had graphs with collectives, so it is not used; the workers are gone
+    by now.) Bounded: a stuck call must not hang `Pipeline.close`."""
+    import threading
+
+    thread = threading.Thread(target=lambda: backend.abort(), daemon=True, name="mmpipe-tp-abort")
+    thread.start()
+    thread.join(10.0)
+    if thread.is_alive():
+        log.warning("the tensor-parallel group's communicators did not close in 10 s; left to process exit")
 
 
 # ---------------------------------------------------------------------- the worker side
@@ -437,7 +448,6 @@ def _die_with_parent() -> None:
 def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the workers
-    group = None
     try:
         device = rank_device(torch.device(spec.device), rank)
         if device.type == "cuda":
@@ -464,10 +474,6 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:
         except (BrokenPipeError, OSError):
             pass
         code = 1
-    finally:
-        if group is not None:
-            try:
-                group.backend.shutdown()
-            except Exception:
-                pass
-    os._exit(code)  # no interpreter teardown racing the CUDA context and NCCL threads
+    # No orderly teardown of the communicators or the interpreter (see `_abort`): the process ends
+    # here and the driver frees what it held.
+    os._exit(code)
