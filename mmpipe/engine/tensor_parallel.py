@@ -29,8 +29,9 @@ their own (not the default `torch.distributed` group), so a process that already
 another group (`mmpipe caption --gpus N` under accelerate) can hold a tensor-parallel Pipeline.
 
 A worker that fails reports the error on its pipe and exits; rank 0 raises it at its next call
-(`EngineError`), and the Pipeline is then unusable. Workers die with rank 0 (daemonic, and the
-parent-death signal on Linux), and `Pipeline.close` stops and joins them.
+(`EngineError`), and the Pipeline is then unusable. Workers end with rank 0's process however it
+ends (at its exit, Ctrl-C included; on Linux by the parent-death signal when it is killed), and
+`Pipeline.close` stops and reaps them.
 """
 
 from __future__ import annotations
@@ -39,15 +40,19 @@ import ctypes
 import datetime
 import logging
 import os
+import pickle
 import signal
+import socket
+import subprocess
 import sys
 import traceback
+import weakref
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mmpipe.config import EngineConfig
 from mmpipe.engine.batch import ImageSpan, PendingDecode, PrefillInputs
@@ -127,27 +132,71 @@ def shard(model: LoadedModel, group: TPGroup) -> LoadedModel:
     return model
 
 
+class _WorkerProcess:
+    """A worker's process (`subprocess.Popen`) with the few calls rank 0 makes of it."""
+
+    def __init__(self, popen: subprocess.Popen, rank: int) -> None:
+        self.popen, self.rank = popen, rank
+        self.name, self.pid = f"mmpipe-tp-rank{rank}", popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+
+def _end_all(processes: list[_WorkerProcess]) -> None:
+    """At interpreter exit (Ctrl-C included) or when a `Workers` is dropped unclosed: end every
+    worker still running (SIGTERM, then SIGKILL)."""
+    for process in processes:
+        if process.is_alive():
+            process.popen.terminate()
+    for process in processes:
+        process.join(3.0)
+        process.kill()
+
+
 class Workers:
-    """Rank 0's handle on ranks 1..N-1: their processes and pipes, and the group's store."""
+    """Rank 0's handle on ranks 1..N-1: their processes and pipes, and the group's store.
+
+    Each worker is a fresh interpreter (`python -m mmpipe.engine.tensor_parallel`), not a
+    multiprocessing child: a user's script then needs no `if __name__ == "__main__":` guard (a
+    spawned child would import it again), and nothing of the caller's process is inherited but
+    its environment and import path. Its pipe is one end of a socket pair."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> None:
         """Start ranks 1..N-1 (they load their weights beside rank 0's own load)."""
         self.size = config.tensor_parallel_size
         self.device = device
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=TIMEOUT, wait_for_workers=False)
-        spec = _WorkerSpec(path, str(device), dtype, config, self.size, self.store.port)
-        context = mp.get_context("spawn")
-        self.processes: list[Any] = []
+        spec = pickle.dumps(_WorkerSpec(path, str(device), dtype, config, self.size, self.store.port))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.processes: list[_WorkerProcess] = []
         self.pipes: list[Any] = []
         self.failure: str | None = None
+        self._finalizer = weakref.finalize(self, _end_all, self.processes)
         for rank in range(1, self.size):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=_worker_main, args=(rank, spec, theirs), name=f"mmpipe-tp-rank{rank}",
-                                      daemon=True)
-            process.start()
+            ours, theirs = socket.socketpair()
+            popen = subprocess.Popen([sys.executable, "-m", "mmpipe.engine.tensor_parallel", str(theirs.fileno()),
+                                      str(rank)], stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),), env=env)
             theirs.close()
-            self.processes.append(process)
-            self.pipes.append(ours)
+            assert popen.stdin is not None
+            popen.stdin.write(spec)
+            popen.stdin.close()
+            self.processes.append(_WorkerProcess(popen, rank))
+            self.pipes.append(Connection(ours.detach()))
 
     def wait_for(self, what: str) -> None:
         """Block until every worker has said `what` ("loaded", "ready"); a worker's error or exit
@@ -212,7 +261,7 @@ class Workers:
                 process.join(5.0)
         for pipe in self.pipes:
             pipe.close()
-        self.processes, self.pipes = [], []
+        self.processes[:], self.pipes = [], []
         self.failure = self.failure or "the Pipeline was closed"
 
 
@@ -446,6 +495,7 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:
+    """A worker's whole life: load, join, shard, capture, serve; errors go to rank 0."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the workers
     try:
@@ -477,3 +527,7 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:
     # No orderly teardown of the communicators or the interpreter (see `_abort`): the process ends
     # here and the driver frees what it held.
     os._exit(code)
+
+
+if __name__ == "__main__":  # a worker: python -m mmpipe.engine.tensor_parallel PIPE_FD RANK < pickled spec
+    _worker_main(int(sys.argv[2]), pickle.loads(sys.stdin.buffer.read()), Connection(int(sys.argv[1])))

@@ -146,3 +146,51 @@ def test_the_bundled_model_captions_the_same_on_two_ranks():
         finally:
             pipe.close()
     assert captions[0] == captions[1] and all(captions[0])
+
+
+_CHILD = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from mmpipe import Pipeline, SamplingParams
+pipe = Pipeline.from_pretrained({path!r}, device="cpu", dtype="float32", tensor_parallel_size=2)
+print(" ".join(str(p.pid) for p in pipe.runner.workers.processes), flush=True)
+while True:  # busy until signalled
+    pipe.generate(["a small green triangle"], sampling=SamplingParams(max_new_tokens=64, ignore_eos=True))
+"""
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill"])
+def test_no_worker_outlives_its_pipeline_process(tp_checkpoint, tmp_path, how):
+    """Ctrl-C (SIGINT) or SIGKILL of the process holding rank 0, mid-generation: its worker
+    processes end too (no orphans holding GPU memory)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(root=root, path=tp_checkpoint))
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in child.stdout.readline().split()]
+        assert pids and all(_alive(p) for p in pids)
+        time.sleep(1.0)  # inside a generation
+        child.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
+        child.wait(60)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
