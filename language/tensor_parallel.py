@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import UnsupportedModelError
-from mmpipe.layers.parallel import TPGroup  # noqa: F401 (re-exported: the group the shards talk through)
+from mmpipe.layers.parallel import Slice, TPGroup  # noqa: F401 (TPGroup re-exported: the group the shards use)
 
 
 class RowParallelLinear(nn.Module):
@@ -88,6 +88,56 @@ def check_shardable(cfg: Any, size: int) -> None:
         raise UnsupportedModelError(f"tensor_parallel_size={size} does not divide {', '.join(problems)}")
 
 
+class HeadShard(nn.Module):
+    """An untied LM head's vocabulary rows on this rank (`lm_head.weight` when loading)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def _layout(cfg: Any, tp: TPGroup) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, first KV head, vocabulary rows) of rank `tp.rank`."""
+    n, r = tp.size, tp.rank
+    heads = cfg.num_heads // n
+    kv_heads = cfg.num_kv_heads // n if cfg.num_kv_heads % n == 0 else 1
+    kv_first = r * kv_heads if cfg.num_kv_heads % n == 0 else r * cfg.num_kv_heads // n
+    return heads, kv_heads, kv_first, -(-cfg.vocab_size // n)
+
+
+def shard_slices(cfg: Any, tp: TPGroup) -> Any:
+    """For loading only a rank's part of each checkpoint tensor: a function from a language-model
+    tensor's name (inside the language model, as the checkpoint names it) to the `Slice` this
+    rank holds, or None for a tensor every rank holds whole. The same split as
+    `shard_language_model`, on the checkpoint's unfused q/k/v and gate/up tensors."""
+    check_shardable(cfg, tp.size)
+    if cfg.intermediate_size % tp.size:
+        raise UnsupportedModelError(f"tensor_parallel_size={tp.size} does not divide the MLP width "
+                                    f"{cfg.intermediate_size}")
+    r, d = tp.rank, cfg.head_dim
+    heads, kv_heads, kv_first, vocab = _layout(cfg, tp)
+    q = (r * heads * d, (r + 1) * heads * d)
+    kv = (kv_first * d, (kv_first + kv_heads) * d)
+    part = cfg.intermediate_size // tp.size
+    mlp = (r * part, (r + 1) * part)
+    rows = {".self_attn.q_proj.": q, ".self_attn.k_proj.": kv, ".self_attn.v_proj.": kv,
+            ".mlp.gate_proj.": mlp, ".mlp.up_proj.": mlp}
+    columns = {".self_attn.o_proj.": q, ".mlp.down_proj.": mlp}
+
+    def select(name: str) -> Slice | None:
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return Slice(0, r * vocab, min((r + 1) * vocab, cfg.vocab_size), vocab)
+        for part_name, (lo, hi) in rows.items():
+            if part_name in name:
+                return Slice(0, lo, hi, hi - lo)
+        for part_name, (lo, hi) in columns.items():
+            if part_name in name and name.endswith(".weight"):
+                return Slice(1, lo, hi, hi - lo)
+        return None
+
+    return select
+
+
 def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     """Make `lm` (a loaded `Qwen2LanguageModel`, every rank holding the same weights) rank
     `tp.rank`'s shard, in place; returns it. Its `cfg` then holds the rank's head counts and
@@ -97,9 +147,7 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     cfg, n, r = lm.cfg, tp.size, tp.rank
     check_shardable(cfg, n)
     d = cfg.head_dim
-    heads = cfg.num_heads // n
-    kv_heads = cfg.num_kv_heads // n if cfg.num_kv_heads % n == 0 else 1
-    kv_first = r * kv_heads if cfg.num_kv_heads % n == 0 else r * cfg.num_kv_heads // n
+    heads, kv_heads, kv_first, vocab = _layout(cfg, tp)
     q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
     for layer in lm.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -133,13 +181,10 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
         down = mlp.down_proj
         mlp.down_proj = RowParallelLinear(down.weight[:, r * part:(r + 1) * part].clone(), down.bias, tp)
         mlp.hidden = part
-    vocab = -(-cfg.vocab_size // n)  # rows per rank; the last rank's padded with zeros
+    # `vocab` rows per rank, the last rank's padded with zeros. Tied: the head is the embedding's rows.
     table = lm.embed_tokens.weight
-    if lm.lm_head is None:  # tied: the head is the embedding's rows
-        lm.head_rows = _rows(table, r * vocab, vocab)
-    else:
-        lm.head_rows = _rows(lm.lm_head.weight, r * vocab, vocab)
-        lm.lm_head = None
+    if lm.lm_head is not None:
+        lm.lm_head = HeadShard(_rows(lm.lm_head.weight, r * vocab, vocab))
     lm.embed_tokens = VocabParallelEmbedding(_rows(table, r * vocab, vocab), r * vocab, tp)
     lm.tp = tp
     # The unsharded model's lookups read the whole table; a shard's go through its collectives.
@@ -152,5 +197,6 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
 def sharded_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """float32 logits over the whole vocabulary from a shard: each rank's columns, gathered (the
     padding columns of an uneven split cut off)."""
-    local = F.linear(hidden, lm.head_rows).float()  # rounded to the model dtype first, as unsharded
+    head = lm.embed_tokens.weight if lm.lm_head is None else lm.lm_head.weight
+    local = F.linear(hidden, head).float()  # rounded to the model dtype first, as unsharded
     return lm.tp.all_gather_last(local)[..., :lm.cfg.vocab_size]

@@ -22,7 +22,7 @@ from mmpipe.language.mrope import mrope_positions
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
-from mmpipe.language.tensor_parallel import shard_language_model
+from mmpipe.language.tensor_parallel import shard_language_model, shard_slices
 from mmpipe.layers.fp8 import Fp8Linear, fp8_available, quantize_linears
 from mmpipe.quantization import (
     LM_FP8_LAYERS,
@@ -73,6 +73,7 @@ class ModelSpec:
     decode_runner: Callable[..., Any]
     kv_cache: Any
     shard_language: Callable[..., Any]  # (language model, TPGroup) -> the rank's shard, in place
+    shard_slices: Callable[..., Any]  # (text config, TPGroup) -> (tensor name -> the rank's Slice, or None)
     image_token: str = "<|image_pad|>"
     vision_start_token: str = "<|vision_start|>"
 
@@ -88,7 +89,7 @@ def _qwen_vl(architecture: str, family: str, vision_config: Callable[[dict[str, 
         defer_jpeg=deferred_jpeg, patches=patches_on_device,
         positions=mrope_positions, pack_meta=build_pack_meta, vit_runner=ViTGraphRunner,
         vit_buckets=default_buckets, prefill_runner=PrefillRunner, decode_runner=DecodeGraphRunner, kv_cache=KVCache,
-        shard_language=shard_language_model)
+        shard_language=shard_language_model, shard_slices=shard_slices)
 
 
 REGISTRY: dict[str, ModelSpec] = {spec.architecture: spec for spec in (
@@ -146,11 +147,13 @@ def _describe_stored(fp8: Fp8Checkpoint | None, dtype: torch.dtype, kept: int, r
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
                extend_attention: str = "auto", quantization: str | None = None,
-               keep_fp8: bool | None = None) -> LoadedModel:
+               keep_fp8: bool | None = None, tp: Any = None) -> LoadedModel:
     """Build the checkpoint's models on `device` with the attention backends chosen for it.
     An FP8 checkpoint's language-model projections stay in FP8 (`Fp8Linear`) where `keep_fp8`
     (default: the device has FP8 tensor cores), everything else of it is dequantized;
-    `quantization="fp8"`: the language model's linear layers quantized to FP8 after loading."""
+    `quantization="fp8"`: the language model's linear layers quantized to FP8 after loading.
+    `tp` (a `TPGroup`, its backend attached later): the language model is built as that rank's
+    shard and only its part of each tensor is read from the files (FP8 weights are dequantized)."""
     quantization = check_runtime_quantization(quantization, device)  # before anything loads
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
@@ -168,6 +171,13 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     with torch.device("meta"):
         vision = spec.vision_model(vision_cfg, vision_attention)
         language = spec.language_model(text_cfg, language_attention)
+    slices = None
+    if tp is not None:
+        slices = {"language": spec.shard_slices(text_cfg, tp)}  # checks the split before anything is read
+        if quantization is not None:
+            raise InputError(f"quantization={quantization!r} with tensor parallelism: not supported yet")
+        keep_fp8 = False
+        language = spec.shard_language(language, tp)  # the shard's structure, on the meta device
     kept: set[str] = set()
     placed = {"refused": 0}
 
@@ -179,7 +189,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     keep = fp8 is not None and (fp8_available(device) if keep_fp8 is None else keep_fp8)
     vision = materialize(vision, device, dtype)
     language = materialize(language, device, dtype, keep_fp8_layers if keep else None)
-    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8, frozenset(kept))
+    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8, frozenset(kept), slices)
     prepare_for_kernels(vision)
     prepare_for_kernels(language)
     stored = _describe_stored(fp8, dtype, sum(isinstance(m, Fp8Linear) for m in language.modules()),
@@ -204,4 +214,4 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
         raise CheckpointError(f"{path}: config.json has no image_token_id")
     return LoadedModel(path=path, spec=spec, hf_config=hf_config, vision=vision, language=language,
                        image_processor=ImageProcessorConfig.from_dir(path), image_token_id=int(image_token_id),
-                       device=device, dtype=dtype, quantization=stored)
+                       device=device, dtype=dtype, quantization=stored, tp=tp)

@@ -148,9 +148,14 @@ class Pipeline:
             workers = Workers(path, dev, dt, config)  # they load their weights beside this process
         try:
             with startup.phase("weights"):
-                # Sharded layers are plain Linear layers: an FP8 checkpoint is dequantized under tensor parallelism.
+                # Under tensor parallelism only this rank's shard is read (an FP8 checkpoint dequantized).
+                tp = None
+                if workers is not None:
+                    from mmpipe.layers.parallel import TPGroup
+
+                    tp = TPGroup(0, config.tensor_parallel_size)
                 model = load_model(path, dev, dt, config.attention_backend, config.extend_attention,
-                                   config.quantization, keep_fp8=False if workers is not None else None)
+                                   config.quantization, tp=tp)
             if limits:
                 model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
             with startup.phase("tokenizer"):

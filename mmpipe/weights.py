@@ -19,6 +19,7 @@ from torch import nn
 
 from mmpipe.errors import CheckpointError
 from mmpipe.layers.fp8 import BLOCK, Fp8Linear, fp8_shape_ok
+from mmpipe.layers.parallel import Slice
 from mmpipe.layers.weight_map import WeightMap
 from mmpipe.quantization import Fp8Checkpoint, dequantized
 
@@ -76,11 +77,22 @@ def split_name(name: str) -> tuple[str, str] | None:
 
 
 def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype, fp8: Fp8Checkpoint | None = None,
-                    keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+                    keep: frozenset[str] = frozenset(), select: Callable[[str], Slice | None] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor, on `device`, floating tensors cast to `dtype`; FP8
     weights times their scales (`mmpipe.quantization.dequantized`), except those of the modules in
-    `keep` (checkpoint names without `.weight`), which stay FP8 beside their scales."""
-    return dequantized(_raw_tensors(directory, device), fp8, dtype, directory, keep.__contains__)
+    `keep` (checkpoint names without `.weight`), which stay FP8 beside their scales. `select`:
+    the part of a tensor to read (a tensor-parallel rank's `Slice`), or None for all of it; only
+    that part is read from the file (an FP8 weight is read whole, dequantized with its scales,
+    then cut)."""
+    if fp8 is None:
+        return dequantized(_raw_tensors(directory, device, select), fp8, dtype, directory, keep.__contains__)
+    tensors = dequantized(_raw_tensors(directory, device), fp8, dtype, directory, keep.__contains__)
+    return tensors if select is None else ((n, _cut(select(n), t)) for n, t in tensors)
+
+
+def _cut(part: Slice | None, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if part is None else part.of(tensor)
 
 
 def stored_fp8_modules(directory: str) -> set[str]:
@@ -135,7 +147,8 @@ def _fp8_layer_fits(linear: nn.Linear, part_rows: list[int], scheme: Fp8Checkpoi
             and all(rows % BLOCK == 0 for rows in part_rows[:-1]))
 
 
-def _raw_tensors(directory: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def _raw_tensors(directory: str, device: torch.device, select: Callable[[str], Slice | None] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     target = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
     for path in checkpoint_files(directory):
         try:
@@ -144,18 +157,32 @@ def _raw_tensors(directory: str, device: torch.device) -> Iterator[tuple[str, to
             raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from exc
         with handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                part = select(name) if select is not None else None
+                if part is None:
+                    yield name, handle.get_tensor(name)
+                    continue
+                sliced = handle.get_slice(name)
+                yield name, part.padded(sliced[part.index(len(sliced.get_shape()))])
 
 
 def load_checkpoint(directory: str, components: dict[str, nn.Module], device: torch.device,
-                    dtype: torch.dtype, fp8: Fp8Checkpoint | None = None, keep: frozenset[str] = frozenset()) -> None:
+                    dtype: torch.dtype, fp8: Fp8Checkpoint | None = None, keep: frozenset[str] = frozenset(),
+                    slices: dict[str, Callable[[str], Slice | None]] | None = None) -> None:
     """Fill every component's parameters from the checkpoint (the FP8 modules in `keep` into
-    their `Fp8Linear` layers, `place_fp8_layers`); raise listing every problem."""
+    their `Fp8Linear` layers, `place_fp8_layers`); raise listing every problem. `slices`: per
+    component, the part of each of its tensors this process holds (a tensor-parallel shard,
+    `ModelSpec.shard_slices`; names inside the component), read alone from the files."""
     maps = {name: module.weight_map() for name, module in components.items()}
     loaded: dict[str, set[str]] = {name: set() for name in components}
     unexpected: list[str] = []
     seen: set[str] = set()
-    for name, tensor in iter_checkpoint(directory, device, dtype, fp8, keep):
+
+    def select(name: str) -> Slice | None:
+        split = split_name(name)
+        rule = slices.get(split[0]) if split is not None and slices else None
+        return rule(split[1]) if rule is not None else None
+
+    for name, tensor in iter_checkpoint(directory, device, dtype, fp8, keep, select if slices else None):
         if name in seen:
             raise CheckpointError(f"{directory}: tensor {name!r} appears in more than one shard")
         seen.add(name)

@@ -28,10 +28,11 @@ def _collective_rank(rank: int, port: int, hidden: int, vocab: int, out: dict) -
     import torch.distributed as dist
 
     from mmpipe.engine.tensor_parallel import join_group
+    from mmpipe.layers.parallel import TPGroup
 
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
-    group = join_group(rank, 2, store, torch.device("cuda", rank))
+    group = join_group(TPGroup(rank, 2), store, torch.device("cuda", rank))
     result = {}
     for rows in (1, 32, 256, 1024):
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)

@@ -105,31 +105,21 @@ class _WorkerSpec:
     port: int
 
 
-def join_group(rank: int, size: int, store: Any, device: torch.device) -> TPGroup:
-    """This rank's place in the group: a standalone NCCL (GPU) or gloo (CPU) backend on the
+def join_group(group: TPGroup, store: Any, device: torch.device) -> TPGroup:
+    """Give this rank's group its backend: a standalone NCCL (GPU) or gloo (CPU) backend on the
     group's own store, with one collective run now (NCCL sets up its communicator on the first
-    one, which must not happen inside a graph capture)."""
+    one, which must not happen inside a graph capture). Blocks until every rank has joined."""
     prefixed = dist.PrefixStore("mmpipe-tp", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TIMEOUT
-        backend = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        group.backend = dist.ProcessGroupNCCL(prefixed, group.rank, group.size, options)
     else:
-        backend = dist.ProcessGroupGloo(prefixed, rank, size, TIMEOUT)
-    group = TPGroup(rank, size, backend=backend)
+        group.backend = dist.ProcessGroupGloo(prefixed, group.rank, group.size, TIMEOUT)
     group.all_reduce(torch.ones(1, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return group
-
-
-def shard(model: LoadedModel, group: TPGroup) -> LoadedModel:
-    """The model with its language model replaced by this rank's shard (in place)."""
-    model.spec.shard_language(model.language, group)
-    model.tp = group
-    if model.device.type == "cuda":
-        torch.cuda.empty_cache()  # the other ranks' slices, for the KV cache to size itself on
-    return model
 
 
 class _WorkerProcess:
@@ -273,9 +263,7 @@ def start_runner(model: LoadedModel, cfg: EngineConfig, workers: Workers, startu
         with startup.phase("tensor-parallel workers"):
             workers.wait_for("loaded")
         workers.send("start", startup_sampling)
-        group = join_group(0, workers.size, workers.store, model.device)
-        with startup.phase("sharding"):
-            shard(model, group)
+        join_group(model.tp, workers.store, model.device)
         runner = TensorParallelRunner(model, cfg, workers, startup, startup_sampling)
         workers.wait_for("ready")
         return runner
@@ -504,14 +492,14 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:
             torch.cuda.set_device(device)
         cfg = spec.config
         model = load_model(spec.path, device, spec.dtype, cfg.attention_backend, cfg.extend_attention, None,
-                           keep_fp8=False)
+                           tp=TPGroup(rank, spec.size))
         pipe.send(("loaded", None))
         kind, startup_sampling = pipe.recv()  # rank 0 resolves the sampling once its tokenizer is loaded
         if kind != "start":
             os._exit(0)  # rank 0 gave up before the start
         store = dist.TCPStore("127.0.0.1", spec.port, spec.size, False, timeout=TIMEOUT)
-        group = join_group(rank, spec.size, store, device)
-        runner = ModelRunner(shard(model, group), cfg, None, startup_sampling)
+        group = join_group(model.tp, store, device)
+        runner = ModelRunner(model, cfg, None, startup_sampling)
         pipe.send(("ready", None))
         _serve(runner, group, pipe)
         runner.close()

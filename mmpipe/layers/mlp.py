@@ -94,18 +94,25 @@ class GatedMLP(nn.Module):
         old, inter = self.gate_up_proj, self.hidden
         gate_up = nn.Linear(old.in_features, 2 * width, bias=old.bias is not None,
                             device=old.weight.device, dtype=old.weight.dtype)
-        down = nn.Linear(width, self.down_proj.out_features, bias=self.down_proj.bias is not None,
-                         device=old.weight.device, dtype=old.weight.dtype)
+        old_down = self.down_proj
+        down_weight = old_down.weight.new_zeros(old_down.weight.shape[0], width)
         with torch.no_grad():
-            for param in (*gate_up.parameters(), down.weight):
+            for param in gate_up.parameters():
                 param.zero_()
             for block in (0, 1):  # gate rows, then up rows, each block padded at its end
                 gate_up.weight[block * width: block * width + inter] = old.weight[block * inter:(block + 1) * inter]
                 if old.bias is not None:
                     gate_up.bias[block * width: block * width + inter] = old.bias[block * inter:(block + 1) * inter]
-            down.weight[:, :inter] = self.down_proj.weight
-            if self.down_proj.bias is not None:
-                down.bias.copy_(self.down_proj.bias)
+            down_weight[:, :inter] = old_down.weight
         self.gate_up_proj = gate_up.requires_grad_(False)
-        self.down_proj = down.requires_grad_(False)
+        if type(old_down) is nn.Linear:
+            down = nn.Linear(width, old_down.out_features, bias=old_down.bias is not None, device=down_weight.device,
+                             dtype=down_weight.dtype)
+            with torch.no_grad():
+                down.weight.copy_(down_weight)
+                if old_down.bias is not None:
+                    down.bias.copy_(old_down.bias)
+            self.down_proj = down.requires_grad_(False)
+        else:  # a tensor-parallel row shard keeps its class (and its all-reduce): only its weight widens
+            old_down.weight = nn.Parameter(down_weight, requires_grad=False)
         self.hidden = width

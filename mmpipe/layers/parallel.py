@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
+@dataclass
 class TPGroup:
     """This process's place in a tensor-parallel group. `group`: a `torch.distributed` process
     group (None: the default group); `backend`: instead, a standalone backend object
-    (`ProcessGroupNCCL` / `ProcessGroupGloo` built on a store of the group's own)."""
+    (`ProcessGroupNCCL` / `ProcessGroupGloo` built on a store of the group's own), attached once
+    every rank has joined: a rank's shards are built and loaded before that."""
 
     rank: int
     size: int
@@ -79,3 +80,30 @@ class TPGroup:
         """The smallest of the ranks' `value`s (e.g. KV pages: each rank sizes its own cache)."""
         t = torch.tensor([value], dtype=torch.int64, device=device)
         return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of a checkpoint tensor a rank holds: [start, stop) along `dim`, zero-padded to
+    `length` (the last rank of an uneven vocabulary split)."""
+
+    dim: int
+    start: int
+    stop: int
+    length: int
+
+    def index(self, ndim: int) -> tuple[slice, ...]:
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),) + (slice(None),) * (ndim - self.dim - 1)
+
+    def padded(self, part: torch.Tensor) -> torch.Tensor:
+        """`part` (the read [start, stop)) with zero rows up to `length`."""
+        missing = self.length - part.shape[self.dim]
+        if missing <= 0:
+            return part
+        shape = list(part.shape)
+        shape[self.dim] = missing
+        return torch.cat([part, part.new_zeros(shape)], dim=self.dim)
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole tensor."""
+        return self.padded(tensor[self.index(tensor.dim())])

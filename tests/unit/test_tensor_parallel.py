@@ -105,3 +105,38 @@ def test_head_counts_that_do_not_divide_are_refused_by_name():
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machine
+
+
+@pytest.mark.parametrize("which", ["bundled", "untied"])
+def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, checkpoint):
+    """`load_model(..., tp=TPGroup(r, 2))` builds rank r's shard on the meta device and reads only
+    its slices from the files: its weights equal the whole model sharded in place, and it reads
+    about half of the language model's bytes. The bundled model ties its head and has 485 tokens
+    (rank 1's last row is padding); the tiny checkpoint has its own head."""
+    from mmpipe.models import load_model
+    from mmpipe.pipeline import default_model_path
+    from mmpipe.weights import iter_checkpoint, split_name
+
+    path = default_model_path() if which == "bundled" else checkpoint
+    cpu = torch.device("cpu")
+    for rank in range(2):
+        whole = shard_language_model(load_model(path, cpu, torch.float32).language, TPGroup(rank, 2))
+        part = load_model(path, cpu, torch.float32, tp=TPGroup(rank, 2)).language
+        theirs, ours = whole.state_dict(), part.state_dict()
+        assert theirs.keys() == ours.keys()
+        for name in theirs:
+            assert torch.equal(theirs[name], ours[name]), name
+        assert part.cfg == whole.cfg
+    spec = load_model(path, cpu, torch.float32).spec
+    select = spec.shard_slices(load_model(path, cpu, torch.float32).language.cfg, TPGroup(0, 2))
+    language = lambda n: (split_name(n) or ("",))[0] == "language"  # noqa: E731
+
+    def lm_elements(**kwargs) -> int:
+        return sum(t.numel() for n, t in iter_checkpoint(path, cpu, torch.float32, **kwargs)
+                   if language(n) and t.dim() == 2)
+
+    def rule(name: str):
+        split = split_name(name)
+        return select(split[1]) if split and split[0] == "language" else None
+
+    assert lm_elements(select=rule) < 0.55 * lm_elements()
