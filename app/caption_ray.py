@@ -32,9 +32,10 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
             return 2
     gpus = int(ray.cluster_resources().get("GPU", 0)) if args.device != "cpu" else 0
-    actors = args.ray_actors or max(1, gpus)
-    if gpus and actors > gpus:
-        print(f"mmpipe caption: --ray-actors {actors} needs {actors} GPUs; the cluster has {gpus}", file=sys.stderr)
+    actors = args.ray_actors or max(1, gpus // args.tp)  # an actor holds --tp GPUs
+    if gpus and actors * args.tp > gpus:
+        print(f"mmpipe caption: --ray-actors {actors} with --tp {args.tp} needs {actors * args.tp} GPUs; the cluster "
+              f"has {gpus}", file=sys.stderr)
         return 2
     from mmpipe.app.caption import engine_options
 
@@ -45,7 +46,7 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
     try:
         summary = caption_files(paths, args.output, model=args.model, prompt=prompt,
                                 sampling={name: getattr(sampling, name) for name in fields}, engine=engine,
-                                format=args.format or "jsonl", concurrency=actors, num_gpus=1 if gpus else 0,
+                                format=args.format or "jsonl", concurrency=actors, num_gpus=args.tp if gpus else 0,
                                 device=args.device, dtype=args.dtype)
     except MmpipeError as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)

@@ -156,8 +156,9 @@ def caption_files(inputs: str | Sequence[str], output: str, *, model: str | None
     running Ray cluster (or a local one). Inputs and output are paths every node sees alike (one
     machine, or a shared filesystem): the driver lists the files and reads the output back to
     resume. An error row counts as done (`error_rows` in the result counts them all): `concurrency` actors of `num_gpus` GPUs and `num_cpus`
-    CPUs each (leave CPUs for Ray's read and write tasks). Returns counts: files, already done,
-    captioned, failed."""
+    CPUs each (leave CPUs for Ray's read and write tasks); an actor of several GPUs splits its model
+    over them (`tensor_parallel_size`, unless `engine` names one). Returns counts: files, already
+    done, captioned, failed."""
     ray = _ray()
     if format not in FORMATS:
         raise InputError(f"format {format!r}: use one of {', '.join(FORMATS)}")
@@ -172,6 +173,8 @@ def caption_files(inputs: str | Sequence[str], output: str, *, model: str | None
     summary = {"files": len(files), "already": len(files) - len(todo), "captioned": 0, "failed": 0}
     if not todo:
         return _with_written(summary, output, files, set())
+    if num_gpus > 1 and float(num_gpus).is_integer() and "tensor_parallel_size" not in (engine or {}):
+        engine = {**(engine or {}), "tensor_parallel_size": int(num_gpus)}  # an actor's GPUs hold one model
     stage = dict(model=model, prompt=prompt, sampling=sampling, engine=engine, device=device, dtype=dtype,
                  image_column="path")
     # Several batches per actor at once, on threads: the one Pipeline batches their requests

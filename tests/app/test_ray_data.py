@@ -242,3 +242,21 @@ def test_a_model_that_does_not_load_fails_the_job_loudly(ray_cluster, images, tm
     assert code == 1
     assert "the Ray job failed: UnsupportedModelError: " in err and "architecture None is not supported" in err
     assert list(written_rows(str(output))) == []  # no silent empty rows
+
+
+def test_an_actor_of_two_ranks_captions_as_one_process(ray_cluster, images, tmp_path, capsys):
+    """`--ray --tp 2` on the CPU: each actor's Pipeline splits its language model over two gloo
+    ranks (its worker process beside the actor); the captions are the one-process ones."""
+    single = caption_files(str(images), str(tmp_path / "one"), concurrency=1, device="cpu")
+    output = str(tmp_path / "tp")
+    args = ["caption", str(images), "--ray", "--output", output, "--device", "cpu", "--ray-actors", "1", "--tp", "2"]
+    assert main(args) == 1  # the broken file is an error row
+    assert "captioned 6 image(s) with 1 Ray actor(s), 1 failed" in capsys.readouterr().err
+    assert single["captioned"] == 6
+    ours = {p: r["caption"] for p, r in _by_path(written_rows(output)).items()}
+    assert ours == {p: r["caption"] for p, r in _by_path(written_rows(str(tmp_path / "one"))).items()}
+    # The split reaches the actors: 3 ranks do not divide the bundled model's 4 heads.
+    three = ["caption", str(images), "--ray", "--output", str(tmp_path / "three"), "--device", "cpu",
+             "--ray-actors", "1", "--tp", "3"]
+    assert main(three) != 0
+    assert "tensor_parallel_size=3 does not divide 4 attention heads" in capsys.readouterr().err
