@@ -217,6 +217,15 @@ class Workers:
         self.check()
         self.pipes[rank - 1].send((kind, payload))
 
+    def reply(self, rank: int) -> tuple[str, Any]:
+        """The next message of worker `rank` (its answer to the call it was just sent)."""
+        try:
+            return self.pipes[rank - 1].recv()
+        except EOFError:
+            self.processes[rank - 1].join(1.0)
+            self._fail(f"tensor-parallel rank {rank} exited (exit code {self.processes[rank - 1].exitcode})")
+            raise  # unreachable: _fail raises
+
     def check(self) -> None:
         if self.failure is not None:
             raise EngineError(self.failure)
@@ -257,8 +266,8 @@ class Workers:
 
 def start_runner(model: LoadedModel, cfg: EngineConfig, workers: Workers, startup: StartupReport,
                  startup_sampling: Any) -> "TensorParallelRunner":
-    """Rank 0's side of the start: once every worker has loaded its weights, all ranks join the
-    group, shard, and build their runners (capturing the same graphs in lockstep)."""
+    """Rank 0's side of the start: once every worker has loaded its shard, all ranks join the
+    group and build their runners (capturing the same graphs in lockstep)."""
     try:
         with startup.phase("tensor-parallel workers"):
             workers.wait_for("loaded")
@@ -299,20 +308,24 @@ class TensorParallelRunner(ModelRunner):
                 self.images_on_workers += hi - lo
         lo, hi = shares[0]
         results = super()._encode_packs(images[lo:hi])
-        tail = self._embedding_tail()
+        tail = embedding_tail(self.model.language)
+        failures = []
         for rank in range(1, size):
             lo, hi = shares[rank]
+            if hi == lo:
+                continue
             for image in images[lo:hi]:
                 out = torch.empty(image.num_tokens, *tail, dtype=self.dtype, device=self.device)
                 results.append(self.model.tp.recv(out, rank))
+            kind, detail = self.workers.reply(rank)
+            if kind != "encoded":
+                failures.append(detail)
+        # A share that failed (out of memory, a file the GPU cannot decode) fails the pack as it
+        # would on one GPU: the engine then encodes its images one by one, on this rank.
+        if failures:
+            what, message = failures[0]
+            raise torch.OutOfMemoryError(message) if what == "memory" else InputError(message)
         return results
-
-    def _embedding_tail(self) -> tuple[int, ...]:
-        """An image embedding's shape after its token rows: [hidden], or [1 + levels, hidden] with
-        deepstack features."""
-        lm = self.model.language
-        levels = int(getattr(lm, "deepstack_levels", 0))
-        return (1 + levels, lm.hidden_size) if levels else (lm.hidden_size,)
 
     def capture_vision(self, grids: Sequence[tuple[int, int, int]]) -> int:
         if self.cfg.vit_parallel == "data" and grids:
@@ -368,6 +381,13 @@ class TensorParallelRunner(ModelRunner):
         group = self.model.tp
         if group is not None and group.backend is not None:
             _abort(group.backend)
+
+
+def embedding_tail(lm: Any) -> tuple[int, ...]:
+    """An image embedding's shape after its token rows: [hidden], or [1 + levels, hidden] with
+    deepstack features."""
+    levels = int(getattr(lm, "deepstack_levels", 0))
+    return (1 + levels, lm.hidden_size) if levels else (lm.hidden_size,)
 
 
 def split_shares(patches: Sequence[int], size: int) -> list[tuple[int, int]]:
@@ -464,13 +484,31 @@ def _serve(runner: ModelRunner, group: TPGroup, pipe: Any) -> None:
         elif kind == "capture_sampling":
             runner.capture_decode_sampling(payload)
         elif kind == "encode":
-            with torch.inference_mode():
-                for embeds in runner._encode_packs([_restored(image) for image in payload]):
-                    group.send(embeds.contiguous(), 0)
+            _encode_share(runner, group, pipe, [_restored(image) for image in payload])
         elif kind == "capture_vision":
             runner.capture_vision(payload)
         else:
             raise RuntimeError(f"unknown call {kind!r} from rank 0")
+
+
+def _encode_share(runner: ModelRunner, group: TPGroup, pipe: Any, images: list[Any]) -> None:
+    """Encode this rank's share of a step's images and send the embeddings to rank 0, then say
+    how it went. A share that fails (out of memory, a file the GPU cannot decode) still sends a
+    zero tensor per image, so rank 0's receives complete, and says why instead."""
+    status: tuple[str, Any] = ("encoded", None)
+    try:
+        with torch.inference_mode():
+            embeds = runner._encode_packs(images)
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        status = ("encode_failed", ("memory", f"tensor-parallel rank {group.rank}: {exc}"))
+    except InputError as exc:
+        status = ("encode_failed", ("input", str(exc)))
+    if status[0] != "encoded":
+        tail = embedding_tail(runner.model.language)
+        embeds = [torch.zeros(image.num_tokens, *tail, dtype=runner.dtype, device=runner.device) for image in images]
+    for values in embeds:
+        group.send(values.contiguous(), 0)
+    pipe.send(status)
 
 
 def _die_with_parent() -> None:

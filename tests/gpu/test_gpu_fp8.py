@@ -55,11 +55,16 @@ def test_an_fp8_layer_on_cuda_equals_its_arithmetic():
         torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2)
 
 
-def test_every_graph_mode_gives_eager_tokens_in_fp8(checkpoint):
+def four_image_conversations() -> list:
+    """Four conversations of three images of different sizes and prompts of different lengths."""
     images = [random_image(90 + 30 * i, 70 + 20 * i, seed=40 + i) for i in range(3)]
-    conversations = [[{"role": "user", "content": [{"type": "image", "image": images[i % 3]},
-                                                   {"type": "text", "text": "describe it " * (1 + 2 * i)}]}]
-                     for i in range(4)]
+    return [[{"role": "user", "content": [{"type": "image", "image": images[i % 3]},
+                                          {"type": "text", "text": "describe it " * (1 + 2 * i)}]}]
+            for i in range(4)]
+
+
+def test_every_graph_mode_gives_eager_tokens_in_fp8(checkpoint):
+    conversations = four_image_conversations()
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0)
     tokens = {}
     for mode in ("none", "full_decode_only", "piecewise", "full_and_piecewise"):
@@ -188,10 +193,7 @@ def test_an_fp8_checkpoint_runs_in_fp8_in_every_graph_mode(wide, tmp_path, fmt):
     from tests.unit.test_fp8_checkpoints import fp8_pair
 
     quantized, reference = fp8_pair(wide, tmp_path, fmt, block=(128, 128))
-    images = [random_image(90 + 30 * i, 70 + 20 * i, seed=40 + i) for i in range(3)]
-    conversations = [[{"role": "user", "content": [{"type": "image", "image": images[i % 3]},
-                                                   {"type": "text", "text": "describe it " * (1 + 2 * i)}]}]
-                     for i in range(4)]
+    conversations = four_image_conversations()
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0)
     tokens = {}
     for mode in ("none", "full_decode_only", "piecewise", "full_and_piecewise"):

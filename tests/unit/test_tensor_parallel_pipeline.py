@@ -194,3 +194,84 @@ def _alive(pid: int) -> bool:
             return handle.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+class _Image:
+    def __init__(self, tokens: int, patches: int) -> None:
+        self.num_tokens, self.num_patches = tokens, patches
+
+
+class _Pipe:
+    def __init__(self, incoming: list) -> None:
+        self.incoming, self.sent = list(incoming), []
+
+    def recv(self):
+        return self.incoming.pop(0)
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("failure", [None, "input", "memory"])
+def test_a_workers_share_of_the_images_always_answers(failure):
+    """A worker's share that fails to encode still sends one tensor per image (rank 0's receives
+    complete) and says why; one that succeeds sends its embeddings and says so."""
+    from types import SimpleNamespace
+
+    from mmpipe.engine.tensor_parallel import _serve
+
+    images = [_Image(3, 12), _Image(2, 8)]
+
+    def encode(share):
+        if failure == "input":
+            raise InputError("image 'x.jpg': the GPU cannot decode it")
+        if failure == "memory":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return [torch.full((im.num_tokens, 8), float(i + 1)) for i, im in enumerate(share)]
+
+    runner = SimpleNamespace(_encode_packs=encode, model=SimpleNamespace(language=SimpleNamespace(hidden_size=8)),
+                             dtype=torch.float32, device=torch.device("cpu"))
+    sends = []
+    group = SimpleNamespace(rank=1, send=lambda t, dst: sends.append((t.clone(), dst)))
+    pipe = _Pipe([("encode", images), ("stop", None)])
+    _serve(runner, group, pipe)
+    assert [tuple(t.shape) for t, _ in sends] == [(3, 8), (2, 8)] and all(dst == 0 for _, dst in sends)
+    if failure is None:
+        assert pipe.sent == [("encoded", None)] and sends[1][0].eq(2.0).all()
+    else:
+        kind, (what, message) = pipe.sent[0]
+        assert kind == "encode_failed" and what == failure and all(t.eq(0).all() for t, _ in sends)
+        assert ("x.jpg" in message) if failure == "input" else ("out of memory" in message)
+
+
+@pytest.mark.parametrize("reply", [("encoded", None), ("encode_failed", ("input", "image 'x.jpg': bad")),
+                                   ("encode_failed", ("memory", "rank 1: CUDA out of memory"))])
+def test_rank_0_keeps_the_order_and_raises_a_failed_share_as_one_gpu_would(reply, monkeypatch):
+    """Rank 0 gathers its share and the worker's in the images' order; a share the worker could not
+    encode raises what one GPU raises (InputError, out of memory), so the engine encodes the images
+    one by one."""
+    from types import SimpleNamespace
+
+    from mmpipe.config import EngineConfig
+    from mmpipe.engine.model_runner import ModelRunner
+    from mmpipe.engine.tensor_parallel import TensorParallelRunner
+
+    monkeypatch.setattr(ModelRunner, "_encode_packs",
+                        lambda self, share: [torch.full((im.num_tokens, 4), -1.0) for im in share])
+    runner = object.__new__(TensorParallelRunner)
+    sent = []
+    runner.workers = SimpleNamespace(size=2, send_to=lambda rank, kind, payload: sent.append((rank, len(payload))),
+                                     reply=lambda rank: reply)
+    runner.cfg, runner.images_on_workers = EngineConfig(), 0
+    runner.dtype, runner.device = torch.float32, torch.device("cpu")
+    received = iter([7.0, 8.0])
+    runner.model = SimpleNamespace(language=SimpleNamespace(hidden_size=4),
+                                   tp=SimpleNamespace(recv=lambda out, src: out.fill_(next(received))))
+    images = [_Image(1, 10), _Image(2, 10), _Image(3, 10), _Image(4, 10)]
+    if reply[0] == "encoded":
+        out = runner._encode_packs(images)
+        assert [t.shape[0] for t in out] == [1, 2, 3, 4] and [t[0, 0].item() for t in out] == [-1, -1, 7, 8]
+        assert sent == [(1, 2)] and runner.images_on_workers == 2
+    else:
+        with pytest.raises(InputError if reply[1][0] == "input" else torch.OutOfMemoryError, match=reply[1][1]):
+            runner._encode_packs(images)
