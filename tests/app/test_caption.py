@@ -845,17 +845,24 @@ def test_the_command_ends_as_soon_as_its_captions_are_committed(tmp_path):
     assert "TEARDOWN RAN" not in proc.stderr
 
 
-def test_tp_two_captions_as_one_process_does(dataset, tmp_path):
+def test_tp_two_captions_as_one_process_does(dataset, tmp_path, monkeypatch):
     """`--tp 2` on the CPU: the language model split over two gloo ranks, the captions those of
     the bundled model (its 485-token vocabulary split unevenly)."""
+    from mmpipe.engine import tensor_parallel
+
+    started = []
+    start = tensor_parallel.Workers.__init__
+
+    def spy(self, path, device, dtype, config):
+        started.append(config.tensor_parallel_size)
+        start(self, path, device, dtype, config)
+
+    monkeypatch.setattr(tensor_parallel.Workers, "__init__", spy)
     root, expected = dataset
     out = tmp_path / "tp.jsonl"
     assert main([str(root), "--output", str(out), "--tp", "2", *CPU]) == 0
     assert {r["image"]: r["caption"] for r in read_jsonl(out)} == expected
-    # Its rank 1 is alive: this module's pipelines stay open until the module ends.
-    import multiprocessing
-
-    assert [p for p in multiprocessing.active_children() if p.name == "mmpipe-tp-rank1"]
+    assert started == [2]  # one rank-1 worker started for this run
 
 
 def test_gpus_and_tp_make_replicas_of_tp_gpus(capsys):
