@@ -17,8 +17,11 @@ Norms, rotary tables and everything per token are replicated. The sum in the all
 ranks' partial products in a fixed order, so ranks agree bit for bit with each other, and with the
 unsharded model up to that summation order (float32: ~1e-6 relative).
 
-`shard_language_model` turns a loaded model into rank r's shard in place. The collectives go
-through a `TPGroup`: the default `torch.distributed` group, or a standalone backend (NCCL on GPUs,
+`shard_language_model` turns a model into rank r's shard in place: a loaded one (its slices
+copied), or one on the meta device (its structure only), which `shard_slices` then fills by
+naming the part of each checkpoint tensor the rank reads (`mmpipe.models.load_model(tp=...)`:
+a rank reads only its slices from the files). The collectives go through a `TPGroup`
+(`mmpipe.layers.parallel`): the default `torch.distributed` group, or a standalone backend (NCCL on GPUs,
 gloo on the CPU) that the Pipeline makes for its own ranks (`mmpipe.engine.tensor_parallel`), so a
 process that already belongs to another group (`mmpipe caption --gpus N`, which runs under
 accelerate) can hold one. Every collective is launched on the current stream's order, so the
