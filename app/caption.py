@@ -325,6 +325,10 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
         return 1 if tally.failed or tally.unmatched_inputs else 0
     device = args.device if args.device or state.num_processes == 1 else replica_device(state.local_process_index,
                                                                                         args.tp)
+    if args.tp > 1 and state.num_processes > 1 and device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(device)  # accelerate made cuda:<index> current; the replica starts at cuda:<index * tp>
     try:
         pipe = Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, graph_mode=args.graph_mode,
                                         startup_sampling=sampling, **options)

@@ -181,17 +181,18 @@ class Pipeline:
                 grids.append(self.processor.load_image(source, f"warm_up image {i}").grid_thw)
             except InputError:
                 continue
-        captured = 0
-        if grids:
-            with self.startup.phase("ViT graphs") as phase:
-                captured = self.runner.capture_vision(grids)
-                phase.detail = f"{captured} graphs for packs of {len(set(grids))} image size(s)"
-        if sampling is not None and self.runner.decoder is not None:
-            resolved = sampling.resolve(self.defaults)
-            with self.startup.phase("decode graphs for the sampling") as phase:
-                more = self.runner.capture_decode_sampling(resolved)
-                phase.detail = f"{more} graphs"
-            captured += more
+        with self.engine.lock:  # no step between the ranks' captures (tensor parallelism)
+            captured = 0
+            if grids:
+                with self.startup.phase("ViT graphs") as phase:
+                    captured = self.runner.capture_vision(grids)
+                    phase.detail = f"{captured} graphs for packs of {len(set(grids))} image size(s)"
+            if sampling is not None and self.runner.decoder is not None:
+                resolved = sampling.resolve(self.defaults)
+                with self.startup.phase("decode graphs for the sampling") as phase:
+                    more = self.runner.capture_decode_sampling(resolved)
+                    phase.detail = f"{more} graphs"
+                captured += more
         log.info("%s", self.startup.line())
         return captured
 

@@ -30,13 +30,15 @@ another group (`mmpipe caption --gpus N` under accelerate) can hold a tensor-par
 
 A worker that fails reports the error on its pipe and exits; rank 0 raises it at its next call
 (`EngineError`), and the Pipeline is then unusable. Workers end with rank 0's process however it
-ends (at its exit, Ctrl-C included; on Linux by the parent-death signal when it is killed), and
-`Pipeline.close` stops and reaps them.
+ends (at its exit, Ctrl-C included; a watch thread in each worker when it is killed), and
+`Pipeline.close` stops and reaps them. A failed graph capture is fatal under tensor parallelism
+(a rank running eagerly would issue other collectives), as is anything that stops rank 0 between
+sending a call and making its own part of it.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import datetime
 import logging
 import os
@@ -45,11 +47,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +88,9 @@ def check_tensor_parallel(size: int, device: torch.device, config: EngineConfig)
     if config.quantization:
         raise InputError(f"quantization={config.quantization!r} with tensor_parallel_size={size}: not supported yet "
                          "(FP8 layers are not sharded); use one or the other")
+    if config.prefill_compiler != "eager":
+        raise InputError(f"prefill_compiler={config.prefill_compiler!r} with tensor_parallel_size={size}: not "
+                         "supported (the traced forward holds the collectives); use 'eager'")
     if device.type == "cuda":
         last = rank_device(device, size - 1).index
         if last >= torch.cuda.device_count():
@@ -147,6 +154,25 @@ class _WorkerProcess:
             self.popen.kill()
 
 
+def _watch(ref: Any) -> None:
+    """Rank 0's watch: when a worker process ends while the group is in use, abort the group's
+    communicators, so a collective waiting for that rank fails at once (NCCL would wait until its
+    timeout) and the call raises; the next call names the rank (`Workers.check`)."""
+    while True:
+        time.sleep(0.5)
+        workers = ref()
+        if workers is None or workers.closing:
+            return
+        dead = [p for p in workers.processes if not p.is_alive()]
+        if dead:
+            workers.failure = workers.failure or (f"tensor-parallel rank {dead[0].rank} exited (exit code "
+                                                  f"{dead[0].exitcode})")
+            if workers.group is not None and workers.group.backend is not None:
+                _abort(workers.group.backend)
+            return
+        del workers
+
+
 def _end_all(processes: list[_WorkerProcess]) -> None:
     """At interpreter exit (Ctrl-C included) or when a `Workers` is dropped unclosed: end every
     worker still running (SIGTERM, then SIGKILL)."""
@@ -176,6 +202,8 @@ class Workers:
         self.processes: list[_WorkerProcess] = []
         self.pipes: list[Any] = []
         self.failure: str | None = None
+        self.group: TPGroup | None = None  # rank 0's group, once it joins (see `_watch`)
+        self.closing = False
         self._finalizer = weakref.finalize(self, _end_all, self.processes)
         for rank in range(1, self.size):
             ours, theirs = socket.socketpair()
@@ -187,6 +215,7 @@ class Workers:
             popen.stdin.close()
             self.processes.append(_WorkerProcess(popen, rank))
             self.pipes.append(Connection(ours.detach()))
+        threading.Thread(target=_watch, args=(weakref.ref(self),), daemon=True, name="mmpipe-tp-watch").start()
 
     def wait_for(self, what: str) -> None:
         """Block until every worker has said `what` ("loaded", "ready"); a worker's error or exit
@@ -247,6 +276,7 @@ class Workers:
     def close(self) -> None:
         """Stop every worker (after the step in flight) and reap its process; kill one that
         does not stop in time."""
+        self.closing = True
         for pipe in self.pipes:
             try:
                 pipe.send(("stop", None))
@@ -272,6 +302,7 @@ def start_runner(model: LoadedModel, cfg: EngineConfig, workers: Workers, startu
         with startup.phase("tensor-parallel workers"):
             workers.wait_for("loaded")
         workers.send("start", startup_sampling)
+        workers.group = model.tp
         join_group(model.tp, workers.store, model.device)
         runner = TensorParallelRunner(model, cfg, workers, startup, startup_sampling)
         workers.wait_for("ready")
@@ -307,21 +338,28 @@ class TensorParallelRunner(ModelRunner):
                 self.workers.send_to(rank, "encode", [_portable(image) for image in images[lo:hi]])
                 self.images_on_workers += hi - lo
         lo, hi = shares[0]
-        results = super()._encode_packs(images[lo:hi])
-        tail = embedding_tail(self.model.language)
+        own: BaseException | None = None
         failures = []
-        for rank in range(1, size):
-            lo, hi = shares[rank]
-            if hi == lo:
-                continue
-            for image in images[lo:hi]:
-                out = torch.empty(image.num_tokens, *tail, dtype=self.dtype, device=self.device)
-                results.append(self.model.tp.recv(out, rank))
-            kind, detail = self.workers.reply(rank)
-            if kind != "encoded":
-                failures.append(detail)
+        with self._in_lockstep("vision encode"):
+            try:
+                results = super()._encode_packs(images[lo:hi])
+            except (torch.OutOfMemoryError, MemoryError, InputError) as exc:  # the workers' answers are read first
+                own, results = exc, []
+            tail = embedding_tail(self.model.language)
+            for rank in range(1, size):
+                lo, hi = shares[rank]
+                if hi == lo:
+                    continue
+                for image in images[lo:hi]:
+                    out = torch.empty(image.num_tokens, *tail, dtype=self.dtype, device=self.device)
+                    results.append(self.model.tp.recv(out, rank))
+                kind, detail = self.workers.reply(rank)
+                if kind != "encoded":
+                    failures.append(detail)
         # A share that failed (out of memory, a file the GPU cannot decode) fails the pack as it
         # would on one GPU: the engine then encodes its images one by one, on this rank.
+        if own is not None:
+            raise own
         if failures:
             what, message = failures[0]
             raise torch.OutOfMemoryError(message) if what == "memory" else InputError(message)
@@ -332,16 +370,31 @@ class TensorParallelRunner(ModelRunner):
             self.workers.send("capture_vision", list(grids))  # their shares are packs of the same sizes
         return super().capture_vision(grids)
 
+    @contextlib.contextmanager
+    def _in_lockstep(self, what: str) -> Iterator[None]:
+        """Around a call the workers replay: if it fails or is interrupted here after they were
+        sent it, the ranks' collectives are out of step for good; every later call then raises
+        (`EngineError`) rather than pair collectives of different steps."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.workers is not None and self.workers.failure is None:
+                self.workers.failure = (f"tensor-parallel ranks out of step: rank 0's {what} failed after the "
+                                        f"workers were sent it ({type(exc).__name__}: {exc}); start a new Pipeline")
+            raise
+
     def forward_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
         spans = [(span.row, tuple(span.values.shape)) for span in inputs.images]
         self.workers.send("prefill", (replace(inputs, images=[]), spans))
-        for span in inputs.images:
-            self.model.tp.broadcast(span.values.contiguous())
-        return super().forward_prefill(inputs)
+        with self._in_lockstep("prefill"):
+            for span in inputs.images:
+                self.model.tp.broadcast(span.values.contiguous())
+            return super().forward_prefill(inputs)
 
     def launch_decode(self, requests: Sequence[Request]) -> PendingDecode:
         self.workers.send("decode", [self._row_state(r) for r in requests])
-        return super().launch_decode(requests)
+        with self._in_lockstep("decode step"):
+            return super().launch_decode(requests)
 
     def _row_state(self, request: Request) -> tuple[Any, ...]:
         """What a worker's mirror of `request` needs for this decode step: the request's full
@@ -363,7 +416,7 @@ class TensorParallelRunner(ModelRunner):
 
     def release(self, requests: Sequence[Request]) -> None:
         gone = [id(r) for r in requests if self._pages_sent.pop(id(r), None) is not None]
-        if gone:
+        if gone and self.workers is not None and self.workers.failure is None:  # (after a failure: local only)
             self.workers.send("release", gone)
         super().release(requests)
 
@@ -371,7 +424,8 @@ class TensorParallelRunner(ModelRunner):
         if self.decoder is None:
             return 0
         self.workers.send("capture_sampling", sampling)
-        return super().capture_decode_sampling(sampling)
+        with self._in_lockstep("decode graph capture"):
+            return super().capture_decode_sampling(sampling)
 
     def close(self) -> None:
         workers, self.workers = self.__dict__.get("workers"), None
@@ -425,8 +479,6 @@ def _abort(backend: Any) -> None:
     """Free the group's communicators, locally. (NCCL's orderly `shutdown` waited forever on an
     H200 pair once both ranks had graphs with collectives, so it is not used; the workers are gone
     by now.) Bounded: a stuck call must not hang `Pipeline.close`."""
-    import threading
-
     thread = threading.Thread(target=lambda: backend.abort(), daemon=True, name="mmpipe-tp-abort")
     thread.start()
     thread.join(10.0)
@@ -512,12 +564,17 @@ def _encode_share(runner: ModelRunner, group: TPGroup, pipe: Any, images: list[A
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when rank 0's process dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    """End this process when rank 0's process is gone, however it ended (a watch thread: Linux's
+    parent-death signal would fire when the thread that started the worker ends, which may be
+    long before its process does)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="mmpipe-tp-parent-watch").start()
 
 
 def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:

@@ -77,6 +77,9 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[Hashable, CapturedGraph] = OrderedDict()
         self.failed: set[Hashable] = set()  # keys whose capture failed: they run eagerly from then on
+        # Set for processes in lockstep (tensor parallelism): a failed capture raises instead of
+        # falling back, since a rank running eagerly would issue other collectives than its peers.
+        self.strict = False
         self.stats = GraphStats()
         self.closed = False
         _live_caches.add(self)
@@ -114,6 +117,9 @@ class GraphCache:
         try:
             graph, output, mem = capture(body, self.memory, self.device, warmups=warmups, shared=shared)
         except Exception as exc:  # out of memory, an op that cannot be captured, ...
+            if self.strict:
+                raise RuntimeError(f"{self.name} graph capture for {label} failed in lockstep with other ranks "
+                                   f"({type(exc).__name__}: {exc})") from exc
             self.stats.capture_failures += 1
             self.stats.eager_fallbacks += 1
             self.failed.add(key)

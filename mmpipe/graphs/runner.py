@@ -66,10 +66,7 @@ class GraphRunner:
                  memory: GraphMemory | str = "shared", max_graphs: int | None = None) -> None:
         self.name, self.device = name, device
         self.sizes = sorted(set(sizes))
-        # Set where several processes must run the same forwards in the same order (tensor
-        # parallelism: the forwards hold collectives): no start-up precompile pass, whose extent
-        # depends on each process's timing of its Triton cache.
-        self.lockstep = False
+        self._lockstep = False
         self.counts = RunCounts()
         on_cuda = can_capture_on(device)
         self.enabled = wanted and on_cuda and capturable(backend)
@@ -94,6 +91,20 @@ class GraphRunner:
         """A live graph's key that serves `key`, or None."""
         assert self.cache is not None
         return key if key in self.cache else None
+
+    @property
+    def lockstep(self) -> bool:
+        """Set where several processes must run the same forwards in the same order (tensor
+        parallelism: the forwards hold collectives): no start-up precompile pass, whose extent
+        depends on each process's timing of its Triton cache, and a capture that fails raises
+        (a rank running eagerly would issue other collectives than its peers)."""
+        return self._lockstep
+
+    @lockstep.setter
+    def lockstep(self, on: bool) -> None:
+        self._lockstep = on
+        if getattr(self, "cache", None) is not None:
+            self.cache.strict = on
 
     def label(self, key: Hashable) -> str:
         return str(key)

@@ -146,6 +146,9 @@ class SplitGraphs:
                 recorder.abort(handle)
             for entry in entries:
                 cache.discard(entry.key)
+            if cache.strict:
+                raise RuntimeError(f"{cache.name} graph capture for {label} failed in lockstep with other ranks "
+                                   f"({type(exc).__name__}: {exc})") from exc
             cache.mark_failed(key)
             cache.stats.capture_failures += 1
             log.warning("%s graph capture for %s failed (%s: %s); running without graphs", cache.name, label,

@@ -47,10 +47,17 @@ def run(path: str, size: int, sampling: SamplingParams | list[SamplingParams] = 
         pipe.close()
 
 
-@pytest.mark.parametrize("vit_parallel", ["data", "rank0"])
-def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, vit_parallel):
-    reference, _ = run(tp_checkpoint, 1)
-    ours, stats = run(tp_checkpoint, 2, vit_parallel=vit_parallel)
+@pytest.fixture(scope="module")
+def one_kv_head(checkpoint_factory):
+    """One KV head: each of 2 ranks holds a copy of it (replicated), in the paged cache too."""
+    return checkpoint_factory(text={"num_key_value_heads": 1})
+
+
+@pytest.mark.parametrize("vit_parallel, kv", [("data", 2), ("rank0", 2), ("data", 1)])
+def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, one_kv_head, vit_parallel, kv):
+    path = tp_checkpoint if kv == 2 else one_kv_head
+    reference, _ = run(path, 1)
+    ours, stats = run(path, 2, vit_parallel=vit_parallel)
     assert ours == reference
     assert len({tuple(t) for t in reference}) > 2  # the prompts give different answers
     assert stats["tensor_parallel"]["size"] == 2 and stats["tensor_parallel"]["vit_parallel"] == vit_parallel
@@ -86,8 +93,6 @@ def test_chunked_prompts_sampling_and_a_small_kv_cache_match_too(tp_checkpoint):
 
 
 def test_abort_mid_decode_and_close_leave_no_worker(tp_checkpoint):
-    import multiprocessing
-
     pipe = Pipeline.from_pretrained(tp_checkpoint, device="cpu", dtype="float32", tensor_parallel_size=2)
     workers = list(pipe.runner.workers.processes)
     assert workers and all(w.is_alive() for w in workers)
@@ -103,8 +108,7 @@ def test_abort_mid_decode_and_close_leave_no_worker(tp_checkpoint):
         single.close()
     assert len(first) == 3
     pipe.close()
-    assert not any(w.is_alive() for w in workers)
-    assert not [c for c in multiprocessing.active_children() if c.name.startswith("mmpipe-tp")]
+    assert not any(w.is_alive() for w in workers) and not any(_alive(w.pid) for w in workers)
 
 
 def test_a_worker_that_dies_is_reported_not_waited_on(tp_checkpoint):
@@ -113,6 +117,10 @@ def test_a_worker_that_dies_is_reported_not_waited_on(tp_checkpoint):
         worker = pipe.runner.workers.processes[0]
         worker.kill()
         worker.join(10)
+        import time
+
+        time.sleep(1.5)  # rank 0's watch notices without any call (and aborts a waiting collective)
+        assert "rank 1 exited" in (pipe.runner.workers.failure or "")
         with pytest.raises(EngineError, match="tensor-parallel rank 1 exited"):
             pipe.chat(conversations()[0], GREEDY, errors="raise")
     finally:
@@ -275,3 +283,71 @@ def test_rank_0_keeps_the_order_and_raises_a_failed_share_as_one_gpu_would(reply
     else:
         with pytest.raises(InputError if reply[1][0] == "input" else torch.OutOfMemoryError, match=reply[1][1]):
             runner._encode_packs(images)
+
+
+def _rank0(monkeypatch, reply, own=None):
+    """Rank 0's runner with fakes for its workers and group (4 images: 2 its own, 2 a worker's)."""
+    from types import SimpleNamespace
+
+    from mmpipe.config import EngineConfig
+    from mmpipe.engine.model_runner import ModelRunner
+    from mmpipe.engine.tensor_parallel import TensorParallelRunner
+
+    def mine(self, share):
+        if own is not None:
+            raise own
+        return [torch.full((im.num_tokens, 4), -1.0) for im in share]
+
+    monkeypatch.setattr(ModelRunner, "_encode_packs", mine)
+    runner = object.__new__(TensorParallelRunner)
+    log = []
+    runner.workers = SimpleNamespace(size=2, failure=None, send_to=lambda rank, kind, payload: log.append("sent"),
+                                     reply=lambda rank: log.append("replied") or reply)
+    runner.cfg, runner.images_on_workers = EngineConfig(), 0
+    runner.dtype, runner.device = torch.float32, torch.device("cpu")
+    received = iter([7.0, 8.0])
+    runner.model = SimpleNamespace(language=SimpleNamespace(hidden_size=4),
+                                   tp=SimpleNamespace(recv=lambda out, src: log.append("received") or
+                                                      out.fill_(next(received))))
+    return runner, log, [_Image(1, 10), _Image(2, 10), _Image(3, 10), _Image(4, 10)]
+
+
+def test_rank_0s_own_share_failing_still_takes_the_workers_answers(monkeypatch):
+    """Rank 0's own share raising (a file the GPU cannot decode) first takes the worker's
+    embeddings and answer, so nothing is left unmatched for the next call, then raises as one
+    GPU would; the ranks stay in step (no failure recorded)."""
+    runner, log, images = _rank0(monkeypatch, ("encoded", None), own=InputError("image 'y.jpg': bad"))
+    with pytest.raises(InputError, match="y.jpg"):
+        runner._encode_packs(images)
+    assert log == ["sent", "received", "received", "replied"] and runner.workers.failure is None
+
+
+def test_an_interruption_after_the_workers_were_sent_a_call_ends_the_group(monkeypatch):
+    """Anything else that stops rank 0 between sending a call and making its own part of it leaves
+    the ranks' collectives out of step: it is recorded, and every later call raises."""
+    runner, log, images = _rank0(monkeypatch, ("encoded", None), own=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        runner._encode_packs(images)
+    assert "out of step" in runner.workers.failure and "vision encode" in runner.workers.failure
+
+
+def test_a_failed_capture_in_lockstep_raises_instead_of_running_eagerly(monkeypatch):
+    """A rank whose capture fails would run that size eagerly, with other collectives than its
+    peers: in lockstep (`GraphRunner.lockstep` sets the cache strict) it raises instead."""
+    from types import SimpleNamespace
+
+    from mmpipe.graphs import cache as cache_module
+
+    def failing_capture(body, memory, device, warmups=1, shared=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cache_module, "capture", failing_capture)
+    body = lambda: None  # noqa: E731
+    for strict in (False, True):
+        cache = cache_module.GraphCache("decode", torch.device("cpu"), SimpleNamespace())
+        cache.strict = strict
+        if strict:
+            with pytest.raises(RuntimeError, match="failed in lockstep"):
+                cache.capture(1, body, "batch 1")
+        else:
+            assert cache.capture(1, body, "batch 1") is None and 1 in cache.failed
