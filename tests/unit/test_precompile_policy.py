@@ -67,12 +67,12 @@ def test_ranks_in_lockstep_skip_the_timed_pass(monkeypatch):
 
 
 def test_a_tensor_parallel_model_runner_puts_its_language_graphs_in_lockstep(monkeypatch):
-    from mmpipe.engine.model_runner import ModelRunner
+    import torch
+
     from mmpipe.config import EngineConfig
+    from mmpipe.engine.model_runner import ModelRunner
     from mmpipe.models import load_model
     from mmpipe.pipeline import default_model_path
-
-    import torch
 
     model = load_model(default_model_path(), torch.device("cpu"), torch.float32)
     assert not ModelRunner(model, EngineConfig()).decoder.lockstep
