@@ -444,3 +444,26 @@ def test_soak_two_thousand_answers_keep_memory_flat(tmp_path, monkeypatch):
         assert after - before < 64 << 20
     finally:
         soak.close()
+
+
+def test_demo_engine_flags_reach_the_pipeline(monkeypatch, capsys):
+    """`--tp` and `--quantization` become the Pipeline's settings; `--tp 0` is refused by name
+    (EngineConfig), as one line and exit code 2, before any server starts."""
+    from mmpipe import Pipeline
+    from mmpipe.app.demo import main
+    from mmpipe.errors import InputError
+
+    seen = {}
+
+    def from_pretrained(*args, **kwargs):
+        seen.update(kwargs)
+        raise InputError("stopped before the server (test)")
+
+    monkeypatch.setattr(Pipeline, "from_pretrained", from_pretrained)
+    assert main(["--device", "cpu", "--tp", "2", "--quantization", "fp8"]) == 2
+    assert seen["tensor_parallel_size"] == 2 and seen["quantization"] == "fp8"
+    seen.clear()
+    assert main(["--device", "cpu"]) == 2 and "tensor_parallel_size" not in seen
+    monkeypatch.undo()
+    assert main(["--device", "cpu", "--tp", "0"]) == 2
+    assert "tensor_parallel_size=0: must be a positive integer" in capsys.readouterr().err
