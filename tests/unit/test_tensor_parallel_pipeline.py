@@ -79,16 +79,18 @@ def test_shares_split_a_steps_images_by_patches():
         assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(shares, shares[1:]))
 
 
-def test_chunked_prompts_sampling_and_a_small_kv_cache_match_too(tp_checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chunked_prompts_sampling_and_a_small_kv_cache_match_too(tp_checkpoint, overlap):
     """Prompts split over several prefill steps, few KV pages (requests wait and are preempted),
     seeded sampling with a repetition penalty (the workers' sampler rows carry the penalty's
-    history and the seeds)."""
+    history and the seeds); with overlapped scheduling too (CUDA's default: a step is launched
+    before the previous one's tokens are read, so rows carry a token in flight)."""
     sampled = [SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=7 + i, repetition_penalty=1.3,
                               ignore_eos=True) for i in range(len(conversations()))]
     options = dict(max_prefill_tokens=48, num_kv_pages=40, kv_page_size=4)
     reference, _ = run(tp_checkpoint, 1, sampled, **options)
-    ours, stats = run(tp_checkpoint, 2, sampled, **options)
-    assert ours == reference
+    ours, stats = run(tp_checkpoint, 2, sampled, overlap_schedule=overlap, **options)
+    assert ours == reference and stats["overlap_schedule"] is overlap
     assert stats["requests"]["preemptions"] > 0 and stats["runner"]["prefill_forwards"] > len(sampled)
 
 
