@@ -144,7 +144,7 @@ class Pipeline:
 
             check_tensor_parallel(config.tensor_parallel_size, dev, config)
             if not os.path.isdir(path):
-                raise CheckpointError(f"{path}: not a directory")
+                raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
             workers = Workers(path, dev, dt, config)  # they load their weights beside this process
         try:
             with startup.phase("weights"):

@@ -223,17 +223,12 @@ class Workers:
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
             while True:
                 if pipe.poll(1.0):
-                    try:
-                        kind, detail = pipe.recv()
-                    except EOFError:
-                        self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}) before it "
-                                   f"was {what}")
+                    kind, detail = self._receive(rank, f" before it was {what}")
                     if kind == what:
                         break
                     self._fail(f"tensor-parallel rank {rank} failed: {detail}")
                 elif not process.is_alive():
-                    self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}) before it was "
-                               f"{what}")
+                    self._exited(rank, f" before it was {what}")
 
     def send(self, kind: str, payload: Any = None) -> None:
         """One call for every worker to replay; raises if a worker has failed or exited."""
@@ -248,26 +243,31 @@ class Workers:
 
     def reply(self, rank: int) -> tuple[str, Any]:
         """The next message of worker `rank` (its answer to the call it was just sent)."""
-        try:
-            return self.pipes[rank - 1].recv()
-        except EOFError:
-            self.processes[rank - 1].join(1.0)
-            self._fail(f"tensor-parallel rank {rank} exited (exit code {self.processes[rank - 1].exitcode})")
-            raise  # unreachable: _fail raises
+        return self._receive(rank)
 
     def check(self) -> None:
+        """Raise if the group has failed: a recorded failure, a worker's error on its pipe (workers
+        speak only when asked, or to report one), or a worker that exited."""
         if self.failure is not None:
             raise EngineError(self.failure)
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
             if pipe.poll():
-                try:
-                    kind, detail = pipe.recv()
-                except EOFError:
-                    process.join(1.0)
-                    self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode})")
+                kind, detail = self._receive(rank)
                 self._fail(f"tensor-parallel rank {rank} failed: {detail}")
             if not process.is_alive():
-                self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode})")
+                self._exited(rank)
+
+    def _receive(self, rank: int, when: str = "") -> tuple[str, Any]:
+        try:
+            return self.pipes[rank - 1].recv()
+        except EOFError:
+            self._exited(rank, when)
+            raise  # unreachable: _exited raises
+
+    def _exited(self, rank: int, when: str = "") -> None:
+        process = self.processes[rank - 1]
+        process.join(1.0)
+        self._fail(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}){when}")
 
     def _fail(self, message: str) -> None:
         self.failure = message

@@ -94,8 +94,8 @@ class GatedMLP(nn.Module):
         old, inter = self.gate_up_proj, self.hidden
         gate_up = nn.Linear(old.in_features, 2 * width, bias=old.bias is not None,
                             device=old.weight.device, dtype=old.weight.dtype)
-        old_down = self.down_proj
-        down_weight = old_down.weight.new_zeros(old_down.weight.shape[0], width)
+        down = self.down_proj  # widened in place: a tensor-parallel row shard keeps its class and all-reduce
+        down_weight = down.weight.new_zeros(down.weight.shape[0], width)
         with torch.no_grad():
             for param in gate_up.parameters():
                 param.zero_()
@@ -103,16 +103,10 @@ class GatedMLP(nn.Module):
                 gate_up.weight[block * width: block * width + inter] = old.weight[block * inter:(block + 1) * inter]
                 if old.bias is not None:
                     gate_up.bias[block * width: block * width + inter] = old.bias[block * inter:(block + 1) * inter]
-            down_weight[:, :inter] = old_down.weight
+            down_weight[:, :inter] = down.weight
         self.gate_up_proj = gate_up.requires_grad_(False)
-        if type(old_down) is nn.Linear:
-            down = nn.Linear(width, old_down.out_features, bias=old_down.bias is not None, device=down_weight.device,
-                             dtype=down_weight.dtype)
-            with torch.no_grad():
-                down.weight.copy_(down_weight)
-                if old_down.bias is not None:
-                    down.bias.copy_(old_down.bias)
-            self.down_proj = down.requires_grad_(False)
-        else:  # a tensor-parallel row shard keeps its class (and its all-reduce): only its weight widens
-            old_down.weight = nn.Parameter(down_weight, requires_grad=False)
+        down.weight = nn.Parameter(down_weight, requires_grad=False)
+        if isinstance(down, nn.Linear):
+            down.in_features = width
+        down.requires_grad_(False)
         self.hidden = width

@@ -126,7 +126,7 @@ def test_padded_mlp_width_computes_the_same(bias, act):
     mlp.pad_width(16)
     assert mlp.hidden == 48 and mlp.gate_up_proj.weight.shape == (96, 24) and mlp.down_proj.weight.shape == (24, 48)
     assert not mlp.gate_up_proj.weight[37:48].any() and not mlp.gate_up_proj.weight[85:].any()
-    assert not mlp.down_proj.weight[:, 37:].any()
+    assert not mlp.down_proj.weight[:, 37:].any() and mlp.down_proj.in_features == 48
     torch.testing.assert_close(mlp(x), before, rtol=1e-6, atol=1e-6)
 
 
