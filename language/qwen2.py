@@ -35,6 +35,7 @@ from mmpipe.layers.context import get_forward_context
 from mmpipe.layers.fp8 import Fp8Linear
 from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.norm import RMSNorm
+from mmpipe.layers.parallel import TPGroup, reduce_rows
 from mmpipe.layers.weight_map import WeightMap
 
 
@@ -162,6 +163,7 @@ class Qwen2Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
+        self.tp: TPGroup | None = None  # a tensor-parallel shard's group: o_proj's product is summed over it
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
@@ -181,7 +183,7 @@ class Qwen2Attention(nn.Module):
             q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
                                        self.num_kv_heads, self.head_dim, q_norm, k_norm, self.eps)
             attention(q, k, v, out, self.layer, self.attention)
-        return _project(self.o_proj, out.view(n, self.q_size), split=True)
+        return reduce_rows(self.tp, _project(self.o_proj, out.view(n, self.q_size), split=True))
 
 
 def _project(layer: nn.Module, x: torch.Tensor, split: bool = False) -> torch.Tensor | gemv.PartialSums:
@@ -194,8 +196,6 @@ def _project(layer: nn.Module, x: torch.Tensor, split: bool = False) -> torch.Te
         if split and layer.bias is None:
             return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale)
         return gemv.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
-    if not isinstance(layer, nn.Linear):  # e.g. a tensor-parallel row shard, which all-reduces its product
-        return layer(x)
     return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 
 

@@ -8,6 +8,9 @@ holds 1/N of every large weight and runs the same forward:
   replicated: rank r holds KV head r*KV // N, the one its query heads attend with (N % KV == 0).
 - o: row-parallel (the rank's query heads' input columns), then one all-reduce.
 - gate/up: column-parallel (1/N of the intermediate width each); down: row-parallel, one all-reduce.
+  Both are plain Linear layers (`mmpipe.layers.parallel`): decode steps run them on the few-row
+  kernels, whose K-split partial sums are all-reduced as they are; FP8 (`quantization="fp8"`, or
+  an FP8 checkpoint's scales, split with their weights) applies to a shard like to any layer.
 - embedding: vocabulary-parallel (rank r holds rows [r*P, (r+1)*P), P = ceil(V/N), the last rank's
   padded with zero rows when N does not divide V); ids outside a rank's rows look up zeros, and an
   all-reduce sums the one real row.
@@ -38,21 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import UnsupportedModelError
-from mmpipe.layers.parallel import Slice, TPGroup  # noqa: F401 (TPGroup re-exported: the group the shards use)
-
-
-class RowParallelLinear(nn.Module):
-    """x @ W_r.T over the rank's input columns, summed across ranks (bias added once, after)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+from mmpipe.layers.parallel import (  # noqa: F401 (TPGroup re-exported: the group the shards use)
+    Slice,
+    TPGroup,
+    column_parallel,
+    head_rows,
+    row_parallel,
+    shard_gated_mlp,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -153,37 +149,17 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     heads, kv_heads, kv_first, vocab = _layout(cfg, tp)
     q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
     for layer in lm.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-        q_rows = slice(r * heads * d, (r + 1) * heads * d)
-        k_rows = slice(q_total + kv_first * d, q_total + (kv_first + kv_heads) * d)
-        v_rows = slice(q_total + kv_total + kv_first * d, q_total + kv_total + (kv_first + kv_heads) * d)
-        qkv = nn.Linear(w.shape[1], (heads + 2 * kv_heads) * d, bias=b is not None, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            qkv.weight.copy_(torch.cat([w[q_rows], w[k_rows], w[v_rows]]))
-            if b is not None:
-                qkv.bias.copy_(torch.cat([b[q_rows], b[k_rows], b[v_rows]]))
-        attn.qkv_proj = qkv.requires_grad_(False)
-        o = attn.o_proj
-        attn.o_proj = RowParallelLinear(o.weight[:, q_rows].clone(), o.bias, tp)
-        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        attn = layer.self_attn
+        rows = torch.cat([head_rows(r * heads, heads, d), head_rows(kv_first, kv_heads, d, q_total),
+                          head_rows(kv_first, kv_heads, d, q_total + kv_total)])
+        attn.qkv_proj = column_parallel(attn.qkv_proj, rows)
+        attn.o_proj = row_parallel(attn.o_proj, r * heads * d, (r + 1) * heads * d, tp)
+        attn.num_heads, attn.num_kv_heads, attn.tp = heads, kv_heads, tp
         attn.q_size, attn.kv_size = heads * d, kv_heads * d
-        width = mlp.hidden  # after any padding of the intermediate width
-        if width % n:
-            raise UnsupportedModelError(f"tensor_parallel_size={n} does not divide the MLP width {width}")
-        part = width // n
-        gu = mlp.gate_up_proj
-        rows = torch.cat([torch.arange(r * part, (r + 1) * part), width + torch.arange(r * part, (r + 1) * part)])
-        gate_up = nn.Linear(gu.in_features, 2 * part, bias=gu.bias is not None, device=gu.weight.device,
-                            dtype=gu.weight.dtype)
-        with torch.no_grad():
-            gate_up.weight.copy_(gu.weight[rows.to(gu.weight.device)])
-            if gu.bias is not None:
-                gate_up.bias.copy_(gu.bias[rows.to(gu.weight.device)])
-        mlp.gate_up_proj = gate_up.requires_grad_(False)
-        down = mlp.down_proj
-        mlp.down_proj = RowParallelLinear(down.weight[:, r * part:(r + 1) * part].clone(), down.bias, tp)
-        mlp.hidden = part
+        try:
+            shard_gated_mlp(layer.mlp, tp)  # its width after any padding
+        except ValueError as exc:
+            raise UnsupportedModelError(str(exc)) from None
     # `vocab` rows per rank, the last rank's padded with zeros. Tied: the head is the embedding's rows.
     table = lm.embed_tokens.weight
     if lm.lm_head is not None:

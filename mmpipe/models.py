@@ -153,7 +153,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     (default: the device has FP8 tensor cores), everything else of it is dequantized;
     `quantization="fp8"`: the language model's linear layers quantized to FP8 after loading.
     `tp` (a `TPGroup`, its backend attached later): the language model is built as that rank's
-    shard and only its part of each tensor is read from the files (FP8 weights are dequantized)."""
+    shard and only its part of each tensor is read from the files (an FP8 checkpoint's kept
+    layers with their scales split alongside; `quantization` then quantizes the shard's layers)."""
     quantization = check_runtime_quantization(quantization, device)  # before anything loads
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
@@ -174,9 +175,6 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     slices = None
     if tp is not None:
         slices = {"language": spec.shard_slices(text_cfg, tp)}  # checks the split before anything is read
-        if quantization is not None:
-            raise InputError(f"quantization={quantization!r} with tensor parallelism: not supported yet")
-        keep_fp8 = False
         language = spec.shard_language(language, tp)  # the shard's structure, on the meta device
     kept: set[str] = set()
     placed = {"refused": 0}

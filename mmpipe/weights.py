@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mmpipe.errors import CheckpointError
-from mmpipe.layers.fp8 import BLOCK, Fp8Linear, fp8_shape_ok
+from mmpipe.layers.fp8 import BLOCK, Fp8Linear, block_scale_columns, fp8_shape_ok
 from mmpipe.layers.parallel import Slice
 from mmpipe.layers.weight_map import WeightMap
 from mmpipe.quantization import Fp8Checkpoint, dequantized
@@ -83,16 +83,40 @@ def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype, fp
     weights times their scales (`mmpipe.quantization.dequantized`), except those of the modules in
     `keep` (checkpoint names without `.weight`), which stay FP8 beside their scales. `select`:
     the part of a tensor to read (a tensor-parallel rank's `Slice`), or None for all of it; only
-    that part is read from the file (an FP8 weight is read whole, dequantized with its scales,
-    then cut)."""
+    that part is read from the file (an FP8 checkpoint's tensors are read whole, then cut: a
+    dequantized weight after its scales were applied, a kept one with its scales, `_cut_scale`)."""
     if fp8 is None:
         return dequantized(_raw_tensors(directory, device, select), fp8, dtype, directory, keep.__contains__)
     tensors = dequantized(_raw_tensors(directory, device), fp8, dtype, directory, keep.__contains__)
-    return tensors if select is None else ((n, _cut(select(n), t)) for n, t in tensors)
+    if select is None:
+        return tensors
+    return ((n, _cut_scale(select, n, t, fp8) if n[:-len(".weight_scale")] in keep and n.endswith(".weight_scale")
+             else _cut(select(n), t)) for n, t in tensors)
 
 
 def _cut(part: Slice | None, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if part is None else part.of(tensor)
+
+
+def _cut_scale(select: Callable[[str], Slice | None], name: str, scale: torch.Tensor, fp8: Fp8Checkpoint
+               ) -> torch.Tensor:
+    """A kept FP8 layer's scale (`Fp8Linear`'s layout) cut with its weight: per channel, the rows
+    of a row split (a column split keeps every output channel's scale); 128 x 128 blocks, the
+    tiles of the weight's part (`place_fp8_layers` keeps only parts on tile boundaries), the
+    columns padded again to `block_scale_columns`."""
+    part = select(name[:-len("_scale")])  # the weight's part
+    if part is None:
+        return scale
+    if fp8.block is None:
+        return part.of(scale) if part.dim == 0 else scale
+    if part.start % BLOCK or part.length != part.stop - part.start:
+        raise CheckpointError(f"tensor {name!r}: a tensor-parallel part [{part.start}, {part.stop}) does not fall on "
+                              f"{BLOCK}-wide scale blocks")
+    tiles = Slice(part.dim, part.start // BLOCK, -(-part.stop // BLOCK), -(-part.length // BLOCK)).of(scale)
+    if part.dim == 1:
+        columns = block_scale_columns(part.length)
+        tiles = torch.cat([tiles, tiles.new_ones(tiles.shape[0], columns - tiles.shape[1])], 1)
+    return tiles.contiguous()
 
 
 def stored_fp8_modules(directory: str) -> set[str]:

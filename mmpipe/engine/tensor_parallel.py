@@ -85,9 +85,6 @@ def check_tensor_parallel(size: int, device: torch.device, config: EngineConfig)
     """An `InputError` for a tensor-parallel request this machine or build cannot serve."""
     if size <= 1:
         return
-    if config.quantization:
-        raise InputError(f"quantization={config.quantization!r} with tensor_parallel_size={size}: not supported yet "
-                         "(FP8 layers are not sharded); use one or the other")
     if config.prefill_compiler != "eager":
         raise InputError(f"prefill_compiler={config.prefill_compiler!r} with tensor_parallel_size={size}: not "
                          "supported (the traced forward holds the collectives); use 'eager'")

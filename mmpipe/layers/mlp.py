@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,7 @@ from mmpipe.errors import CheckpointError
 from mmpipe.kernels import gemv
 from mmpipe.kernels.fused import silu_mul
 from mmpipe.layers.fp8 import Fp8Linear
+from mmpipe.layers.parallel import reduce_rows
 
 __all__ = ["GatedMLP", "activation", "padded_width"]
 
@@ -60,8 +61,12 @@ class GatedMLP(nn.Module):
         self.hidden = hidden
         self.act = activation(act)
         self.silu = act in ("silu", "swish")
+        self.tp: Any = None  # a tensor-parallel shard's group (`TPGroup`): the down product is summed over it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | gemv.PartialSums:
+        return reduce_rows(self.tp, self._product(x))
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor | gemv.PartialSums:
         up, down = self.gate_up_proj, self.down_proj
         if (self.few_row_kernels and self.silu and isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear)
                 and down.bias is None and gemv.fp8_usable(x, up.weight)):
@@ -94,7 +99,7 @@ class GatedMLP(nn.Module):
         old, inter = self.gate_up_proj, self.hidden
         gate_up = nn.Linear(old.in_features, 2 * width, bias=old.bias is not None,
                             device=old.weight.device, dtype=old.weight.dtype)
-        down = self.down_proj  # widened in place: a tensor-parallel row shard keeps its class and all-reduce
+        down = self.down_proj  # widened in place
         down_weight = down.weight.new_zeros(down.weight.shape[0], width)
         with torch.no_grad():
             for param in gate_up.parameters():

@@ -1,7 +1,13 @@
 """The collectives of a tensor-parallel group (`TPGroup`), model-agnostic: the default
 `torch.distributed` group, or a standalone backend object (NCCL on GPUs, gloo on the CPU) built on
 a store of the group's own, which a process can hold beside another default group. Every
-collective is issued on the current stream, so CUDA graphs capture it like any other kernel."""
+collective is issued on the current stream, so CUDA graphs capture it like any other kernel.
+
+Also the Megatron pieces the language model and the vision tower share: a column-parallel layer
+is a plain `nn.Linear` holding some output rows; a row-parallel one a plain `nn.Linear` holding
+some input columns, whose owner (attention, MLP) sums its product over the ranks with
+`reduce_rows`. Plain layers, so the few-row decode kernels, FP8 quantization and loading treat a
+shard like any other layer."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass
@@ -107,3 +114,65 @@ class Slice:
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole tensor."""
         return self.padded(tensor[self.index(tensor.dim())])
+
+
+def reduce_rows(tp: TPGroup | None, out: Any) -> Any:
+    """A row-parallel product summed over the ranks, in place: a tensor, or the few-row kernels'
+    `PartialSums` (each float32 slice summed across ranks; the consumer adds the slices, in the
+    same order on every rank). `tp` None: unsharded, `out` as it is."""
+    if tp is None:
+        return out
+    from mmpipe.kernels.gemv import PartialSums
+
+    if isinstance(out, PartialSums):
+        tp.all_reduce(out.sums)
+        return out
+    return tp.all_reduce(out)
+
+
+def column_parallel(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
+    """A Linear holding the output rows `rows` (an index tensor) of `linear` (weight and bias);
+    meta-device layers give their shape only."""
+    out = nn.Linear(linear.in_features, int(rows.numel()), bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+    if linear.weight.device.type != "meta":
+        index = rows.to(linear.weight.device)
+        with torch.no_grad():
+            out.weight.copy_(linear.weight[index])
+            if linear.bias is not None:
+                out.bias.copy_(linear.bias[index])
+    return out.requires_grad_(False)
+
+
+def row_parallel(linear: nn.Linear, start: int, stop: int, tp: TPGroup) -> nn.Linear:
+    """A Linear holding the input columns [start, stop) of `linear`; the owner sums its product
+    over the ranks (`reduce_rows`). The bias is added once: rank 0 keeps it, the others hold
+    zeros."""
+    out = nn.Linear(stop - start, linear.out_features, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+    if linear.weight.device.type != "meta":
+        with torch.no_grad():
+            out.weight.copy_(linear.weight[:, start:stop])
+            if linear.bias is not None:
+                out.bias.copy_(linear.bias if tp.rank == 0 else torch.zeros_like(linear.bias))
+    return out.requires_grad_(False)
+
+
+def head_rows(first: int, count: int, head_dim: int, offset: int = 0) -> torch.Tensor:
+    """Row indices of `count` heads from head `first` in a block of heads starting at row `offset`
+    (q, k or v in a fused qkv weight)."""
+    return torch.arange(offset + first * head_dim, offset + (first + count) * head_dim)
+
+
+def shard_gated_mlp(mlp: nn.Module, tp: TPGroup) -> None:
+    """A `GatedMLP` (gate and up fused) made rank `tp.rank`'s shard in place: 1/N of the gate and
+    of the up rows, the down projection's matching input columns; its product then sums over the
+    ranks (`mlp.tp`)."""
+    width, n, r = mlp.hidden, tp.size, tp.rank
+    if width % n:
+        raise ValueError(f"tensor_parallel_size={n} does not divide the MLP width {width}")
+    part = width // n
+    rows = torch.cat([torch.arange(r * part, (r + 1) * part), width + torch.arange(r * part, (r + 1) * part)])
+    mlp.gate_up_proj = column_parallel(mlp.gate_up_proj, rows)
+    mlp.down_proj = row_parallel(mlp.down_proj, r * part, (r + 1) * part, tp)
+    mlp.hidden, mlp.tp = part, tp

@@ -297,3 +297,31 @@ def test_kernel_scales_take_the_layers_layout():
     assert torch.equal(tensor.kernel_scale("w", weight, torch.tensor([2.5])), torch.full((300, 1), 2.5))
     with pytest.raises(CheckpointError, match="needs scales of shape"):
         scheme.kernel_scale("w", weight, grid.t())
+
+
+# A tensor-parallel rank keeps its part of each FP8 layer: 2 heads of 128 (one per rank), 2 KV
+# heads, an MLP of 512 (256 per rank), so every part falls on 128 x 128 tiles.
+TP_TEXT = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 2,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 24, 24]}}
+
+
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+def test_a_tensor_parallel_rank_keeps_its_part_of_each_fp8_layer(tmp_path_factory, tmp_path, fmt):
+    """`load_model(..., tp=TPGroup(r, 2))` on an FP8 checkpoint: every projection stays FP8, and
+    each rank's layer dequantizes to exactly its part of the by-hand dequantized weights (the
+    non-uniform block scales cut with their tiles: a column split's scale columns, a row split's
+    scale rows; per-channel scales of a column split kept whole)."""
+    from mmpipe.language.tensor_parallel import TPGroup, shard_language_model
+    from mmpipe.layers.fp8 import Fp8Linear
+    from mmpipe.models import load_model
+
+    base = make_checkpoint(str(tmp_path_factory.mktemp("tp_wide")), text=TP_TEXT)
+    quantized, reference = fp8_pair(base, tmp_path, fmt, block=(128, 128))
+    cpu = torch.device("cpu")
+    for rank in range(2):
+        ours = load_model(quantized, cpu, torch.float32, keep_fp8=True, tp=TPGroup(rank, 2)).language
+        want = shard_language_model(load_model(reference, cpu, torch.float32).language, TPGroup(rank, 2))
+        layers = {name: m for name, m in ours.named_modules() if isinstance(m, Fp8Linear)}
+        assert len(layers) == 4 * 2, sorted(layers)
+        for name, layer in layers.items():
+            assert torch.equal(layer.dequantized_weight(), want.get_submodule(name).weight), (rank, name)
