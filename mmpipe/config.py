@@ -106,6 +106,9 @@ def graphs_wanted(mode: GraphMode, runner: str, config: "GraphConfig") -> bool:
 _GRAPH_MEMORY = ("arena", "shared", "per_graph")
 
 
+# How a tensor-parallel Pipeline runs its vision tower (`EngineConfig.vit_parallel`).
+VIT_PARALLEL = ("data", "tensor", "rank0")
+
 @dataclass(frozen=True)
 class GraphConfig:
     """CUDA graphs of one runner (ViT, decode or prefill).
@@ -221,12 +224,13 @@ class EngineConfig:
     # (FlashAttention on contiguous K/V) or "auto" (by context length; see cuda_backend).
     extend_attention: str = "auto"
     # Tensor parallelism: the language model split over this many GPUs (the device given and the
-    # next ones; one worker process per extra GPU; gloo processes on the CPU). The ViT runs on
-    # the first GPU. See mmpipe.engine.tensor_parallel.
+    # next ones; one worker process per extra GPU; gloo processes on the CPU). See
+    # mmpipe.engine.tensor_parallel.
     tensor_parallel_size: int = 1
     # The vision tower under tensor parallelism: "data" (each rank encodes a share of a step's
-    # images with its own copy of the tower; the embeddings come back to rank 0) or "rank0" (rank 0
-    # encodes them all).
+    # images with its own copy of the tower; the embeddings come back to rank 0), "tensor" (the
+    # tower split over the ranks too, every rank running every pack: one image's latency falls,
+    # at the cost of two collectives per block) or "rank0" (rank 0 encodes them all).
     vit_parallel: str = "data"
 
     def __post_init__(self) -> None:
@@ -264,8 +268,8 @@ class EngineConfig:
         if self.extend_attention not in ("auto", "triton", "varlen"):
             raise InputError(f"EngineConfig.extend_attention={self.extend_attention!r}: "
                              "use 'auto', 'triton' or 'varlen'")
-        if self.vit_parallel not in ("data", "rank0"):
-            raise InputError(f"EngineConfig.vit_parallel={self.vit_parallel!r}: use 'data' or 'rank0'")
+        if self.vit_parallel not in VIT_PARALLEL:
+            raise InputError(f"EngineConfig.vit_parallel={self.vit_parallel!r}: use 'data', 'tensor' or 'rank0'")
         if self.attention_backend not in ("auto", "torch", "cuda"):
             raise InputError(f"EngineConfig.attention_backend={self.attention_backend!r}: "
                              "use 'auto', 'torch' or 'cuda'")

@@ -39,6 +39,7 @@ from mmpipe.vision.preprocess import ImageProcessorConfig, patches_on_device, pr
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransformer
 from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer, qwen3_vision_config
+from mmpipe.vision.tensor_parallel import shard_vision_tower
 from mmpipe.weights import (
     load_checkpoint,
     materialize,
@@ -74,6 +75,7 @@ class ModelSpec:
     kv_cache: Any
     shard_language: Callable[..., Any]  # (language model, TPGroup) -> the rank's shard, in place
     shard_slices: Callable[..., Any]  # (text config, TPGroup) -> (tensor name -> the rank's Slice, or None)
+    shard_vision: Callable[..., Any]  # (loaded vision tower, TPGroup) -> the rank's shard, in place
     image_token: str = "<|image_pad|>"
     vision_start_token: str = "<|vision_start|>"
 
@@ -89,7 +91,7 @@ def _qwen_vl(architecture: str, family: str, vision_config: Callable[[dict[str, 
         defer_jpeg=deferred_jpeg, patches=patches_on_device,
         positions=mrope_positions, pack_meta=build_pack_meta, vit_runner=ViTGraphRunner,
         vit_buckets=default_buckets, prefill_runner=PrefillRunner, decode_runner=DecodeGraphRunner, kv_cache=KVCache,
-        shard_language=shard_language_model, shard_slices=shard_slices)
+        shard_language=shard_language_model, shard_slices=shard_slices, shard_vision=shard_vision_tower)
 
 
 REGISTRY: dict[str, ModelSpec] = {spec.architecture: spec for spec in (
@@ -147,14 +149,15 @@ def _describe_stored(fp8: Fp8Checkpoint | None, dtype: torch.dtype, kept: int, r
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
                extend_attention: str = "auto", quantization: str | None = None,
-               keep_fp8: bool | None = None, tp: Any = None) -> LoadedModel:
+               keep_fp8: bool | None = None, tp: Any = None, shard_vision: bool = False) -> LoadedModel:
     """Build the checkpoint's models on `device` with the attention backends chosen for it.
     An FP8 checkpoint's language-model projections stay in FP8 (`Fp8Linear`) where `keep_fp8`
     (default: the device has FP8 tensor cores), everything else of it is dequantized;
     `quantization="fp8"`: the language model's linear layers quantized to FP8 after loading.
     `tp` (a `TPGroup`, its backend attached later): the language model is built as that rank's
     shard and only its part of each tensor is read from the files (an FP8 checkpoint's kept
-    layers with their scales split alongside; `quantization` then quantizes the shard's layers)."""
+    layers with their scales split alongside; `quantization` then quantizes the shard's layers).
+    `shard_vision` (with `tp`): the vision tower too, loaded whole, then cut to the rank's shard."""
     quantization = check_runtime_quantization(quantization, device)  # before anything loads
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
@@ -188,6 +191,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     vision = materialize(vision, device, dtype)
     language = materialize(language, device, dtype, keep_fp8_layers if keep else None)
     load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8, frozenset(kept), slices)
+    if tp is not None and shard_vision:
+        spec.shard_vision(vision, tp)  # before the width padding: each rank pads its own part
     prepare_for_kernels(vision)
     prepare_for_kernels(language)
     stored = _describe_stored(fp8, dtype, sum(isinstance(m, Fp8Linear) for m in language.modules()),

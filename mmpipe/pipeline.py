@@ -148,14 +148,14 @@ class Pipeline:
             workers = Workers(path, dev, dt, config)  # they load their weights beside this process
         try:
             with startup.phase("weights"):
-                # Under tensor parallelism only this rank's shard is read (an FP8 checkpoint dequantized).
+                # Under tensor parallelism only this rank's shard is read.
                 tp = None
                 if workers is not None:
                     from mmpipe.layers.parallel import TPGroup
 
                     tp = TPGroup(0, config.tensor_parallel_size)
                 model = load_model(path, dev, dt, config.attention_backend, config.extend_attention,
-                                   config.quantization, tp=tp)
+                                   config.quantization, tp=tp, shard_vision=config.vit_parallel == "tensor")
             if limits:
                 model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
             with startup.phase("tokenizer"):

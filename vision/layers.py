@@ -25,6 +25,7 @@ from mmpipe.graphs.transfer import to_device
 from mmpipe.kernels.fused import add_layer_norm, rotary_qk
 from mmpipe.kernels.vision_rotary import rotary_tables
 from mmpipe.layers.mlp import activation
+from mmpipe.layers.parallel import reduce_rows
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,13 @@ class VisionSelfAttention(nn.Module):
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
+        self.tp: Any = None  # a tensor-parallel shard's group (`TPGroup`): proj's product is summed over it
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
                 attention: VisionAttention) -> torch.Tensor:
         q, k, v = rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # rotated in float32, as the reference
         out = attention.forward(q, k, v, seg)
-        return self.proj(rearrange(out, "n heads d -> n (heads d)"))
+        return reduce_rows(self.tp, self.proj(rearrange(out, "n heads d -> n (heads d)")))
 
 
 class VisionRotary(nn.Module):
@@ -104,11 +106,14 @@ class PlainMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, dim, bias=True)
         self.act = activation(act)
         self.gelu_tanh = act == "gelu_pytorch_tanh"
+        self.tp: Any = None  # a tensor-parallel shard's group (`TPGroup`): fc2's product is summed over it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gelu_tanh and x.is_cuda and x.dim() == 2 and isinstance(self.fc1, nn.Linear):  # not an FP8 fc1
-            return self.fc2(torch._addmm_activation(self.fc1.bias, x, self.fc1.weight.t(), use_gelu=True))
-        return self.fc2(self.act(self.fc1(x)))
+            hidden = torch._addmm_activation(self.fc1.bias, x, self.fc1.weight.t(), use_gelu=True)
+        else:
+            hidden = self.act(self.fc1(x))
+        return reduce_rows(self.tp, self.fc2(hidden))
 
 
 class LayerNormBlock(nn.Module):

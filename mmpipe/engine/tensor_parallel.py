@@ -10,9 +10,10 @@ inputs over a pipe to each worker, which replays it on its own `ModelRunner`:
 - vision (`EngineConfig.vit_parallel="data"`, the default): a step's images are split into one
   contiguous share per rank, balanced by patches; each rank encodes its share with its own full
   copy of the tower (its own lazily captured ViT graphs: no collectives inside) and the workers
-  send their embeddings back to rank 0, whose encoder cache keeps them all. `"rank0"`: rank 0
-  encodes every image. (A ~0.7B tower gains little from a tensor-parallel split and pays a
-  collective per layer; it is not offered.)
+  send their embeddings back to rank 0, whose encoder cache keeps them all. `"tensor"`: the tower
+  is split too (`mmpipe.vision.tensor_parallel`); every rank runs every pack, two collectives per
+  block, in line on the language model's stream (one communicator: its collectives run one after
+  another), with its ViT graphs captured in lockstep. `"rank0"`: rank 0 encodes every image.
 - prefill: the step's `PrefillInputs` (numpy), then each image span's embeddings, broadcast from
   rank 0's GPU (a 448 px image's embeddings are one 1 MB copy);
 - decode: each row's state (length, new KV pages; prompt, sampling and tokens when the request
@@ -321,11 +322,15 @@ class TensorParallelRunner(ModelRunner):
 
     def parallel_stats(self) -> dict[str, Any]:
         return {"size": self.workers.size if self.workers is not None else self.model.tp.size,
-                "vit_parallel": self.cfg.vit_parallel, "images_encoded_by_workers": self.images_on_workers}
+                "vit_parallel": self.cfg.vit_parallel, "vision_sharded": getattr(self.model.vision, "tp", None) is not None,
+                "images_encoded_by_workers": self.images_on_workers}
 
     def _encode_packs(self, images: Sequence[Any]) -> list[torch.Tensor]:
-        """Data-parallel vision: rank r encodes share r, rank 0 gathers the embeddings in order."""
+        """Data-parallel vision: rank r encodes share r, rank 0 gathers the embeddings in order.
+        Tensor-parallel vision: every rank runs every pack on its shard of the tower."""
         size = self.workers.size
+        if self.cfg.vit_parallel == "tensor":
+            return self._encode_together(images)
         if self.cfg.vit_parallel != "data" or len(images) < 2:
             return super()._encode_packs(images)
         shares = split_shares([image.num_patches for image in images], size)
@@ -362,10 +367,37 @@ class TensorParallelRunner(ModelRunner):
             raise torch.OutOfMemoryError(message) if what == "memory" else InputError(message)
         return results
 
+    def _encode_together(self, images: Sequence[Any]) -> list[torch.Tensor]:
+        """Every rank runs the same packs (same images, same order: the same buckets and captures)
+        on its shard of the tower; rank 0 keeps the embeddings. A file the GPU cannot decode fails
+        on every rank at the same pack, before that pack's collectives: the ranks stay in step and
+        the engine retries the images one by one, as on one GPU. Anything else failing here ends
+        the group (the ranks' collectives may be out of step)."""
+        self.workers.send("encode_together", [_portable(image) for image in images])
+        own: InputError | None = None
+        with self._in_lockstep("vision encode"):
+            try:
+                results = super()._encode_packs(images)
+            except InputError as exc:
+                own, results = exc, []
+            answers = [self.workers.reply(rank) for rank in range(1, self.workers.size)]
+            agree = all(kind == ("encode_failed" if own is not None else "encoded") and
+                        (own is None or detail[0] == "input") for kind, detail in answers)
+            if not agree:
+                raise EngineError(f"tensor-parallel vision ranks disagree: rank 0 {own or 'encoded'}, the others "
+                                  f"{[detail or kind for kind, detail in answers]}")
+        if own is not None:
+            raise own
+        return results
+
     def capture_vision(self, grids: Sequence[tuple[int, int, int]]) -> int:
-        if self.cfg.vit_parallel == "data" and grids:
-            self.workers.send("capture_vision", list(grids))  # their shares are packs of the same sizes
-        return super().capture_vision(grids)
+        if self.cfg.vit_parallel == "rank0" or not grids:
+            return super().capture_vision(grids)
+        # Data: their shares are packs of the same sizes. Tensor: the same graphs in the same order.
+        self.workers.send("capture_vision", list(grids))
+        with self._in_lockstep("vision graph capture") if self.cfg.vit_parallel == "tensor" else \
+                contextlib.nullcontext():
+            return super().capture_vision(grids)
 
     @contextlib.contextmanager
     def _in_lockstep(self, what: str) -> Iterator[None]:
@@ -534,6 +566,8 @@ def _serve(runner: ModelRunner, group: TPGroup, pipe: Any) -> None:
             runner.capture_decode_sampling(payload)
         elif kind == "encode":
             _encode_share(runner, group, pipe, [_restored(image) for image in payload])
+        elif kind == "encode_together":
+            _encode_replica(runner, pipe, [_restored(image) for image in payload])
         elif kind == "capture_vision":
             runner.capture_vision(payload)
         else:
@@ -560,6 +594,19 @@ def _encode_share(runner: ModelRunner, group: TPGroup, pipe: Any, images: list[A
     pipe.send(status)
 
 
+def _encode_replica(runner: ModelRunner, pipe: Any, images: list[Any]) -> None:
+    """Tensor-parallel vision: run rank 0's packs on this rank's shard of the tower (the result is
+    rank 0's too, and dropped here), then say how it went. Only a file the GPU cannot decode is
+    an answer; anything else ends this worker, and the group."""
+    try:
+        with torch.inference_mode():
+            runner._encode_packs(images)
+    except InputError as exc:
+        pipe.send(("encode_failed", ("input", str(exc))))
+        return
+    pipe.send(("encoded", None))
+
+
 def _die_with_parent() -> None:
     """End this process when rank 0's process is gone, however it ended (a watch thread: Linux's
     parent-death signal would fire when the thread that started the worker ends, which may be
@@ -583,8 +630,8 @@ def _worker_main(rank: int, spec: _WorkerSpec, pipe: Any) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         cfg = spec.config
-        model = load_model(spec.path, device, spec.dtype, cfg.attention_backend, cfg.extend_attention, None,
-                           tp=TPGroup(rank, spec.size))
+        model = load_model(spec.path, device, spec.dtype, cfg.attention_backend, cfg.extend_attention,
+                           cfg.quantization, tp=TPGroup(rank, spec.size), shard_vision=cfg.vit_parallel == "tensor")
         pipe.send(("loaded", None))
         kind, startup_sampling = pipe.recv()  # rank 0 resolves the sampling once its tokenizer is loaded
         if kind != "start":

@@ -53,7 +53,7 @@ def one_kv_head(checkpoint_factory):
     return checkpoint_factory(text={"num_key_value_heads": 1})
 
 
-@pytest.mark.parametrize("vit_parallel, kv", [("data", 2), ("rank0", 2), ("data", 1)])
+@pytest.mark.parametrize("vit_parallel, kv", [("data", 2), ("rank0", 2), ("tensor", 2), ("data", 1)])
 def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, one_kv_head, vit_parallel, kv):
     path = tp_checkpoint if kv == 2 else one_kv_head
     reference, _ = run(path, 1)
@@ -61,6 +61,7 @@ def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, one_kv_head, vit_par
     assert ours == reference
     assert len({tuple(t) for t in reference}) > 2  # the prompts give different answers
     assert stats["tensor_parallel"]["size"] == 2 and stats["tensor_parallel"]["vit_parallel"] == vit_parallel
+    assert stats["tensor_parallel"]["vision_sharded"] == (vit_parallel == "tensor")
     on_workers = stats["tensor_parallel"]["images_encoded_by_workers"]
     assert (on_workers > 0) if vit_parallel == "data" else on_workers == 0
     assert stats["runner"]["images_encoded"] + on_workers == 3  # each distinct image once
