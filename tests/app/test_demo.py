@@ -449,8 +449,9 @@ def test_soak_two_thousand_answers_keep_memory_flat(tmp_path, monkeypatch):
 def test_demo_engine_flags_reach_the_pipeline(monkeypatch, capsys):
     """`--tp` and `--quantization` become the Pipeline's settings; `--tp 0` is refused by name
     (EngineConfig), as one line and exit code 2, before any server starts."""
-    from mmpipe import Pipeline
     from mmpipe.app.demo import main
+
+    from mmpipe import Pipeline
     from mmpipe.errors import InputError
 
     seen = {}

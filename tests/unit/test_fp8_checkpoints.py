@@ -312,6 +312,7 @@ def test_a_tensor_parallel_rank_keeps_its_part_of_each_fp8_layer(tmp_path_factor
     non-uniform block scales cut with their tiles: a column split's scale columns, a row split's
     scale rows; per-channel scales of a column split kept whole)."""
     from mmpipe.language.tensor_parallel import TPGroup, shard_language_model
+
     from mmpipe.layers.fp8 import Fp8Linear
     from mmpipe.models import load_model
 
