@@ -318,12 +318,13 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         self._pages_sent: dict[int, int] = {}  # request id -> KV pages its worker mirror holds
         self.images_on_workers = 0  # images the workers encoded (data-parallel vision)
+        self.worker_vit_runs: dict[int, dict[str, int]] = {}  # each worker's ViT calls, from its last answer
         super().__init__(model, cfg, startup, startup_sampling)
 
     def parallel_stats(self) -> dict[str, Any]:
         return {"size": self.workers.size if self.workers is not None else self.model.tp.size,
                 "vit_parallel": self.cfg.vit_parallel, "vision_sharded": getattr(self.model.vision, "tp", None) is not None,
-                "images_encoded_by_workers": self.images_on_workers}
+                "images_encoded_by_workers": self.images_on_workers, "worker_vit_runs": dict(self.worker_vit_runs)}
 
     def _encode_packs(self, images: Sequence[Any]) -> list[torch.Tensor]:
         """Data-parallel vision: rank r encodes share r, rank 0 gathers the embeddings in order.
@@ -358,6 +359,8 @@ class TensorParallelRunner(ModelRunner):
                 kind, detail = self.workers.reply(rank)
                 if kind != "encoded":
                     failures.append(detail)
+                elif detail is not None:
+                    self.worker_vit_runs[rank] = detail
         # A share that failed (out of memory, a file the GPU cannot decode) fails the pack as it
         # would on one GPU: the engine then encodes its images one by one, on this rank.
         if own is not None:
@@ -381,6 +384,8 @@ class TensorParallelRunner(ModelRunner):
             except InputError as exc:
                 own, results = exc, []
             answers = [self.workers.reply(rank) for rank in range(1, self.workers.size)]
+            self.worker_vit_runs.update((rank, detail) for rank, (kind, detail) in enumerate(answers, start=1)
+                                        if kind == "encoded" and detail is not None)
             agree = all(kind == ("encode_failed" if own is not None else "encoded") and
                         (own is None or detail[0] == "input") for kind, detail in answers)
             if not agree:
@@ -578,10 +583,10 @@ def _encode_share(runner: ModelRunner, group: TPGroup, pipe: Any, images: list[A
     """Encode this rank's share of a step's images and send the embeddings to rank 0, then say
     how it went. A share that fails (out of memory, a file the GPU cannot decode) still sends a
     zero tensor per image, so rank 0's receives complete, and says why instead."""
-    status: tuple[str, Any] = ("encoded", None)
     try:
         with torch.inference_mode():
             embeds = runner._encode_packs(images)
+        status: tuple[str, Any] = ("encoded", _vit_runs(runner))
     except (torch.OutOfMemoryError, MemoryError) as exc:
         status = ("encode_failed", ("memory", f"tensor-parallel rank {group.rank}: {exc}"))
     except InputError as exc:
@@ -604,7 +609,14 @@ def _encode_replica(runner: ModelRunner, pipe: Any, images: list[Any]) -> None:
     except InputError as exc:
         pipe.send(("encode_failed", ("input", str(exc))))
         return
-    pipe.send(("encoded", None))
+    pipe.send(("encoded", _vit_runs(runner)))
+
+
+def _vit_runs(runner: ModelRunner) -> dict[str, int]:
+    """This rank's ViT calls so far, by a graph or eagerly (rank 0 reports them in its stats:
+    a worker running eagerly holds every rank back in tensor-parallel vision)."""
+    counts = getattr(getattr(runner, "vit_runner", None), "counts", None)
+    return {"graph_runs": counts.graph_runs if counts else 0, "eager_runs": counts.eager_runs if counts else 0}
 
 
 def _die_with_parent() -> None:

@@ -65,6 +65,11 @@ def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, one_kv_head, vit_par
     on_workers = stats["tensor_parallel"]["images_encoded_by_workers"]
     assert (on_workers > 0) if vit_parallel == "data" else on_workers == 0
     assert stats["runner"]["images_encoded"] + on_workers == 3  # each distinct image once
+    # The worker's ViT calls, as it reported them: every pack of rank 0 (tensor), its shares (data).
+    worker = stats["tensor_parallel"]["worker_vit_runs"].get(1, {"graph_runs": 0, "eager_runs": 0})
+    ours_runs = stats["vit"]["graph_runs"] + stats["vit"]["eager_runs"]
+    theirs = worker["graph_runs"] + worker["eager_runs"]
+    assert theirs == ours_runs if vit_parallel == "tensor" else (theirs > 0) == (vit_parallel == "data")
 
 
 def test_shares_split_a_steps_images_by_patches():
@@ -246,7 +251,7 @@ def test_a_workers_share_of_the_images_always_answers(failure):
     _serve(runner, group, pipe)
     assert [tuple(t.shape) for t, _ in sends] == [(3, 8), (2, 8)] and all(dst == 0 for _, dst in sends)
     if failure is None:
-        assert pipe.sent == [("encoded", None)] and sends[1][0].eq(2.0).all()
+        assert pipe.sent == [("encoded", {"graph_runs": 0, "eager_runs": 0})] and sends[1][0].eq(2.0).all()
     else:
         kind, (what, message) = pipe.sent[0]
         assert kind == "encode_failed" and what == failure and all(t.eq(0).all() for t, _ in sends)
@@ -271,7 +276,7 @@ def test_rank_0_keeps_the_order_and_raises_a_failed_share_as_one_gpu_would(reply
     sent = []
     runner.workers = SimpleNamespace(size=2, send_to=lambda rank, kind, payload: sent.append((rank, len(payload))),
                                      reply=lambda rank: reply)
-    runner.cfg, runner.images_on_workers = EngineConfig(), 0
+    runner.cfg, runner.images_on_workers, runner.worker_vit_runs = EngineConfig(), 0, {}
     runner.dtype, runner.device = torch.float32, torch.device("cpu")
     received = iter([7.0, 8.0])
     runner.model = SimpleNamespace(language=SimpleNamespace(hidden_size=4),
@@ -304,7 +309,7 @@ def _rank0(monkeypatch, reply, own=None):
     log = []
     runner.workers = SimpleNamespace(size=2, failure=None, send_to=lambda rank, kind, payload: log.append("sent"),
                                      reply=lambda rank: log.append("replied") or reply)
-    runner.cfg, runner.images_on_workers = EngineConfig(), 0
+    runner.cfg, runner.images_on_workers, runner.worker_vit_runs = EngineConfig(), 0, {}
     runner.dtype, runner.device = torch.float32, torch.device("cpu")
     received = iter([7.0, 8.0])
     runner.model = SimpleNamespace(language=SimpleNamespace(hidden_size=4),
