@@ -14,6 +14,8 @@ inputs over a pipe to each worker, which replays it on its own `ModelRunner`:
   is split too (`mmpipe.vision.tensor_parallel`); every rank runs every pack, two collectives per
   block, in line on the language model's stream (one communicator: its collectives run one after
   another), with its ViT graphs captured in lockstep. `"rank0"`: rank 0 encodes every image.
+  A worker's answer carries its ViT calls so far, by graph and eager
+  (`Pipeline.stats()["tensor_parallel"]["worker_vit_runs"]`).
 - prefill: the step's `PrefillInputs` (numpy), then each image span's embeddings, broadcast from
   rank 0's GPU (a 448 px image's embeddings are one 1 MB copy);
 - decode: each row's state (length, new KV pages; prompt, sampling and tokens when the request
