@@ -48,7 +48,7 @@ from mmpipe.app.caption_io import (
     unwritable,
 )
 
-from mmpipe.config import VIT_PARALLEL, GraphMode
+from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
 from mmpipe.errors import InputError
 from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
@@ -128,10 +128,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group.add_argument("--tp", type=_positive, default=1,
                            help="tensor parallel: split the language model over this many GPUs (the device's and "
                                 "the next ones)")
-    run_group.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL),
-                           help="with --tp: each GPU encodes a share of the images (data, the default), the "
-                                "vision tower is split over the GPUs too (tensor), or the first GPU encodes "
-                                "them all (rank0)")
+    run_group.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL), help=VIT_PARALLEL_HELP)
     run_group.add_argument("--gpu-decode", action="store_true",
                            help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "
                                 "transformers' torchvision-backed processor does; other files use Pillow")

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from mmpipe.config import EngineConfig, GraphMode, SamplingParams
+from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, EngineConfig, GraphMode, SamplingParams
 from mmpipe.errors import InputError, MmpipeError
 from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
@@ -407,6 +407,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor parallel: split the language model over this many GPUs (the device's and the "
                              "next ones)")
+    parser.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL), help=VIT_PARALLEL_HELP)
     parser.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                         help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
     parser.add_argument("--min-pixels", type=int, default=None,
@@ -440,6 +441,8 @@ def run(args: argparse.Namespace) -> int:
             options["quantization"] = args.quantization
         if args.tp != 1:  # validated by EngineConfig
             options["tensor_parallel_size"] = args.tp
+        if args.vit_parallel:
+            options["vit_parallel"] = args.vit_parallel
         pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
                                         min_pixels=args.min_pixels, max_pixels=args.max_pixels, **options)
     except MmpipeError as exc:

@@ -108,6 +108,8 @@ _GRAPH_MEMORY = ("arena", "shared", "per_graph")
 
 # How a tensor-parallel Pipeline runs its vision tower (`EngineConfig.vit_parallel`).
 VIT_PARALLEL = ("data", "tensor", "rank0")
+VIT_PARALLEL_HELP = ("with --tp: each GPU encodes a share of the images (data, the default), the vision tower is "
+                     "split over the GPUs too (tensor), or the first GPU encodes them all (rank0)")
 
 @dataclass(frozen=True)
 class GraphConfig:

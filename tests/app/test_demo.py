@@ -447,7 +447,7 @@ def test_soak_two_thousand_answers_keep_memory_flat(tmp_path, monkeypatch):
 
 
 def test_demo_engine_flags_reach_the_pipeline(monkeypatch, capsys):
-    """`--tp` and `--quantization` become the Pipeline's settings; `--tp 0` is refused by name
+    """`--tp`, `--vit-parallel` and `--quantization` become the Pipeline's settings; `--tp 0` is refused by name
     (EngineConfig), as one line and exit code 2, before any server starts."""
     from mmpipe.app.demo import main
 
@@ -461,10 +461,10 @@ def test_demo_engine_flags_reach_the_pipeline(monkeypatch, capsys):
         raise InputError("stopped before the server (test)")
 
     monkeypatch.setattr(Pipeline, "from_pretrained", from_pretrained)
-    assert main(["--device", "cpu", "--tp", "2", "--quantization", "fp8"]) == 2
-    assert seen["tensor_parallel_size"] == 2 and seen["quantization"] == "fp8"
+    assert main(["--device", "cpu", "--tp", "2", "--vit-parallel", "tensor", "--quantization", "fp8"]) == 2
+    assert seen["tensor_parallel_size"] == 2 and seen["quantization"] == "fp8" and seen["vit_parallel"] == "tensor"
     seen.clear()
-    assert main(["--device", "cpu"]) == 2 and "tensor_parallel_size" not in seen
+    assert main(["--device", "cpu"]) == 2 and "tensor_parallel_size" not in seen and "vit_parallel" not in seen
     monkeypatch.undo()
     assert main(["--device", "cpu", "--tp", "0"]) == 2
     assert "tensor_parallel_size=0: must be a positive integer" in capsys.readouterr().err
