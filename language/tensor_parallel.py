@@ -150,6 +150,10 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
     for layer in lm.layers:
         attn = layer.self_attn
+        if any(m.bias is not None and m.weight.device.type == "meta" for m in (attn.o_proj, layer.mlp.down_proj)):
+            # A shard read from the checkpoint would hold the whole bias on every rank and add it
+            # N times (`shard_slices` cuts weights only); no supported family has one.
+            raise UnsupportedModelError("tensor parallelism: row-parallel o_proj/down_proj with a bias is not supported")
         rows = torch.cat([head_rows(r * heads, heads, d), head_rows(kv_first, kv_heads, d, q_total),
                           head_rows(kv_first, kv_heads, d, q_total + kv_total)])
         attn.qkv_proj = column_parallel(attn.qkv_proj, rows)

@@ -37,6 +37,25 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise CheckpointError(f"config.json: unsupported activation {name!r}") from None
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as raw bytes (copies and zero fills on every device; E4M3's zero is 0x00)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def _zeros(like: torch.Tensor, shape: tuple[int, ...], fill: float = 0.0) -> torch.Tensor:
+    if like.element_size() == 1 and like.is_floating_point():
+        return torch.zeros(shape, dtype=torch.uint8, device=like.device).view(like.dtype)
+    return torch.full(shape, fill, dtype=like.dtype, device=like.device)
+
+
+def _padded_blocks(t: torch.Tensor, inter: int, width: int, fill: float = 0.0) -> torch.Tensor:
+    """[2 * inter, ...] (gate rows, then up rows) as [2 * width, ...], each block padded at its end."""
+    out = _zeros(t, (2 * width, *t.shape[1:]), fill)
+    for block in (0, 1):
+        _bytes(out)[block * width: block * width + inter] = _bytes(t)[block * inter:(block + 1) * inter]
+    return out
+
+
 def padded_width(hidden: int, multiple: int = KERNEL_ALIGN) -> int:
     return -(-hidden // multiple) * multiple
 
@@ -92,26 +111,34 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
     def pad_width(self, multiple: int = KERNEL_ALIGN) -> None:
-        """Re-lay the loaded weights with the intermediate width rounded up to `multiple`."""
+        """Re-lay the loaded weights with the intermediate width rounded up to `multiple` (zero
+        rows and columns). FP8 layers stay FP8: padded rows get scale 1; block-scaled layers never
+        need this (their widths are multiples of 128, `mmpipe.weights.place_fp8_layers`)."""
         width = padded_width(self.hidden, multiple)
         if width == self.hidden:
             return
-        old, inter = self.gate_up_proj, self.hidden
-        gate_up = nn.Linear(old.in_features, 2 * width, bias=old.bias is not None,
-                            device=old.weight.device, dtype=old.weight.dtype)
-        down = self.down_proj  # widened in place
-        down_weight = down.weight.new_zeros(down.weight.shape[0], width)
-        with torch.no_grad():
-            for param in gate_up.parameters():
-                param.zero_()
-            for block in (0, 1):  # gate rows, then up rows, each block padded at its end
-                gate_up.weight[block * width: block * width + inter] = old.weight[block * inter:(block + 1) * inter]
-                if old.bias is not None:
-                    gate_up.bias[block * width: block * width + inter] = old.bias[block * inter:(block + 1) * inter]
-            down_weight[:, :inter] = down.weight
+        old, down, inter = self.gate_up_proj, self.down_proj, self.hidden
+        if any(isinstance(m, Fp8Linear) and m.block for m in (old, down)):
+            raise ValueError(f"GatedMLP.pad_width: a block-scaled FP8 layer of width {inter} cannot be padded")
+        weight = _padded_blocks(old.weight, inter, width)  # gate rows, then up rows, each padded at its end
+        bias = _padded_blocks(old.bias, inter, width) if old.bias is not None else None
+        if isinstance(old, Fp8Linear):
+            scale = _padded_blocks(old.weight_scale, inter, width, fill=1.0)
+            gate_up: nn.Module = Fp8Linear(weight, scale, bias)
+        else:
+            gate_up = nn.Linear(old.in_features, 2 * width, bias=bias is not None, device=weight.device,
+                                dtype=weight.dtype)
+            gate_up.weight = nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                gate_up.bias = nn.Parameter(bias, requires_grad=False)
         self.gate_up_proj = gate_up.requires_grad_(False)
-        down.weight = nn.Parameter(down_weight, requires_grad=False)
-        if isinstance(down, nn.Linear):
+        down_weight = _zeros(down.weight, (down.weight.shape[0], width))  # widened in place
+        _bytes(down_weight)[:, :inter] = _bytes(down.weight)
+        if isinstance(down, Fp8Linear):
+            down.weight = down_weight  # a buffer; its per-channel (per output row) scales stay
+        else:
+            down.weight = nn.Parameter(down_weight, requires_grad=False)
+        if isinstance(down, (nn.Linear, Fp8Linear)):
             down.in_features = width
         down.requires_grad_(False)
         self.hidden = width

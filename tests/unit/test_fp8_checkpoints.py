@@ -326,3 +326,57 @@ def test_a_tensor_parallel_rank_keeps_its_part_of_each_fp8_layer(tmp_path_factor
         assert len(layers) == 4 * 2, sorted(layers)
         for name, layer in layers.items():
             assert torch.equal(layer.dequantized_weight(), want.get_submodule(name).weight), (rank, name)
+
+
+def test_an_fp8_mlp_padded_for_the_kernels_stays_fp8_and_gives_the_same_output():
+    """`GatedMLP.pad_width` on per-channel FP8 layers (a rank's width of 96, padded to 128): the
+    layers stay FP8, the gate and up rows land at the start of their padded blocks with their
+    scales (padding: zero rows, scale 1), and the output is bit-identical to the unpadded MLP's
+    (zero columns do not move the per-token activation scales)."""
+    from torch import nn
+
+    from mmpipe.layers.fp8 import Fp8Linear
+    from mmpipe.layers.mlp import GatedMLP
+
+    gen = torch.Generator().manual_seed(3)
+    mlp = GatedMLP(64, 96, "silu", bias=True)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    mlp.gate_up_proj = Fp8Linear.from_linear(mlp.gate_up_proj)
+    mlp.down_proj = Fp8Linear.from_linear(mlp.down_proj)
+    mlp.gate_up_proj.weight_scale.mul_(torch.linspace(0.5, 2.0, 192).unsqueeze(1))  # uneven per-row scales
+    x = torch.randn(5, 64, generator=gen)
+    before, gate_up = mlp(x), mlp.gate_up_proj.dequantized_weight()
+    mlp.pad_width(64)
+    assert mlp.hidden == 128 and isinstance(mlp.gate_up_proj, Fp8Linear) and isinstance(mlp.down_proj, Fp8Linear)
+    assert not any(isinstance(m, nn.Linear) for m in mlp.modules())
+    padded = mlp.gate_up_proj.dequantized_weight()
+    for block in (0, 1):
+        assert torch.equal(padded[block * 128: block * 128 + 96], gate_up[block * 96:(block + 1) * 96])
+        assert not padded[block * 128 + 96:(block + 1) * 128].any()
+    assert mlp.down_proj.in_features == 128 and tuple(mlp.down_proj.weight.shape) == (64, 128)
+    assert torch.equal(mlp(x), before)
+
+
+def test_a_tensor_parallel_rank_pads_its_fp8_mlp_part_for_the_kernels(tmp_path_factory, tmp_path):
+    """A per-channel FP8 checkpoint whose MLP width, split over 2 ranks, is no multiple of the
+    kernels' 64 (as Qwen2.5-VL-72B's 29568 at TP=4): each rank loads, keeps its MLP in FP8, padded,
+    holding exactly its part of the by-hand dequantized weights."""
+    from mmpipe.language.tensor_parallel import TPGroup, shard_language_model
+
+    from mmpipe.layers.fp8 import Fp8Linear
+    from mmpipe.models import load_model
+
+    base = make_checkpoint(str(tmp_path_factory.mktemp("tp_192")), text=dict(TP_TEXT, intermediate_size=192))
+    quantized, reference = fp8_pair(base, tmp_path, "channel")
+    cpu = torch.device("cpu")
+    for rank in range(2):
+        ours = load_model(quantized, cpu, torch.float32, keep_fp8=True, tp=TPGroup(rank, 2)).language
+        want = shard_language_model(load_model(reference, cpu, torch.float32).language, TPGroup(rank, 2))
+        for layer, reference_layer in zip(ours.layers, want.layers):
+            mlp = layer.mlp
+            assert mlp.hidden == 128 and isinstance(mlp.gate_up_proj, Fp8Linear)
+            gate_up, part = mlp.gate_up_proj.dequantized_weight(), reference_layer.mlp.gate_up_proj.weight
+            assert torch.equal(torch.cat([gate_up[:96], gate_up[128:224]]), part)
+            assert torch.equal(mlp.down_proj.dequantized_weight()[:, :96], reference_layer.mlp.down_proj.weight)

@@ -104,6 +104,26 @@ def test_head_counts_that_do_not_divide_are_refused_by_name():
     check_shardable(cfg, 2)
 
 
+def test_a_row_parallel_bias_on_a_shard_built_before_loading_is_refused():
+    """A shard built on the meta device (then filled from the checkpoint's slices) cannot hold a
+    row-parallel bias once: refused by name rather than added on every rank. A loaded model's
+    shard keeps the bias on rank 0 only."""
+    from torch import nn
+
+    from mmpipe.layers.parallel import row_parallel
+
+    with torch.device("meta"):
+        lm = Qwen2LanguageModel(build(2, 2, False).cfg)
+    layer = lm.layers[0]
+    layer.self_attn.o_proj = nn.Linear(layer.self_attn.o_proj.in_features, layer.self_attn.o_proj.out_features,
+                                       device="meta")
+    with pytest.raises(UnsupportedModelError, match="row-parallel o_proj/down_proj with a bias"):
+        shard_language_model(lm, TPGroup(1, 2))
+    loaded = nn.Linear(8, 4)
+    assert torch.equal(row_parallel(loaded, 0, 4, TPGroup(0, 2)).bias, loaded.bias)
+    assert not row_parallel(loaded, 4, 8, TPGroup(1, 2)).bias.any()
+
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machine
 
 
