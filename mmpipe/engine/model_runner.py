@@ -72,7 +72,8 @@ class ModelRunner:
                                       self.dtype, self.device)
         self.pages = PageAllocator(num_pages)
         self.vit_runner = self._make_vit_runner()
-        if getattr(model.vision, "tp", None) is not None:  # a tensor-parallel tower: its graphs hold collectives
+        self.vision_sharded = getattr(model.vision, "tp", None) is not None  # vit_parallel="tensor"
+        if self.vision_sharded:  # its graphs hold collectives
             self.vit_runner.lockstep = True
         self._vision_stream_on = False
         self._vision_stream = self._make_vision_stream()
@@ -118,7 +119,7 @@ class ModelRunner:
 
     def _make_vision_stream(self) -> "torch.cuda.Stream | None":
         wanted = self.cfg.vision_stream
-        if getattr(self.model.vision, "tp", None) is not None:
+        if self.vision_sharded:
             # A tensor-parallel tower's collectives share the language model's communicator, whose
             # collectives must run one after another, in the same order on every rank.
             if wanted:

@@ -325,7 +325,7 @@ class TensorParallelRunner(ModelRunner):
 
     def parallel_stats(self) -> dict[str, Any]:
         return {"size": self.workers.size if self.workers is not None else self.model.tp.size,
-                "vit_parallel": self.cfg.vit_parallel, "vision_sharded": getattr(self.model.vision, "tp", None) is not None,
+                "vit_parallel": self.cfg.vit_parallel, "vision_sharded": self.vision_sharded,
                 "images_encoded_by_workers": self.images_on_workers, "worker_vit_runs": dict(self.worker_vit_runs)}
 
     def _encode_packs(self, images: Sequence[Any]) -> list[torch.Tensor]:

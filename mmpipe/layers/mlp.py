@@ -126,8 +126,8 @@ class GatedMLP(nn.Module):
             scale = _padded_blocks(old.weight_scale, inter, width, fill=1.0)
             gate_up: nn.Module = Fp8Linear(weight, scale, bias)
         else:
-            gate_up = nn.Linear(old.in_features, 2 * width, bias=bias is not None, device=weight.device,
-                                dtype=weight.dtype)
+            # Built on the meta device: its parameters are replaced at once (no random init to discard).
+            gate_up = nn.Linear(old.in_features, 2 * width, bias=bias is not None, device="meta", dtype=weight.dtype)
             gate_up.weight = nn.Parameter(weight, requires_grad=False)
             if bias is not None:
                 gate_up.bias = nn.Parameter(bias, requires_grad=False)
