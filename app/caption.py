@@ -50,6 +50,7 @@ from mmpipe.app.caption_io import (
 
 from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
 from mmpipe.errors import InputError
+from mmpipe.integrations.ray_data import RAY_BATCH_SIZE, RAY_BATCHES_IN_FLIGHT
 from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
 FORMAT_NAMES = ["txt", *FORMATS, "parquet"]  # parquet: --ray only
@@ -140,6 +141,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                            help="with --ray: the cluster (default: $RAY_ADDRESS, else a running one, else a local one)")
     run_group.add_argument("--ray-actors", type=_positive, default=None,
                            help="with --ray: pipelines (actors) to run, one GPU each (default: the cluster's GPUs)")
+    run_group.add_argument("--ray-batch-size", type=_positive, default=None,
+                           help=f"with --ray: images per Ray batch (default: {RAY_BATCH_SIZE})")
+    run_group.add_argument("--ray-batches-in-flight", type=_positive, default=None,
+                           help=f"with --ray: batches each actor captions at once (default: {RAY_BATCHES_IN_FLIGHT}); "
+                                "their requests share the actor's engine")
     run_group.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
                            help="CUDA graphs for the vision encoder (default: on with CUDA)")
     run_group.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
@@ -214,6 +220,12 @@ def _run_id(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    ray_only = [flag for flag, value in (("--ray-address", args.ray_address), ("--ray-actors", args.ray_actors),
+                                         ("--ray-batch-size", args.ray_batch_size),
+                                         ("--ray-batches-in-flight", args.ray_batches_in_flight)) if value is not None]
+    if ray_only and not args.ray:
+        print(f"mmpipe caption: {', '.join(ray_only)} need(s) --ray", file=sys.stderr)
+        return 2
     if args.ray and (args.gpus or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         print("mmpipe caption: --ray runs its own actors (--ray-actors); not with --gpus or a multi-process launcher",
               file=sys.stderr)

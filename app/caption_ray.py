@@ -47,7 +47,7 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
         summary = caption_files(paths, args.output, model=args.model, prompt=prompt,
                                 sampling={name: getattr(sampling, name) for name in fields}, engine=engine,
                                 format=args.format or "jsonl", concurrency=actors, num_gpus=args.tp if gpus else 0,
-                                device=args.device, dtype=args.dtype)
+                                device=args.device, dtype=args.dtype, **_batching(args))
     except MmpipeError as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2
@@ -59,6 +59,12 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
               f"{summary['already']} already in {args.output}; {summary['error_rows']} error row(s) there in all "
               "(an error row is not retried)", file=sys.stderr)
     return 1 if summary["error_rows"] else 0
+
+
+def _batching(args: argparse.Namespace) -> dict[str, int]:
+    """The Ray batch size and batches in flight the command was given (else the defaults)."""
+    given = {"batch_size": args.ray_batch_size, "batches_in_flight": args.ray_batches_in_flight}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _unsupported(args: argparse.Namespace) -> str | None:

@@ -614,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_ttft.add_arguments(sub.add_parser("ttft", help="an image request's time to first token from the call, "
                                             "vs its GPU kernel time and its metrics"))
+    from mmpipe.app.bench import ray as bench_ray
+
+    bench_ray.add_arguments(sub.add_parser("ray", help="the Ray Data stage vs `mmpipe caption` on the same files: "
+                                           "wall, files / wall and the marginal rate"))
     for p in sub.choices.values():
         p.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -623,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"kernels": run_kernels, "throughput": run_throughput, "vit": run_vit,
               "decode": decode_bench.run_decode, "prefill": bench_prefill.run_prefill,
               "caption": bench_caption.run_caption, "startup": bench_startup.run_startup,
-              "ttft": bench_ttft.run_ttft}[args.what](args)
+              "ttft": bench_ttft.run_ttft, "ray": bench_ray.run_ray}[args.what](args)
     write_json(args.json, result)
     return 0
 

@@ -260,3 +260,28 @@ def test_an_actor_of_two_ranks_captions_as_one_process(ray_cluster, images, tmp_
              "--ray-actors", "1", "--tp", "3"]
     assert main(three) != 0
     assert "tensor_parallel_size=3 does not divide 4 attention heads" in capsys.readouterr().err
+
+
+def test_the_ray_batching_flags_reach_the_job_and_need_ray(images, tmp_path, capsys, monkeypatch):
+    from mmpipe.integrations import ray_data
+
+    class FakeRay:  # the driver's side only: the job itself is recorded, not run
+        def is_initialized(self):
+            return True
+
+        def cluster_resources(self):
+            return {"GPU": 1}
+
+    calls = []
+    monkeypatch.setattr(ray_data, "_ray", lambda: FakeRay())
+    monkeypatch.setattr(ray_data, "caption_files", lambda *a, **kw: calls.append(kw) or
+                        {"captioned": 0, "failed": 0, "already": 0, "error_rows": 0})
+    base = ["caption", str(images), "--ray", "--output", str(tmp_path / "rows")]
+    assert main(base + ["--ray-batch-size", "32", "--ray-batches-in-flight", "3"]) == 0
+    assert main(base) == 0
+    assert [(c.get("batch_size"), c.get("batches_in_flight")) for c in calls] == [(32, 3), (None, None)]
+    assert calls[0]["num_gpus"] == 1 and calls[0]["concurrency"] == 1
+    for flag in ("--ray-batch-size", "--ray-batches-in-flight", "--ray-actors"):
+        assert main(["caption", str(images), "--device", "cpu", flag, "2"]) == 2
+        assert f"{flag} need(s) --ray" in capsys.readouterr().err
+    assert len(calls) == 2
