@@ -33,7 +33,7 @@ RESULT_COLUMNS = ("caption", "num_tokens", "finish_reason", "error")
 FORMATS = ("jsonl", "parquet")
 # Rows an actor holds at once: batches_in_flight x batch_size, twice the engine's 256 running
 # requests, so the engine stays full while a finished batch is written and the next one read.
-RAY_BATCH_SIZE = 128
+RAY_BATCH_SIZE = 256
 RAY_BATCHES_IN_FLIGHT = 4
 
 
