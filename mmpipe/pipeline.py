@@ -146,11 +146,6 @@ class Pipeline:
             if not os.path.isdir(path):
                 raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
             workers = Workers(path, dev, dt, config)  # they load their weights beside this process
-        # The tokenizer (mostly `import transformers`) loads on a thread while the weights are
-        # read: the reads run outside the GIL, so it costs nothing beside them.
-        tokenizer_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="mmpipe-tokenizer")
-        tokenizer_future = tokenizer_pool.submit(load_tokenizer, path) if os.path.isdir(path) else None
-        tokenizer_pool.shutdown(wait=False)
         try:
             with startup.phase("weights"):
                 # Under tensor parallelism only this rank's shard is read.
@@ -163,9 +158,8 @@ class Pipeline:
                                    config.quantization, tp=tp, shard_vision=config.vit_parallel == "tensor")
             if limits:
                 model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
-            with startup.phase("tokenizer") as phase:
-                phase.detail = "loaded beside the weights: the wait after them"
-                tokenizer = tokenizer_future.result() if tokenizer_future is not None else load_tokenizer(path)
+            with startup.phase("tokenizer"):
+                tokenizer = load_tokenizer(path)
             pipe = cls(model, tokenizer, config, startup, startup_sampling, workers)
         except BaseException:
             if workers is not None:
