@@ -2,10 +2,9 @@
 
 `torch` is the reference and the CPU path: scaled_dot_product_attention per run of equal-length
 segments, using host-side lengths (not capturable). `varlen` uses FlashAttention shipped inside
-PyTorch (the aten varlen forward that `torch.nn.attention.varlen.varlen_attn` wraps), reads
-boundaries from a device tensor and so can be captured once and replayed with other boundaries,
-as long as `max_len` bounds them; its windows (short segments) run in mmpipe's own kernel
-(`vision/window_kernel.py`).
+PyTorch (`torch.nn.attention.varlen.varlen_attn`), reads boundaries from a device tensor and so
+can be captured once and replayed with other boundaries, as long as `max_len` bounds them;
+its windows (short segments) run in mmpipe's own kernel (`vision/window_kernel.py`).
 """
 
 from __future__ import annotations
@@ -51,6 +50,9 @@ class VarlenVisionAttention:
     graph_safe = True
 
     def __init__(self, short_segments: bool = True) -> None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        self._attn = varlen_attn
         self.short_segments = short_segments
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
@@ -58,21 +60,11 @@ class VarlenVisionAttention:
         cu = seg.cu_seqlens
         if self.short_segments and seg.max_len <= MAX_SHORT_SEGMENT:
             return short_segment_attention(q, k, v, cu, seg.max_len, out)
-        result = flash_varlen(q, k, v, cu, seg.max_len)
+        result = self._attn(q, k, v, cu, cu, seg.max_len, seg.max_len)
         if out is not None:
             out.copy_(result)
             return out
         return result
-
-
-def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_len: int) -> torch.Tensor:
-    """FlashAttention's varlen forward over the segments `cu_seqlens` bounds, non-causal: the
-    aten op that `torch.nn.attention.varlen.varlen_attn` runs, without that function's custom-op
-    wrapper, whose first call imports `torch._dynamo` (2.3 s of a process's first image request
-    on an H100 machine) and whose every call fills a dropout-state tensor nothing reads."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False,
-                                                   False)[0]
 
 
 def _runs(lengths: list[int]) -> list[tuple[int, int]]:
@@ -88,7 +80,9 @@ def _runs(lengths: list[int]) -> list[tuple[int, int]]:
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8

@@ -114,20 +114,6 @@ def test_vit_varlen_matches_reference(dim):
     assert rel(out, ref) <= 1e-2
 
 
-def test_the_direct_flash_call_equals_torchs_varlen_attn():
-    """mmpipe calls the aten op `varlen_attn` wraps (without its custom-op wrapper): the same
-    bits on segments longer than the short-segment kernel takes."""
-    from mmpipe.vision.attention import flash_varlen
-    from torch.nn.attention.varlen import varlen_attn
-
-    lengths = [300, 129, 1024, 7]
-    gen = torch.Generator(device=CUDA).manual_seed(3)
-    q, k, v = (torch.randn(sum(lengths), 16, 80, generator=gen, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
-    seg = segments_of(lengths, CUDA, max_len=1024)
-    ours = flash_varlen(q, k, v, seg.cu_seqlens, seg.max_len)
-    assert torch.equal(ours, varlen_attn(q, k, v, seg.cu_seqlens, seg.cu_seqlens, seg.max_len, seg.max_len))
-
-
 @pytest.mark.parametrize("short_segments", [True, False])
 def test_vit_attention_replays_with_new_boundaries(short_segments):
     """Captured once; replayed with other segment boundaries of the same total; equals eager
