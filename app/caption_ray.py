@@ -13,7 +13,7 @@ from mmpipe.errors import InputError, MmpipeError
 
 
 def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, sampling: Any) -> int:
-    from mmpipe.integrations.ray_data import _ray, caption_files
+    from mmpipe.integrations.ray_data import RAY_BATCH_SIZE, RAY_BATCHES_IN_FLIGHT, _ray, caption_files
 
     problem = _unsupported(args)
     if problem is not None:
@@ -47,7 +47,9 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
         summary = caption_files(paths, args.output, model=args.model, prompt=prompt,
                                 sampling={name: getattr(sampling, name) for name in fields}, engine=engine,
                                 format=args.format or "jsonl", concurrency=actors, num_gpus=args.tp if gpus else 0,
-                                device=args.device, dtype=args.dtype, **_batching(args))
+                                device=args.device, dtype=args.dtype,
+                                batch_size=args.ray_batch_size or RAY_BATCH_SIZE,
+                                batches_in_flight=args.ray_batches_in_flight or RAY_BATCHES_IN_FLIGHT)
     except MmpipeError as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2
@@ -59,12 +61,6 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
               f"{summary['already']} already in {args.output}; {summary['error_rows']} error row(s) there in all "
               "(an error row is not retried)", file=sys.stderr)
     return 1 if summary["error_rows"] else 0
-
-
-def _batching(args: argparse.Namespace) -> dict[str, int]:
-    """The Ray batch size and batches in flight the command was given (else the defaults)."""
-    given = {"batch_size": args.ray_batch_size, "batches_in_flight": args.ray_batches_in_flight}
-    return {name: value for name, value in given.items() if value is not None}
 
 
 def _unsupported(args: argparse.Namespace) -> str | None:

@@ -31,8 +31,9 @@ log = logging.getLogger("mmpipe")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 RESULT_COLUMNS = ("caption", "num_tokens", "finish_reason", "error")
 FORMATS = ("jsonl", "parquet")
-# Rows an actor holds at once: batches_in_flight x batch_size, twice the engine's 256 running
-# requests, so the engine stays full while a finished batch is written and the next one read.
+# Rows an actor holds at once: batches_in_flight x batch_size = 1024, four times the engine's 256
+# running requests, so the engine stays full while a finished batch is written and the next one
+# read (measured on an H100: 64 x 2 reached 0.90x the command's rate, 256 x 4 0.98-1.6x).
 RAY_BATCH_SIZE = 256
 RAY_BATCHES_IN_FLIGHT = 4
 
@@ -153,7 +154,8 @@ def finished_paths(output: str) -> set[str]:
 def caption_files(inputs: str | Sequence[str], output: str, *, model: str | None = None, prompt: str | None = None,
                   sampling: dict[str, Any] | None = None, engine: dict[str, Any] | None = None,
                   format: str = "jsonl", concurrency: int = 1, num_gpus: float = 0, num_cpus: float = 1,
-                  batch_size: int = RAY_BATCH_SIZE, batches_in_flight: int = RAY_BATCHES_IN_FLIGHT, device: str | None = None, dtype: str | None = None) -> dict[str, int]:
+                  batch_size: int = RAY_BATCH_SIZE, batches_in_flight: int = RAY_BATCHES_IN_FLIGHT,
+                  device: str | None = None, dtype: str | None = None) -> dict[str, int]:
     """Caption every image file under `inputs` not yet in `output` (a directory of JSON lines or
     Parquet files, one row per image: path, caption, num_tokens, finish_reason, error) on the
     running Ray cluster (or a local one). Inputs and output are paths every node sees alike (one

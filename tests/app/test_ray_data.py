@@ -279,7 +279,8 @@ def test_the_ray_batching_flags_reach_the_job_and_need_ray(images, tmp_path, cap
     base = ["caption", str(images), "--ray", "--output", str(tmp_path / "rows")]
     assert main(base + ["--ray-batch-size", "32", "--ray-batches-in-flight", "3"]) == 0
     assert main(base) == 0
-    assert [(c.get("batch_size"), c.get("batches_in_flight")) for c in calls] == [(32, 3), (None, None)]
+    assert [(c["batch_size"], c["batches_in_flight"]) for c in calls] == [(32, 3), (ray_data.RAY_BATCH_SIZE,
+                                                                               ray_data.RAY_BATCHES_IN_FLIGHT)]
     assert calls[0]["num_gpus"] == 1 and calls[0]["concurrency"] == 1
     for flag in ("--ray-batch-size", "--ray-batches-in-flight", "--ray-actors"):
         assert main(["caption", str(images), "--device", "cpu", flag, "2"]) == 2
