@@ -31,6 +31,7 @@ from mmpipe.kernels import gemv
 from mmpipe.kernels.fused import add_rms_norm
 from mmpipe.kernels.rope_kv import rope_qk_write_kv
 from mmpipe.layers.attention import AttentionBackend
+from mmpipe.layers.buffers import on_ambient_device
 from mmpipe.layers.context import get_forward_context
 from mmpipe.layers.fp8 import Fp8Linear
 from mmpipe.layers.mlp import GatedMLP
@@ -125,16 +126,17 @@ class MRotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, section: tuple[int, ...], interleaved: bool = False) -> None:
         super().__init__()
         self.head_dim, self.theta, self.section, self.interleaved = head_dim, theta, section, interleaved
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        self.register_buffer("axis", self._axis(), persistent=False)
+        self.register_buffer("inv_freq", on_ambient_device(self._inv_freq()), persistent=False)
+        self.register_buffer("axis", on_ambient_device(self._axis()), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim))
 
     def _axis(self) -> torch.Tensor:
         if not self.interleaved:
-            return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(self.section)])
-        axis = torch.zeros(self.head_dim // 2, dtype=torch.long)
+            return torch.cat([torch.full((n,), i % 3, dtype=torch.long, device="cpu")
+                              for i, n in enumerate(self.section)])
+        axis = torch.zeros(self.head_dim // 2, dtype=torch.long, device="cpu")
         for dim in (1, 2):
             axis[dim: 3 * self.section[dim]: 3] = dim
         return axis

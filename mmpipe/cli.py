@@ -36,12 +36,7 @@ def _info(args: argparse.Namespace) -> int:
         info["cuda"] = torch.version.cuda
         info["gpu"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"
         info["gpus"] = torch.cuda.device_count()
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-
-        info["varlen_attn"] = True
-    except ImportError:
-        info["varlen_attn"] = False
+    info["varlen_attn"] = hasattr(torch.ops.aten, "_flash_attention_forward")  # the ViT's FlashAttention
     info["model"] = _model_summary(args.model, args.device, args.graph_mode, args.quantization)
     if args.json:
         print(json.dumps(info, indent=2))

@@ -23,6 +23,7 @@ from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
 from mmpipe.language.tensor_parallel import shard_language_model, shard_slices
+from mmpipe.layers.buffers import no_init
 from mmpipe.layers.fp8 import Fp8Linear, fp8_available, quantize_linears
 from mmpipe.quantization import (
     LM_FP8_LAYERS,
@@ -172,7 +173,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
                                                extend_attention)
     except ValueError as exc:
         raise InputError(f"EngineConfig.attention_backend: {exc}") from None
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():  # every weight is loaded below
         vision = spec.vision_model(vision_cfg, vision_attention)
         language = spec.language_model(text_cfg, language_attention)
     slices = None

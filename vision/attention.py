@@ -2,9 +2,10 @@
 
 `torch` is the reference and the CPU path: scaled_dot_product_attention per run of equal-length
 segments, using host-side lengths (not capturable). `varlen` uses FlashAttention shipped inside
-PyTorch (`torch.nn.attention.varlen.varlen_attn`), reads boundaries from a device tensor and so
-can be captured once and replayed with other boundaries, as long as `max_len` bounds them;
-its windows (short segments) run in mmpipe's own kernel (`vision/window_kernel.py`).
+PyTorch (the aten varlen forward that `torch.nn.attention.varlen.varlen_attn` wraps), reads
+boundaries from a device tensor and so can be captured once and replayed with other boundaries,
+as long as `max_len` bounds them; its windows (short segments) run in mmpipe's own kernel
+(`vision/window_kernel.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from mmpipe.vision.metadata import Segments
 
 from mmpipe.kernels.window_attention import MAX_SHORT_SEGMENT, short_segment_attention
-from mmpipe.layers.attention import AttentionBackend
+from mmpipe.layers.attention import AttentionBackend, flash_varlen, flash_varlen_available
 
 VisionAttention = AttentionBackend[Segments]
 
@@ -50,9 +51,6 @@ class VarlenVisionAttention:
     graph_safe = True
 
     def __init__(self, short_segments: bool = True) -> None:
-        from torch.nn.attention.varlen import varlen_attn
-
-        self._attn = varlen_attn
         self.short_segments = short_segments
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
@@ -60,7 +58,7 @@ class VarlenVisionAttention:
         cu = seg.cu_seqlens
         if self.short_segments and seg.max_len <= MAX_SHORT_SEGMENT:
             return short_segment_attention(q, k, v, cu, seg.max_len, out)
-        result = self._attn(q, k, v, cu, cu, seg.max_len, seg.max_len)
+        result = flash_varlen(q, k, v, cu, cu, seg.max_len, seg.max_len)
         if out is not None:
             out.copy_(result)
             return out
@@ -80,9 +78,7 @@ def _runs(lengths: list[int]) -> list[tuple[int, int]]:
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+    if not flash_varlen_available():
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8

@@ -24,6 +24,7 @@ from mmpipe.errors import CheckpointError
 from mmpipe.graphs.transfer import to_device
 from mmpipe.kernels.fused import add_layer_norm, rotary_qk
 from mmpipe.kernels.vision_rotary import rotary_tables
+from mmpipe.layers.buffers import on_ambient_device
 from mmpipe.layers.mlp import activation
 from mmpipe.layers.parallel import reduce_rows
 
@@ -80,11 +81,11 @@ class VisionRotary(nn.Module):
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.register_buffer("inv_freq", on_ambient_device(self._inv_freq()), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
         dim = self.head_dim // 2
-        return 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
 
     def init_buffers(self) -> None:
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)

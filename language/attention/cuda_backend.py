@@ -2,7 +2,8 @@
 
 Extend has two implementations:
 - "triton": the Triton kernel, reading the cached prefix through the page table;
-- "varlen": FlashAttention inside PyTorch (`varlen_attn`), straight on the new K/V when no
+- "varlen": FlashAttention inside PyTorch (the aten varlen forward that `varlen_attn` wraps,
+  called without its wrapper, whose first call imports `torch._dynamo`), straight on the new K/V when no
   sequence has a cached prefix, else on the prefix gathered into contiguous K/V.
 "auto" picks by size, from `mmpipe bench kernels` on an H200 (bf16, 16/2 heads x 128): Triton
 was faster up to a few thousand tokens of context (0.18 vs 0.30 ms for 8 x 1024 fresh tokens,
@@ -13,24 +14,14 @@ has no float32).
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from mmpipe.language.attention.metadata import AttentionMetadata
 
 from mmpipe.kernels.decode_attention import decode_num_splits, paged_decode
 from mmpipe.kernels.extend_attention import paged_extend
+from mmpipe.layers.attention import flash_varlen, flash_varlen_available
 
 VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel
-
-
-def _varlen():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if "window_size" in params else None
 
 
 class CudaLMAttention:
@@ -44,7 +35,7 @@ class CudaLMAttention:
             raise ValueError(f"extend={extend!r}: use 'auto', 'triton' or 'varlen'")
         self.scale = scale
         self.extend = extend
-        self._varlen = _varlen()
+        self._varlen = flash_varlen_available()
         self._num_sms: dict[int, int] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -81,18 +72,17 @@ class CudaLMAttention:
         return self._num_sms[index]
 
     def _use_varlen(self, dtype: torch.dtype, meta: AttentionMetadata) -> bool:
-        if dtype not in (torch.float16, torch.bfloat16) or self._varlen is None or self.extend == "triton":
+        if dtype not in (torch.float16, torch.bfloat16) or not self._varlen or self.extend == "triton":
             return False
         return self.extend == "varlen" or meta.max_seq_len >= VARLEN_FROM_CONTEXT
 
     def _varlen_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, n: int) -> None:
-        if k.shape[1] != q.shape[1]:  # varlen_attn in torch 2.11 takes equal head counts
+        if k.shape[1] != q.shape[1]:  # equal head counts, as varlen_attn in torch 2.11 required (the path was measured so)
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        # window (-1, 0): causal, aligned so the last query sees the last key (the cached prefix
-        # comes first).
-        out[:n] = self._varlen(q[:n], k, v, cu_q, cu_k, max_q, max_k, scale=self.scale, window_size=(-1, 0))
+        # causal, aligned so the last query sees the last key (the cached prefix comes first)
+        out[:n] = flash_varlen(q[:n], k, v, cu_q, cu_k, max_q, max_k, causal=True, scale=self.scale)
 
 
 def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata

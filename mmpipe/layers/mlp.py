@@ -11,6 +11,7 @@ from torch import nn
 from mmpipe.errors import CheckpointError
 from mmpipe.kernels import gemv
 from mmpipe.kernels.fused import silu_mul
+from mmpipe.layers.buffers import no_init
 from mmpipe.layers.fp8 import Fp8Linear
 from mmpipe.layers.parallel import reduce_rows
 
@@ -127,7 +128,9 @@ class GatedMLP(nn.Module):
             gate_up: nn.Module = Fp8Linear(weight, scale, bias)
         else:
             # Built on the meta device: its parameters are replaced at once (no random init to discard).
-            gate_up = nn.Linear(old.in_features, 2 * width, bias=bias is not None, device="meta", dtype=weight.dtype)
+            with no_init():
+                gate_up = nn.Linear(old.in_features, 2 * width, bias=bias is not None, device="meta",
+                                    dtype=weight.dtype)
             gate_up.weight = nn.Parameter(weight, requires_grad=False)
             if bias is not None:
                 gate_up.bias = nn.Parameter(bias, requires_grad=False)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmpipe.layers.buffers import no_init
+
 
 @dataclass
 class TPGroup:
@@ -133,8 +135,9 @@ def reduce_rows(tp: TPGroup | None, out: Any) -> Any:
 def column_parallel(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
     """A Linear holding the output rows `rows` (an index tensor) of `linear` (weight and bias);
     meta-device layers give their shape only."""
-    out = nn.Linear(linear.in_features, int(rows.numel()), bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+    with no_init():  # every value is copied below (or, on the meta device, loaded later)
+        out = nn.Linear(linear.in_features, int(rows.numel()), bias=linear.bias is not None,
+                        device=linear.weight.device, dtype=linear.weight.dtype)
     if linear.weight.device.type != "meta":
         index = rows.to(linear.weight.device)
         with torch.no_grad():
@@ -148,8 +151,9 @@ def row_parallel(linear: nn.Linear, start: int, stop: int, tp: TPGroup) -> nn.Li
     """A Linear holding the input columns [start, stop) of `linear`; the owner sums its product
     over the ranks (`reduce_rows`). The bias is added once: rank 0 keeps it, the others hold
     zeros."""
-    out = nn.Linear(stop - start, linear.out_features, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+    with no_init():
+        out = nn.Linear(stop - start, linear.out_features, bias=linear.bias is not None,
+                        device=linear.weight.device, dtype=linear.weight.dtype)
     if linear.weight.device.type != "meta":
         with torch.no_grad():
             out.weight.copy_(linear.weight[:, start:stop])

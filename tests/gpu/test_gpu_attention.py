@@ -114,6 +114,40 @@ def test_vit_varlen_matches_reference(dim):
     assert rel(out, ref) <= 1e-2
 
 
+def test_the_direct_flash_call_equals_torchs_varlen_attn():
+    """mmpipe calls the aten op `varlen_attn` wraps (without its custom-op wrapper): the same
+    bits on segments longer than the short-segment kernel takes."""
+    from mmpipe.layers.attention import flash_varlen
+    from torch.nn.attention.varlen import varlen_attn
+
+    lengths = [300, 129, 1024, 7]
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    q, k, v = (torch.randn(sum(lengths), 16, 80, generator=gen, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
+    seg = segments_of(lengths, CUDA, max_len=1024)
+    ours = flash_varlen(q, k, v, seg.cu_seqlens, seg.cu_seqlens, seg.max_len, seg.max_len)
+    assert torch.equal(ours, varlen_attn(q, k, v, seg.cu_seqlens, seg.cu_seqlens, seg.max_len, seg.max_len))
+
+
+def test_the_direct_causal_flash_call_equals_varlen_attn_with_a_cached_prefix():
+    """The language model's long-context extend: queries are the last tokens of each sequence,
+    keys its whole context (prefix first). `causal=True` must be the bottom-right aligned mask
+    that varlen_attn's window (-1, 0) gives, with the same scale, bit for bit."""
+    from mmpipe.layers.attention import flash_varlen
+    from torch.nn.attention.varlen import varlen_attn
+
+    new, context = [5, 300, 64], [900, 300, 1500]  # the 2nd has no prefix
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    q = torch.randn(sum(new), 16, 128, generator=gen, device=CUDA, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(context), 16, 128, generator=gen, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    cu_q = torch.tensor([0, 5, 305, 369], device=CUDA, dtype=torch.int32)
+    cu_k = torch.tensor([0, 900, 1200, 2700], device=CUDA, dtype=torch.int32)
+    ours = flash_varlen(q, k, v, cu_q, cu_k, 300, 1500, causal=True, scale=0.07)
+    theirs = varlen_attn(q, k, v, cu_q, cu_k, 300, 1500, scale=0.07, window_size=(-1, 0))
+    assert torch.equal(ours, theirs)
+    top_left = flash_varlen(q, k, v, cu_q, cu_k, 300, 1500, causal=False, scale=0.07)
+    assert not torch.equal(ours, top_left)  # the mask matters on these lengths
+
+
 @pytest.mark.parametrize("short_segments", [True, False])
 def test_vit_attention_replays_with_new_boundaries(short_segments):
     """Captured once; replayed with other segment boundaries of the same total; equals eager
