@@ -246,6 +246,26 @@ def prepare_for_kernels(module: nn.Module) -> nn.Module:
     return module
 
 
+def allocate(module: nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device=device)` without `torch.empty_like`: on meta tensors that runs
+    PyTorch's Python reference implementation, whose first call imports sympy (~2.3 s of every
+    process's start-up on the GPU machines, 2.6 s with the calls). A parameter or buffer shared
+    by several modules (tied embeddings) stays one object."""
+    made: dict[int, torch.Tensor] = {}
+
+    def real(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            made[id(tensor)] = nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
+        return made[id(tensor)]
+
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    table[name] = real(tensor)
+
+
 def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype,
                 before_storage: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Give a module built on the meta device real (uninitialised) storage, then rebuild the
@@ -254,7 +274,7 @@ def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype,
     module = module.to(dtype=dtype)
     if before_storage is not None:
         before_storage(module)
-    module = module.to_empty(device=device)
+    allocate(module, device)
     for sub in module.modules():
         if hasattr(sub, "init_buffers"):
             sub.init_buffers()

@@ -212,8 +212,9 @@ def gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None = None
                    ) -> torch.Tensor | PartialSums:
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    splits = _splits(rows, n, k)
-    splits = cdiv(k, _k_split(rows, k, splits))  # no empty slice where rounding K up to blocks ends early
+    fp8 = scale is not None
+    splits = _splits(rows, n, k, fp8)
+    splits = cdiv(k, _k_split(rows, k, splits, fp8))  # no empty slice where rounding K up to blocks ends early
     if splits == 1:
         if not gated and scale is None:
             return linear(x, weight)
@@ -228,27 +229,40 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: to
 # ---------------------------------------------------------------------------- launch
 
 
-def _splits(rows: int, n: int, k: int) -> int:
+def _splits(rows: int, n: int, k: int, fp8: bool = False) -> int:
     """K slices for `linear_split` (H100 sweep): one row, a slice per ~2048 of K (down: 4 slices,
-    17.2 vs 19.4 us); several rows, enough slices for ~2 programs per SM, at most 4."""
+    17.2 vs 19.4 us); several rows, enough slices for ~2 programs per SM, at most 4. An FP8 weight
+    is half the bytes per slice, so twice the slices, at most 8 (H100, .gpu sweep of this
+    session's closing note: down at one row 9.6 us with 8 slices against 12.5 with 4, at 8 rows
+    10.9 against 13.4)."""
     if rows == 1:
-        return min(8, 1 << max(0, (k // 2048).bit_length() - 1))
+        splits = 1 << max(0, (k // 2048).bit_length() - 1)
+        if fp8 and k // (2 * splits) >= 512:
+            splits *= 2
+        return min(8, splits)
+    limit = 8 if fp8 else 4
     splits = 1
-    while cdiv(n, _SWAP_BLOCK_N) * splits < _MIN_PROGRAMS and splits < 4 and k // (2 * splits) >= 512:
+    while cdiv(n, _SWAP_BLOCK_N) * splits < _MIN_PROGRAMS and splits < limit and k // (2 * splits) >= 512:
         splits *= 2
     return splits
 
 
-def _config(rows: int, k: int, splits: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) of the one-row kernel, BLOCK_K of the other (H100 sweep)."""
+def _config(rows: int, k: int, splits: int, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of the one-row kernel, BLOCK_K of the other (H100 sweep). One row
+    of an FP8 weight: longer rows per program unsplit (gate_up 16.3 us with 4 x 2048 on 4 warps
+    against 20.9 with bfloat16's 4 x 1024 on 8), more rows per program split (down 9.8 us with
+    16 x 512)."""
     if rows == 1:
-        block_n, block_k, warps = (4, 1024, 8) if splits == 1 else (8, 512, 4)
+        if fp8:
+            block_n, block_k, warps = (4, 2048, 4) if splits == 1 else (16, 512, 4)
+        else:
+            block_n, block_k, warps = (4, 1024, 8) if splits == 1 else (8, 512, 4)
         return block_n, min(block_k, max(16, next_power_of_2(k))), warps
     return _SWAP_BLOCK_N, min(128, max(16, next_power_of_2(k))), 4
 
 
-def _k_split(rows: int, k: int, splits: int) -> int:
-    block_k = _config(rows, k, splits)[1]
+def _k_split(rows: int, k: int, splits: int, fp8: bool = False) -> int:
+    block_k = _config(rows, k, splits, fp8)[1]
     return cdiv(cdiv(k, splits), block_k) * block_k
 
 
@@ -262,13 +276,14 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     on = pdl.enabled(x)
     b = bias if has_bias else weight  # any pointer; never read
     mode = _scale_mode(weight, scale)
+    fp8 = mode != 0
     s = scale if mode else out  # any pointer; never read
     stride_s = scale.stride(0) if mode == 2 else 0
     if rows == 1:
         # Tuned on an H100 (docs/bench/gemv_sweep*_h100_afb45a2.json): 4 rows x 1024 per program unsplit;
         # 8 x 512 when split (more, shorter programs).
-        block_n, block_k, warps = _config(rows, k, splits)
-        k_split = _k_split(rows, k, splits)
+        block_n, block_k, warps = _config(rows, k, splits, fp8)
+        k_split = _k_split(rows, k, splits, fp8)
         launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0), stride_s,
                HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n, BLOCK_K=block_k,
                PDL=on, num_warps=warps, launch_pdl=on)
@@ -277,8 +292,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     # 4, H100, docs/bench/swap_sweep_h100_7ba3d3d.txt; the same order in
     # docs/bench/gemv_sweep2_h100_afb45a2.json), 4 split.
     block_m = max(8, next_power_of_2(rows))
-    block_k = _config(rows, k, splits)[1]
-    k_split = _k_split(rows, k, splits)
+    block_k = _config(rows, k, splits, fp8)[1]
+    k_split = _k_split(rows, k, splits, fp8)
     launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, s, out, rows, n, k, k_split, x.stride(0),
            weight.stride(0), stride_s, HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode,
            IEEE=x.dtype == torch.float32,

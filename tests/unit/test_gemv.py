@@ -4,6 +4,8 @@ against cuBLAS and a float64 reference, padding invariance, the split's consumer
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,11 +49,14 @@ def test_add_rms_norm_adds_partial_sums_like_their_total() -> None:
 
 
 def test_split_rule_gives_every_slice_work_and_splits_only_narrow_products() -> None:
-    for rows in (1, 2, 8, 32):
-        for n, k in ((2048, 11008), (2048, 2048), (22016, 2048), (64, 64), (151936, 2048)):
-            splits = gemv._splits(rows, n, k)
+    for rows, fp8 in itertools.product((1, 2, 8, 32), (False, True)):
+        for n, k in ((2048, 11008), (2048, 2048), (22016, 2048), (64, 64), (2048, 1024), (151936, 2048)):
+            splits = gemv._splits(rows, n, k, fp8)
             assert splits >= 1 and splits & (splits - 1) == 0
-            assert k // splits >= 512 or splits == 1, (rows, n, k, splits)
+            assert k // splits >= 512 or splits == 1, (rows, n, k, fp8, splits)
+    # An FP8 weight is half the bytes per slice: more slices keep as many bytes in flight.
+    assert gemv._splits(1, 2048, 11008, fp8=True) > gemv._splits(1, 2048, 11008)
+    assert gemv._splits(8, 2048, 11008, fp8=True) > gemv._splits(8, 2048, 11008)
     assert gemv._splits(1, 2048, 11008) > 1  # long K, one row: the serial loop is split
     assert gemv._splits(8, 2048, 2048) > 1  # few output tiles: more programs
     assert gemv._splits(8, 22016, 2048) == 1  # enough tiles already
