@@ -1,0 +1,33 @@
+"""`mmpipe bench startup`'s child processes: the environment they run in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from mmpipe.app.bench.startup import cache_env, child_env
+
+_FLAGS = "import json, sys; print(json.dumps([sys.flags.dont_write_bytecode, sys.pycache_prefix]))"
+
+
+def _child_flags(env: dict[str, str]) -> list:
+    out = subprocess.run([sys.executable, "-c", _FLAGS], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_bytecode_flag_makes_children_cache_their_bytecode(tmp_path, monkeypatch):
+    """The GPU machines set PYTHONDONTWRITEBYTECODE=1; `--bytecode DIR` must give the children a
+    cache, as an installed package has (else every process compiles every module's source)."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    caches = cache_env(str(tmp_path / "caches"))
+    assert _child_flags(child_env(None, caches)) == [1, None]  # as the environment says
+    cached = _child_flags(child_env(None, caches, str(tmp_path / "pyc")))
+    assert cached == [0, str(tmp_path / "pyc")]
+
+
+def test_children_get_the_compile_caches_and_the_tree_first(tmp_path):
+    caches = cache_env(str(tmp_path))
+    env = child_env(str(tmp_path / "old"), caches)
+    assert env["PYTHONPATH"].split(":")[0] == str(tmp_path / "old")
+    assert {k: env[k] for k in caches} == caches
