@@ -22,6 +22,7 @@ def _info(args: argparse.Namespace) -> int:
     import transformers
 
     import mmpipe
+    from mmpipe.layers.attention import flash_varlen_available
 
     info: dict[str, Any] = {
         "mmpipe": mmpipe.__version__,
@@ -36,7 +37,7 @@ def _info(args: argparse.Namespace) -> int:
         info["cuda"] = torch.version.cuda
         info["gpu"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"
         info["gpus"] = torch.cuda.device_count()
-    info["varlen_attn"] = hasattr(torch.ops.aten, "_flash_attention_forward")  # the ViT's FlashAttention
+    info["varlen_attn"] = flash_varlen_available()  # FlashAttention for the ViT and long LM contexts
     info["model"] = _model_summary(args.model, args.device, args.graph_mode, args.quantization)
     if args.json:
         print(json.dumps(info, indent=2))

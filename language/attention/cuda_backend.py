@@ -3,8 +3,8 @@
 Extend has two implementations:
 - "triton": the Triton kernel, reading the cached prefix through the page table;
 - "varlen": FlashAttention inside PyTorch (the aten varlen forward that `varlen_attn` wraps,
-  called without its wrapper, whose first call imports `torch._dynamo`), straight on the new K/V when no
-  sequence has a cached prefix, else on the prefix gathered into contiguous K/V.
+  called without its wrapper, whose first call imports `torch._dynamo`), straight on the new K/V
+  when no sequence has a cached prefix, else on the prefix gathered into contiguous K/V.
 "auto" picks by size, from `mmpipe bench kernels` on an H200 (bf16, 16/2 heads x 128): Triton
 was faster up to a few thousand tokens of context (0.18 vs 0.30 ms for 8 x 1024 fresh tokens,
 0.10 vs 0.34 ms for 16 x 128 after 1024), varlen from about 8k on (0.67 vs 0.74 ms for 2048
@@ -78,7 +78,7 @@ class CudaLMAttention:
 
     def _varlen_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, n: int) -> None:
-        if k.shape[1] != q.shape[1]:  # equal head counts, as varlen_attn in torch 2.11 required (the path was measured so)
+        if k.shape[1] != q.shape[1]:  # equal head counts, as varlen_attn in torch 2.11 required
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         # causal, aligned so the last query sees the last key (the cached prefix comes first)

@@ -117,8 +117,9 @@ def test_vit_varlen_matches_reference(dim):
 def test_the_direct_flash_call_equals_torchs_varlen_attn():
     """mmpipe calls the aten op `varlen_attn` wraps (without its custom-op wrapper): the same
     bits on segments longer than the short-segment kernel takes."""
-    from mmpipe.layers.attention import flash_varlen
     from torch.nn.attention.varlen import varlen_attn
+
+    from mmpipe.layers.attention import flash_varlen
 
     lengths = [300, 129, 1024, 7]
     gen = torch.Generator(device=CUDA).manual_seed(3)
@@ -132,8 +133,9 @@ def test_the_direct_causal_flash_call_equals_varlen_attn_with_a_cached_prefix():
     """The language model's long-context extend: queries are the last tokens of each sequence,
     keys its whole context (prefix first). `causal=True` must be the bottom-right aligned mask
     that varlen_attn's window (-1, 0) gives, with the same scale, bit for bit."""
-    from mmpipe.layers.attention import flash_varlen
     from torch.nn.attention.varlen import varlen_attn
+
+    from mmpipe.layers.attention import flash_varlen
 
     new, context = [5, 300, 64], [900, 300, 1500]  # the 2nd has no prefix
     gen = torch.Generator(device=CUDA).manual_seed(5)
