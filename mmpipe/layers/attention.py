@@ -9,6 +9,7 @@ don't-care and sliced away by the caller).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -32,8 +33,10 @@ class AttentionBackend(Protocol, Generic[MetaT]):
 
 
 def flash_varlen_available() -> bool:
-    """Whether this PyTorch build ships FlashAttention's varlen forward (CUDA builds do)."""
-    return hasattr(torch.ops.aten, "_flash_attention_forward")
+    """Whether `flash_varlen` may be used: a CUDA build of a PyTorch that ships the varlen API
+    (`torch.nn.attention.varlen`, found without importing it: its import pulls in torch._dynamo),
+    i.e. the versions whose `varlen_attn` mmpipe called before and was tested with."""
+    return torch.version.cuda is not None and importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,

@@ -146,8 +146,8 @@ def test_the_direct_causal_flash_call_equals_varlen_attn_with_a_cached_prefix():
     ours = flash_varlen(q, k, v, cu_q, cu_k, 300, 1500, causal=True, scale=0.07)
     theirs = varlen_attn(q, k, v, cu_q, cu_k, 300, 1500, scale=0.07, window_size=(-1, 0))
     assert torch.equal(ours, theirs)
-    top_left = flash_varlen(q, k, v, cu_q, cu_k, 300, 1500, causal=False, scale=0.07)
-    assert not torch.equal(ours, top_left)  # the mask matters on these lengths
+    unmasked = flash_varlen(q, k, v, cu_q, cu_k, 300, 1500, causal=False, scale=0.07)
+    assert not torch.equal(ours, unmasked)  # the mask matters on these lengths
 
 
 @pytest.mark.parametrize("short_segments", [True, False])

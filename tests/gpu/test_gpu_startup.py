@@ -52,6 +52,7 @@ def test_a_first_image_request_imports_no_dynamo(checkpoint):
     """From the import to an image request's answer on CUDA, nothing imports `torch._dynamo`
     (2.3 s of a process's start on an H100 machine): not the model built on the meta device,
     not the ViT's FlashAttention."""
+    import os
     import subprocess
     import sys
     import textwrap
@@ -70,5 +71,6 @@ def test_a_first_image_request_imports_no_dynamo(checkpoint):
         VarlenVisionAttention().forward(q, q, q, segments_of([300, 400], torch.device("cuda"), max_len=512))
         print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo).stdout
     assert out.strip().splitlines()[-1] == "no dynamo"

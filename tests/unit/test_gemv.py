@@ -62,6 +62,25 @@ def test_split_rule_gives_every_slice_work_and_splits_only_narrow_products() -> 
     assert gemv._splits(8, 22016, 2048) == 1  # enough tiles already
 
 
+def test_configs_keep_the_kernels_assumptions_for_every_row_count_and_k() -> None:
+    """What `_run` launches: slices that cover K with none empty (the count `_split_product`
+    allocates), a one-row BLOCK_N that divides 128 and a several-row BLOCK_K of 128 starting each
+    slice on a 128 boundary (both read one 128 x 128 block scale per tile), FP8 or not."""
+    for rows, fp8 in itertools.product((1, 2, 8, 32), (False, True)):
+        for k in (64, 129, 1000, 2048, 3584, 8960, 11008, 18944, 29568):
+            for n in (2048, 22016):
+                splits = gemv._splits(rows, n, k, fp8)
+                k_split = gemv._k_split(rows, k, splits, fp8)
+                splits = gemv.cdiv(k, k_split)  # as _split_product rounds it
+                assert gemv._k_split(rows, k, splits, fp8) == k_split, (rows, fp8, k)
+                assert (splits - 1) * k_split < k <= splits * k_split  # covered, no empty slice
+                block_n, block_k, _ = gemv._config(rows, k, splits, fp8)
+                if rows == 1:
+                    assert 128 % block_n == 0
+                elif k >= 128:
+                    assert block_k == 128 and k_split % 128 == 0, (rows, fp8, k, k_split)
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 

@@ -4,6 +4,7 @@ while a model is built, computed buffers made on the CPU, and so no `torch._dyna
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 
 from mmpipe.layers.buffers import no_init, on_ambient_device
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_no_init_leaves_storage_alone_and_restores_the_initialisers():
@@ -69,5 +72,6 @@ def test_loading_a_model_and_answering_a_request_never_imports_dynamo_or_sympy(f
         assert pipe.caption(["assets/images/scene_0.png"])[0] is not None
         print([name for name in ("torch._dynamo", "sympy") if name in sys.modules])
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO).stdout
     assert out.strip().splitlines()[-1] == "[]"
