@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -23,27 +23,46 @@ from torch import nn
 _INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
                  "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
                  "sparse_")
-_lock = threading.RLock()  # nested builds keep the no-op initialisers until the outer one ends
+_lock = threading.Lock()
+_inside = threading.local()  # this thread's no_init depth
+_saved: dict[str, Callable[..., torch.Tensor]] = {}  # the real initialisers while any thread builds
+_builds = 0
 
 
-def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    return tensor
+def _skipping(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def init(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if getattr(_inside, "depth", 0):
+            return tensor
+        return original(tensor, *args, **kwargs)
+
+    return init
 
 
 @contextlib.contextmanager
 def no_init() -> Iterator[None]:
     """Layers built inside keep their uninitialised storage (for modules whose every parameter
-    is loaded afterwards). Process-wide while it lasts, as `torch.nn.init` is a module; one
-    build at a time."""
+    is loaded afterwards). `torch.nn.init` is one module for the process, so its initialisers
+    are replaced while any thread is inside; the replacements skip only in the threads that are,
+    so layers another thread builds meanwhile are initialised as usual."""
+    global _builds
     with _lock:
-        saved = {name: getattr(nn.init, name) for name in _INITIALISERS if hasattr(nn.init, name)}
-        try:
-            for name in saved:
-                setattr(nn.init, name, _keep)
-            yield
-        finally:
-            for name, fn in saved.items():
-                setattr(nn.init, name, fn)
+        if _builds == 0:
+            for name in _INITIALISERS:
+                if hasattr(nn.init, name):
+                    _saved[name] = getattr(nn.init, name)
+                    setattr(nn.init, name, _skipping(_saved[name]))
+        _builds += 1
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _inside.depth -= 1
+        with _lock:
+            _builds -= 1
+            if _builds == 0:
+                for name, fn in _saved.items():
+                    setattr(nn.init, name, fn)
+                _saved.clear()
 
 
 def on_ambient_device(tensor: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,39 @@ def test_no_init_leaves_storage_alone_and_restores_the_initialisers():
     assert not torch.equal(layer.weight, storage)  # restored after an exception too
 
 
+def test_no_init_skips_only_in_the_building_thread():
+    """Another thread's layers, built while a model is, are initialised as usual; nested builds
+    keep skipping until the outer one ends; the real initialisers come back afterwards."""
+    import threading
+
+    originals = {name: getattr(nn.init, name) for name in ("uniform_", "kaiming_uniform_")}
+    inside, outside = threading.Event(), threading.Event()
+    other: dict[str, torch.Tensor] = {}
+
+    def build_elsewhere() -> None:
+        inside.wait()
+        layer = nn.Linear(3, 4)
+        layer.weight.data.fill_(7.0)
+        layer.reset_parameters()
+        other["weight"] = layer.weight.detach().clone()
+        outside.set()
+
+    thread = threading.Thread(target=build_elsewhere)
+    thread.start()
+    layer = nn.Linear(3, 4)
+    with no_init():
+        with no_init():
+            pass  # a nested build ending must not end the outer one's skipping
+        layer.weight.data.fill_(7.0)
+        layer.reset_parameters()
+        assert torch.all(layer.weight == 7.0)
+        inside.set()
+        assert outside.wait(10)
+    thread.join()
+    assert not torch.all(other["weight"] == 7.0)  # initialised in the other thread
+    assert all(getattr(nn.init, name) is fn for name, fn in originals.items())
+
+
 def test_allocate_gives_meta_modules_storage_and_keeps_tied_tensors_one_object():
     from mmpipe.weights import allocate
 
