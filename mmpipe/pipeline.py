@@ -527,13 +527,16 @@ class TextStream(Iterator[str]):
                     engine.abort(request)
 
 
+EMPTY_CAPTION = "the model returned an empty caption"
+
+
 def caption_result(output: RequestOutput) -> tuple[str | None, str | None]:
     """(caption, error) of a captioning request: the answer stripped, or why there is none (an
     empty answer is an error: a caption file must never be silently empty)."""
     if not output.ok:
         return None, output.error
     text = output.text.strip()
-    return (text, None) if text else (None, "the model returned an empty caption")
+    return (text, None) if text else (None, EMPTY_CAPTION)
 
 
 def per_file_error(reason: str) -> str:

@@ -92,6 +92,20 @@ def child_env(tree: str | None, caches: dict[str, str], bytecode: str | None = N
     return env
 
 
+def caption_rows(output: str, errors: str) -> tuple[int, int]:
+    """(captions written, images whose caption came back empty) of a `mmpipe caption` run. Random
+    weights often decode to an empty caption, which the tool reports as an error row after
+    generating it: such images count. Any other error row is a failed run, raised here."""
+    written = sum(1 for line in open(output) if line.strip()) if os.path.exists(output) else 0
+    rows = [json.loads(line) for line in open(errors) if line.strip()] if os.path.exists(errors) else []
+    from mmpipe.pipeline import EMPTY_CAPTION
+
+    other = [row for row in rows if not str(row.get("error", "")).endswith(EMPTY_CAPTION)]
+    if other:
+        raise RuntimeError(f"mmpipe caption: {len(other)} image(s) failed, e.g. {other[0]}")
+    return written, len(rows)
+
+
 def warm_bytecode(folder: str, command: list[str], env: dict[str, str], cwd: str | None) -> bool:
     """Fill an empty bytecode cache with one untimed run of `command` (else the first timed run
     pays the compile the cache is there to spare); True if it ran."""
@@ -162,23 +176,22 @@ def run_startup(args: argparse.Namespace) -> dict[str, Any]:
         command = [sys.executable, "-m", "mmpipe.cli", "caption", folder, "--model", ckpt, "--format", "jsonl",
                    "--output", output, "--errors-file", errors, "--max-new-tokens", str(args.new_tokens),
                    "--min-new-tokens", str(args.new_tokens), *args.caption_args.split()]
-        # Random weights may decode to an empty caption (reported as a failed image, exit code 1):
-        # every image must still be accounted for, as a caption or an error row.
+        # Exit code 1: some captions came back empty (random weights); caption_rows refuses any
+        # other error, and every image must be accounted for.
         wall, cpu, _, err = run_child(command, env, cwd, ok=(0, 1))
-        written = sum(1 for line in open(output) if line.strip()) if os.path.exists(output) else 0
-        failed = sum(1 for line in open(errors) if line.strip()) if os.path.exists(errors) else 0
-        if written + failed != count:
-            raise RuntimeError(f"mmpipe caption: {written} captions + {failed} errors for {count} files:\n"
+        written, empty = caption_rows(output, errors)
+        if written + empty != count:
+            raise RuntimeError(f"mmpipe caption: {written} captions + {empty} empty for {count} files:\n"
                                f"{err[-2000:]}")
         summary = [line for line in err.splitlines() if line.startswith("captioned ")]
         result["caption"].append({"files": count, "wall_s": wall, "cpu_s": cpu, "files_per_s": count / wall,
-                                  "cpu_s_per_image": cpu / count, "captions": written, "errors": failed,
+                                  "cpu_s_per_image": cpu / count, "captions": written, "empty": empty,
                                   "summary": summary[-1] if summary else "", "args": args.caption_args})
-        rows.append([count, round(wall, 1), round(count / wall, 1), round(cpu / count, 3), written, failed,
+        rows.append([count, round(wall, 1), round(count / wall, 1), round(cpu / count, 3), written, empty,
                      summary[-1] if summary else ""])
     if rows:
         print(table(f"`mmpipe caption DIR --format jsonl` (second process, {args.new_tokens} new tokens, "
                     f"{args.caption_args or 'default settings'})", ["files", "wall s", "files / wall s",
-                                                                   "CPU s per image", "captions", "errors",
+                                                                   "CPU s per image", "captions", "empty captions",
                                                                    "the tool's own summary"], rows))
     return result

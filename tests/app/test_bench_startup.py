@@ -1,4 +1,4 @@
-"""`mmpipe bench startup`'s child processes: the environment they run in."""
+"""`mmpipe bench startup`: its child processes' environment, and how it counts a caption run's rows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from mmpipe.app.bench.startup import cache_env, child_env, warm_bytecode
+import pytest
+from mmpipe.app.bench.startup import cache_env, caption_rows, child_env, warm_bytecode
 
 _FLAGS = "import json, sys; print(json.dumps([sys.flags.dont_write_bytecode, sys.pycache_prefix]))"
 
@@ -44,3 +45,19 @@ def test_an_empty_bytecode_cache_is_filled_once_before_the_timed_runs(tmp_path, 
     assert any(name.startswith("text.") for name in compiled)
     # Filled: nothing runs again (this command would fail if it did).
     assert not warm_bytecode(folder, [sys.executable, "-c", "raise SystemExit(3)"], env, None)
+
+
+def test_caption_rows_count_empty_captions_and_refuse_real_errors(tmp_path):
+    """Random weights end captions empty (an error row the tool writes after generating them):
+    those count; any other error row means the measured run failed and must not pass as one."""
+    from mmpipe.pipeline import EMPTY_CAPTION
+
+    output, errors = tmp_path / "captions.jsonl", tmp_path / "errors.jsonl"
+    output.write_text('{"image": "a.jpg", "caption": "x"}\n\n')
+    errors.write_text(json.dumps({"image": "b.jpg", "error": EMPTY_CAPTION}) + "\n")
+    assert caption_rows(str(output), str(errors)) == (1, 1)
+    with errors.open("a") as handle:
+        handle.write(json.dumps({"image": "c.jpg", "error": "c.jpg: cannot identify the image"}) + "\n")
+    with pytest.raises(RuntimeError, match="cannot identify"):
+        caption_rows(str(output), str(errors))
+    assert caption_rows(str(tmp_path / "none"), str(tmp_path / "none2")) == (0, 0)
