@@ -130,7 +130,8 @@ class MRotary(nn.Module):
         self.register_buffer("axis", on_ambient_device(self._axis()), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim))
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu")
+        return 1.0 / (self.theta ** (steps / self.head_dim))
 
     def _axis(self) -> torch.Tensor:
         if not self.interleaved:

@@ -96,10 +96,10 @@ def caption_rows(output: str, errors: str) -> tuple[int, int]:
     """(captions written, images whose caption came back empty) of a `mmpipe caption` run. Random
     weights often decode to an empty caption, which the tool reports as an error row after
     generating it: such images count. Any other error row is a failed run, raised here."""
+    from mmpipe.pipeline import EMPTY_CAPTION  # lazy: the bench's parent process needs no torch until here
+
     written = sum(1 for line in open(output) if line.strip()) if os.path.exists(output) else 0
     rows = [json.loads(line) for line in open(errors) if line.strip()] if os.path.exists(errors) else []
-    from mmpipe.pipeline import EMPTY_CAPTION
-
     other = [row for row in rows if not str(row.get("error", "")).endswith(EMPTY_CAPTION)]
     if other:
         raise RuntimeError(f"mmpipe caption: {len(other)} image(s) failed, e.g. {other[0]}")

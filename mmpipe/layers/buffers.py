@@ -7,7 +7,7 @@ meta device itself sends `torch.arange` and friends, and `nn.Linear`'s own rando
 initialisation, through PyTorch's Python reference implementations, whose first use imports
 `torch._dynamo`: ~1 s of every process's start-up on a CPU, more on the GPU machines, for values
 that are thrown away. So buffers are computed on the CPU and placed on the ambient device, and
-the initialisers do nothing while a model is built.
+the initialisers do nothing in a thread while it builds a model (`no_init`).
 """
 
 from __future__ import annotations
