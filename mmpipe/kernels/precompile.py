@@ -8,6 +8,11 @@ does not run its kernel but submits its compilation to a thread pool (Triton's
 parallel), and waits for them all when the block ends; the kernels are then in Triton's caches, so
 the real launches that follow (warm-ups, captures) compile nothing.
 
+When the compilations are done, each new kernel is also loaded on the pool (its module into the
+CUDA context, and its C launcher, which Triton builds with the system's C compiler the first time
+a signature is launched: ~0.25 s each, 15 on the 3B shape's decode graphs, which the first
+captures otherwise built one after another).
+
 The block must be safe to run with those kernels skipped: the data they would have written stays
 whatever the buffers held, so use it only on warm-up work whose results are thrown away and whose
 PyTorch ops index nothing by such data (the graph runners' capture bodies: every index they use
@@ -22,7 +27,9 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 from mmpipe.kernels import triton
 
@@ -54,10 +61,33 @@ def compile_in_parallel(workers: int | None = None) -> Iterator[bool]:
         yield False
         return
     with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="mmpipe-triton") as pool:
-        with mode(pool):
+        compiling = mode(pool)
+        with compiling:
             launch.compile_only_thread = threading.get_ident()
+            launch.compile_only_seen.clear()
             try:
                 yield True
             finally:
                 launch.compile_only_thread = None
+                launch.compile_only_seen.clear()
+                pending = list(compiling.future_kernels.values())  # the mode forgets them on leaving
         # Leaving the mode waited for every compile and put the kernels in Triton's caches.
+        _load_in_parallel(pool, [f.kernel for f in pending if getattr(f, "kernel", None) is not None])
+
+
+def _load_in_parallel(pool: ThreadPoolExecutor, kernels: list[Any]) -> None:
+    """Load compiled kernels (module and launcher) on the pool's threads, on the caller's current
+    CUDA device. A kernel that fails to load is left as it is: its first launch raises the error
+    where it belongs."""
+    if not kernels or not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+
+    def load(kernel: Any) -> None:
+        try:
+            torch.cuda.set_device(device)  # Triton loads on the thread's current device
+            kernel._init_handles()
+        except Exception:  # noqa: BLE001 - reported by the launch that needs the kernel
+            log.debug("loading a precompiled Triton kernel failed", exc_info=True)
+
+    list(pool.map(load, kernels))

@@ -61,3 +61,36 @@ def test_a_runner_start_up_compiles_before_it_captures(tmp_path, monkeypatch):
                                   startup_progress=False) as eager:
         want = [o.token_ids for o in eager.generate(prompts, sampling=params)]
     assert got == want
+
+
+def test_a_launch_key_is_submitted_once_and_kernels_load_on_the_pool(tmp_path, monkeypatch):
+    """Repeated launches with one key (a kernel per layer) submit one compilation; each compiled
+    kernel is loaded (module and C launcher) on the pool's threads when the block ends, not by the
+    first real launch on the caller's thread."""
+    import threading
+
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    @triton.jit
+    def shift(x_ptr, y_ptr, n, BY: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + BY, mask=mask)
+
+    loads: list[str] = []
+    monkeypatch.setattr(knobs.runtime, "kernel_load_start_hook",
+                        lambda *args, **kwargs: loads.append(threading.current_thread().name))
+    x = torch.randn(1000, device="cuda")
+    y = torch.zeros_like(x)
+    submits = launch.compile_only_submits
+    with compile_in_parallel() as parallel:
+        for by in (1, 2, 1, 2, 1):
+            launch(shift, (8,), x, y, 1000, BY=by, BLOCK=128)
+    assert parallel and launch.compile_only_submits - submits == 2
+    assert len(loads) == 2 and all(name.startswith("mmpipe-triton") for name in loads), loads
+    launch(shift, (8,), x, y, 1000, BY=2, BLOCK=128)
+    torch.cuda.synchronize()
+    assert len(loads) == 2  # the real launch found it loaded
+    torch.testing.assert_close(y, x + 2)

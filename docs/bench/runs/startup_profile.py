@@ -14,3 +14,4 @@ print(f"to first token {time.perf_counter() - t:.2f} s; {pipe.startup_report()}"
 st = pstats.Stats(prof)
 st.sort_stats("cumulative").print_stats(45)
 st.sort_stats("tottime").print_stats(25)
+st.sort_stats("cumulative").print_stats("triton", 40)
