@@ -79,6 +79,14 @@ def default_decode_buckets(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
+def _variants(sampling: Any) -> list[SamplerVariant]:
+    """The sampler variants a run of requests with these resolved settings uses: while a
+    min_new_tokens ban holds, and after (one variant when they are the same)."""
+    shim = types.SimpleNamespace(sampling=sampling, seed=0, output_ids=[], prompt_ids=[])
+    row = row_sampling(shim)  # type: ignore[arg-type]
+    return list(dict.fromkeys([SamplerVariant.of([row]), SamplerVariant.of([replace(row, step=row.ban_until)])]))
+
+
 class DecodeSource(Protocol):
     """What a decode row needs from a request (the engine's Request has these)."""
 
@@ -169,6 +177,7 @@ class DecodeGraphRunner(GraphRunner):
         super().__init__("decode", device, buckets, graphs.enabled is not False, lm.attention, memory,
                          max(graphs.max_graphs, len(buckets)))
         self.buckets = sorted(buckets)
+        self.startup_sampling: Any = None  # resolved sampling whose graphs start-up captures (None: greedy's)
 
     # ------------------------------------------------------------------ graphs
 
@@ -178,13 +187,19 @@ class DecodeGraphRunner(GraphRunner):
         serves them; returns the graphs captured."""
         if self.cache is None:
             return 0
-        shim = types.SimpleNamespace(sampling=sampling, seed=0, output_ids=[], prompt_ids=[])
-        row = row_sampling(shim)  # type: ignore[arg-type]
         before = self.cache.stats.captures
-        for variant in dict.fromkeys([SamplerVariant.of([row]), SamplerVariant.of([replace(row, step=row.ban_until)])]):
+        for variant in _variants(sampling):
             if any(self.lookup((b, variant)) is None for b in self.buckets):
                 self.capture_all(variant, progress)
         return self.cache.stats.captures - before
+
+    def startup_keys(self) -> list[Any]:
+        """What start-up captures: every bucket, largest first, for the variants of
+        `startup_sampling` (set by the model runner; None: greedy's)."""
+        if self.cache is None:
+            return []
+        variants = _variants(self.startup_sampling) if self.startup_sampling is not None else [SamplerVariant()]
+        return [(b, v) for v in variants for b in sorted(self.buckets, reverse=True)]
 
     def capture_all(self, variant: SamplerVariant = SamplerVariant(), progress: bool = True) -> None:  # type: ignore[override]
         """Capture every bucket for `variant`, largest first."""

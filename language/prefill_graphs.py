@@ -311,10 +311,14 @@ class PrefillRunner(GraphRunner):
             self.split.drop()
         self.state.memory = self.cache.memory.open()
         try:
-            super().capture_all(sorted(self.schedule, reverse=True), progress)
+            super().capture_all(self.startup_keys(), progress)
         finally:
             self.state.memory = None
             self.state.size = None
+
+    def startup_keys(self) -> list[Any]:
+        """The schedule `capture_all` captures, largest first (none without piecewise graphs)."""
+        return sorted(self.schedule, reverse=True) if self.piecewise and self.cache is not None else []
 
     def precompile(self, keys: Sequence[Any]) -> None:
         """A forward at each size without graphs (the first one traces), Triton kernels compiled

@@ -1,7 +1,7 @@
 """What a Pipeline's start-up spent its time on, measured once, reported in one line.
 
 `Pipeline.from_pretrained` records each phase (weights, tokenizer, KV cache, each graph runner's
-start-up schedule) and Triton's compile time inside them; the line is logged at INFO, returned by
+start-up schedule, the Triton precompile of a cold machine) and Triton's compile time inside them; the line is logged at INFO, returned by
 `Pipeline.startup_report()`, shown by `mmpipe info` and kept in `Pipeline.stats()["startup"]`.
 """
 
@@ -31,16 +31,20 @@ class StartupReport:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[Phase]:
         """Time the block as `name` (with Triton compilations inside it); the caller may set
-        `.detail` on the phase it gets."""
-        entry = Phase(name, 0.0)
+        `.detail` on the phase it gets. A name timed before adds to that phase (a graph runner is
+        built, then the kernels of all are precompiled, then it captures)."""
+        entry = next((p for p in self.phases if p.name == name), None)
+        if entry is None:
+            entry = Phase(name, 0.0)
+            self.phases.append(entry)
         start = time.perf_counter()
         with TritonCompileClock() as clock:
             try:
                 yield entry
             finally:
-                entry.seconds = time.perf_counter() - start
-                entry.triton_kernels, entry.triton_seconds = clock.kernels, clock.seconds
-                self.phases.append(entry)
+                entry.seconds += time.perf_counter() - start
+                entry.triton_kernels += clock.kernels
+                entry.triton_seconds += clock.seconds
 
     @property
     def total_seconds(self) -> float:

@@ -134,6 +134,19 @@ class ViTGraphRunner(GraphRunner):
             output, graphed = self.run(key, lambda: self.vit(pixel_values, meta))
         return (output[: meta.num_merged] if graphed else output), graphed
 
+    @torch.inference_mode()
+    def precompile_pack(self, pixel_values: torch.Tensor, meta: VisionPackMeta) -> None:
+        """What `forward` runs for this pack without capturing or replaying anything: the fill and
+        the graph's body (the eager encoder where no graph serves the pack). For compile-only
+        blocks (`mmpipe.graphs.runner.precompile_cold`): its outputs are thrown away."""
+        key = self.key_for(meta.num_patches, len(meta.full_lengths)) if self.enabled else None
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if key is not None and self.fill(pixel_values, meta, *key):
+                with self.capture_guard():
+                    self.body(key)()
+            else:
+                self.vit(pixel_values, meta)
+
     def fill(self, pixel_values: torch.Tensor, meta: VisionPackMeta, bucket: int, images: int | None = None) -> bool:
         """Write the pack into the static buffers; False if its layout does not fit the bucket
         and its `images` slot class (None: `max_images`)."""

@@ -20,6 +20,7 @@ from mmpipe.engine.request import Request, logprob_dict
 from mmpipe.errors import DeviceMemoryError
 from mmpipe.graphs import runner as graph_runner
 from mmpipe.graphs.memory import SharedPool
+from mmpipe.graphs.runner import precompile_cold
 from mmpipe.layers.mlp import padded_width
 from mmpipe.models import LoadedModel
 from mmpipe.startup import StartupReport
@@ -92,18 +93,26 @@ class ModelRunner:
         decode_graphs = graphs_wanted(mode, "decode", cfg.decode_graph)
         pool = SharedPool() if graph_runner.can_capture_on(self.device) and (prefill_graphs or decode_graphs) else None
         # Piecewise: the prefill forward is compiled (and split) whenever its mode or config asks.
-        with startup.phase("prefill graphs") as phase:
+        with startup.phase("prefill graphs"):
             self.prefiller = family.prefill_runner(lm, self.kv, self.device, cfg.max_prefill_tokens, prefill_graphs,
                                                    replace(cfg.prefill_graph, enabled=prefill_graphs),
                                                    cfg.prefill_compiler, cfg.compile_cache_dir, memory=pool)
             self.prefiller.lockstep = model.tp is not None
-            self.prefiller.capture_all(progress=cfg.startup_progress)
-            phase.detail = _graph_detail(self.prefiller.stats())
-        with startup.phase("decode graphs") as phase:
+        with startup.phase("decode graphs"):
             self.decoder = family.decode_runner(lm, self.kv, cfg.max_running_requests, self.max_model_len,
                                                 self.device, replace(cfg.decode_graph, enabled=decode_graphs),
                                                 ban_width=cfg.max_banned_tokens, memory=pool)
             self.decoder.lockstep = model.tp is not None
+            self.decoder.startup_sampling = startup_sampling
+        if self.prefiller.startup_keys() or self.decoder.startup_keys():
+            # A cold Triton cache: every start-up kernel, and the vision path's, compiled at once.
+            with startup.phase("Triton precompile"):
+                precompile_cold([self.prefiller, self.decoder],
+                                self._vision_dry_run if model.tp is None and not self.vision_sharded else None)
+        with startup.phase("prefill graphs") as phase:
+            self.prefiller.capture_all(progress=cfg.startup_progress)
+            phase.detail = _graph_detail(self.prefiller.stats())
+        with startup.phase("decode graphs") as phase:
             if startup_sampling is not None:
                 self.decoder.capture_sampling(startup_sampling, progress=cfg.startup_progress)
             else:
@@ -237,6 +246,18 @@ class ModelRunner:
         if not grids or self.vit_runner is None:
             return 0
         return self.vit_runner.capture_packs(grids, self.cfg.max_vision_patches, progress=self.cfg.startup_progress)
+
+    def _vision_dry_run(self) -> None:
+        """One 448 x 448 image through the vision path as a request takes it (preprocessing,
+        upload, patchify, rotary tables, the encoder's graph body), nothing captured: run inside
+        `precompile_cold`'s compile-only block, it compiles the kernels of a first image request.
+        (An image whose sizes specialise a kernel differently compiles that one when it comes.)"""
+        from PIL import Image
+
+        spec, vit = self.model.spec, self.model.vision
+        image = spec.preprocess(Image.new("RGB", (448, 448), (120, 130, 140)), self.model.image_processor)
+        meta = spec.pack_meta([image.grid_thw], vit.cfg.spatial_merge_size, vit.cfg.window_size, vit.cfg.patch_size)
+        self.vit_runner.precompile_pack(spec.patches([image], self.device), meta)
 
     def _encode_packs(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         results: list[torch.Tensor] = []

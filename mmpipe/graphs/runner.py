@@ -34,9 +34,6 @@ from mmpipe.kernels.precompile import compile_in_parallel
 
 log = logging.getLogger("mmpipe")
 
-# Mean seconds per kernel above which Triton compiled rather than loaded from its disk cache (an
-# H100 host: ~0.3 s or more to compile one, milliseconds to load one).
-COLD_COMPILE_SECONDS = 0.05
 
 
 def can_capture_on(device: torch.device) -> bool:
@@ -74,6 +71,7 @@ class GraphRunner:
             log.info("%s graphs off: the %s attention backend cannot be captured; running eagerly", name,
                      getattr(backend, "name", type(backend).__name__))
         self.cache: GraphCache | None = None
+        self.precompiled_keys: set[Hashable] = set()  # whose kernels `precompile_cold` compiled
         if self.enabled:
             if isinstance(memory, str):
                 memory = make_graph_memory(memory, device)
@@ -189,17 +187,22 @@ class GraphRunner:
         before the captures. The first key is the probe: its kernels are compiled (or loaded from
         the disk cache) in parallel, and only if they took compile time, not load time, are the
         other keys' kernels compiled too (a warm cache would pay a pass over every key for
-        nothing: ~2 s for the decode and prefill schedules)."""
+        nothing: ~2 s for the decode and prefill schedules). Keys `precompile_cold` did already
+        are left out."""
+        keys = [k for k in keys if k not in self.precompiled_keys]
         if not keys or self.lockstep:
             return
         with TritonCompileClock() as probe:
             with compile_in_parallel() as parallel:
                 if parallel:
                     self.precompile(keys[:1])
-        cold = probe.kernels and probe.seconds / probe.kernels > COLD_COMPILE_SECONDS
-        if parallel and cold and len(keys) > 1:
+        if parallel and probe.cold() and len(keys) > 1:
             with compile_in_parallel():
                 self.precompile(keys[1:])
+
+    def startup_keys(self) -> list[Hashable]:
+        """The keys a start-up `capture_all` would capture, largest first ([]: none)."""
+        return []
 
     def startup_note(self) -> str:
         return ""
@@ -225,3 +228,35 @@ class GraphRunner:
 def _ranges(keys: Sequence[Hashable]) -> str:
     sizes = sorted(k[0] if isinstance(k, tuple) else k for k in keys)  # type: ignore[type-var]
     return ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{sizes[0]}..{sizes[-1]}"
+
+
+def precompile_cold(runners: Sequence[GraphRunner], more: Callable[[], None] | None = None) -> int:
+    """On a machine whose Triton cache lacks them, compile the start-up schedules' kernels of all
+    `runners` (and of `more`, a compile-only-safe forward such as one image through the vision
+    encoder) in one parallel block, before any of them captures: one wait for the whole model
+    instead of one per runner, and the first image request compiles nothing. The first runner's
+    first key is the probe (as `_precompile_if_cold`); with a warm cache nothing more runs and
+    each runner probes its own schedule when it captures. Returns the kernels compiled or loaded."""
+    plans = [(r, r.startup_keys()) for r in runners if r is not None and not r.lockstep]
+    plans = [(r, keys) for r, keys in plans if keys]
+    if not plans:
+        return 0
+    first, keys = plans[0]
+    with TritonCompileClock() as clock:
+        with compile_in_parallel() as parallel:
+            if parallel:
+                first.precompile(keys[:1])
+        if not parallel:
+            return 0
+        first.precompiled_keys.update(keys[:1])
+        if not clock.cold():
+            return clock.kernels
+        with compile_in_parallel():
+            first.precompile(keys[1:])
+            for runner, runner_keys in plans[1:]:
+                runner.precompile(runner_keys)
+            if more is not None:
+                more()
+    for runner, runner_keys in plans:
+        runner.precompiled_keys.update(runner_keys)
+    return clock.kernels

@@ -4,7 +4,8 @@ Triton calls `knobs.runtime.jit_cache_hook` when a kernel specialisation is not 
 cache (before compiling it, or loading it from `~/.triton/cache`) and `jit_post_compile_hook`
 once it is ready; the time between the two is what a first launch waited for. `TritonCompileClock`
 installs both for the duration of a `with` block, chaining any hooks already set (a profiler's),
-and counts kernels and seconds. Without Triton it counts nothing.
+and counts kernels and seconds; through Triton's compilation listener it also counts those it
+compiled rather than loaded from its disk cache (`cold()`). Without Triton it counts nothing.
 """
 
 from __future__ import annotations
@@ -15,14 +16,22 @@ from typing import Any
 
 from mmpipe.kernels import triton
 
+# Mean seconds per kernel above which Triton compiled rather than loaded from its disk cache (an
+# H100 host: ~0.3 s or more to compile one, milliseconds to load one).
+COLD_COMPILE_SECONDS = 0.05
+
 
 class TritonCompileClock:
     def __init__(self) -> None:
         self.kernels = 0
         self.seconds = 0.0
+        # Of those, how many Triton compiled rather than loaded from its disk cache (None: this
+        # Triton has no compilation listener to tell).
+        self.compiled: int | None = None
         self._pending: dict[Any, float] = {}
         self._lock = threading.Lock()
         self._saved: tuple[Any, Any] | None = None
+        self._saved_listener: Any = None
 
     def __enter__(self) -> "TritonCompileClock":
         knobs = _knobs()
@@ -31,6 +40,18 @@ class TritonCompileClock:
         runtime = knobs.runtime
         before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
         self._saved = (before, after)
+        compilation = getattr(knobs, "compilation", None)
+        if compilation is not None and hasattr(compilation, "listener"):
+            self.compiled = 0
+            listener = self._saved_listener = compilation.listener
+
+            def on_compiled(*args: Any, **kwargs: Any) -> Any:
+                if not kwargs.get("cache_hit", True):
+                    with self._lock:
+                        self.compiled = (self.compiled or 0) + 1
+                return listener(*args, **kwargs) if listener is not None else None
+
+            compilation.listener = on_compiled
 
         def on_miss(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
@@ -52,7 +73,19 @@ class TritonCompileClock:
         knobs = _knobs()
         if knobs is not None and self._saved is not None:
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+            if self.compiled is not None:
+                knobs.compilation.listener = self._saved_listener
         self._saved = None
+        self._saved_listener = None
+
+    def cold(self) -> bool:
+        """Whether Triton compiled in the block (its disk cache lacked a kernel). Without a
+        compilation listener: whether the kernels took compile time (seconds each) rather than
+        load time; a process's first kernels also pay Triton's one-time set-up (~1 s, hashing its
+        own sources), which misleads that rule, not the listener."""
+        if self.compiled is not None:
+            return self.compiled > 0
+        return bool(self.kernels) and self.seconds / self.kernels > COLD_COMPILE_SECONDS
 
 
 def _knobs() -> Any:

@@ -62,13 +62,15 @@ class DirectLauncher:
         self.direct_launches = 0
         self.triton_launches = 0
         # Set by `mmpipe.kernels.precompile.compile_in_parallel`: launches from this thread only
-        # submit their kernel's compilation (Triton's `warmup`) and run nothing.
+        # record their kernel for compilation (Triton's `warmup`) and run nothing.
         self.compile_only_thread: int | None = None
         self.compile_only_submits = 0
-        # Launch keys already submitted in this compile-only block: a forward launches each
+        # Launch keys already recorded in this compile-only block: a forward launches each
         # kernel once per layer with the same key, and binding Triton's arguments again for every
         # one cost ~0.3 ms a launch, ~1.4 s of a fresh start-up's decode pass on the 3B shape.
         self.compile_only_seen: set[tuple[Any, ...]] = set()
+        # The block's launches with a new key, submitted when it ends (`compile_in_parallel`).
+        self.compile_only_pending: list[tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, Any]]] = []
 
     def __call__(self, kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # traced: the tracer records Triton's own launch
@@ -76,10 +78,10 @@ class DirectLauncher:
             return
         if self.compile_only_thread is not None and threading.get_ident() == self.compile_only_thread:
             key = _launch_key(kernel, args, kwargs)  # finer than Triton's specialisation: a seen key
-            if key not in self.compile_only_seen:  # has its binary submitted already
+            if key not in self.compile_only_seen:  # needs no second compilation
                 self.compile_only_seen.add(key)
                 self.compile_only_submits += 1
-                kernel.warmup(*args, grid=tuple(grid), **kwargs)
+                self.compile_only_pending.append((kernel, args, tuple(grid), kwargs))
             return
         enabled = self.enabled if self.enabled is not None else settings.current().triton_direct
         if not enabled or _hooks_set():

@@ -4,6 +4,8 @@ compiles its kernels that way, so its captures compile none."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -94,3 +96,62 @@ def test_a_launch_key_is_submitted_once_and_kernels_load_on_the_pool(tmp_path, m
     torch.cuda.synchronize()
     assert len(loads) == 2  # the real launch found it loaded
     torch.testing.assert_close(y, x + 2)
+
+
+def test_a_cold_start_up_compiles_the_first_image_requests_vision_kernels(tmp_path, monkeypatch):
+    """On a fresh Triton cache, `from_pretrained` compiles the vision path's kernels with the
+    language model's (one image dry run in the parallel block): the first image request compiles
+    none of them, and its answer equals a warm process's."""
+    from triton import knobs
+
+    from mmpipe import Pipeline, SamplingParams
+    from tests.helpers import random_image
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_cache_hook
+
+    def record(*args, **kwargs):
+        fn = kwargs.get("fn")
+        compiled.append(f"{getattr(fn, 'module', '')}.{getattr(fn, 'name', fn)}")
+        return previous(*args, **kwargs) if previous is not None else False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", record)
+    conversation = [{"role": "user", "content": [{"type": "image", "image": random_image(448, 448, seed=5)},
+                                                 {"type": "text", "text": "Describe this image."}]}]
+    params = SamplingParams(max_new_tokens=8)
+    with Pipeline.from_pretrained(device="cuda", startup_progress=False) as pipe:
+        phases = [p["name"] for p in pipe.stats()["startup"]["phases"]]
+        assert "Triton precompile" in phases
+        at_start = len(compiled)
+        first = pipe.chat([conversation], params)[0]
+        during = compiled[at_start:]
+    vision_kernels = [name for name in compiled[:at_start] if "patchify" in name or "vision" in name or "window" in name]
+    assert vision_kernels, compiled  # the dry run compiled them at start-up
+    assert not [name for name in during if "patchify" in name or "vision" in name or "window" in name], during
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", previous)
+    with Pipeline.from_pretrained(device="cuda", startup_progress=False) as warm:
+        assert warm.chat([conversation], params)[0].token_ids == first.token_ids
+
+
+def test_the_clock_tells_a_compilation_from_a_disk_cache_load(tmp_path, monkeypatch):
+    """`TritonCompileClock.cold()` (the precompile probe's rule) from Triton's listener: the same
+    kernel defined again misses the in-memory cache but loads from the disk cache, which is warm."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    def define() -> Any:
+        @triton.jit
+        def plus_one(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+        return plus_one
+
+    x = torch.zeros(100, device="cuda")
+    with TritonCompileClock() as first:
+        define()[(1,)](x, 100, BLOCK=128)
+    with TritonCompileClock() as second:
+        define()[(1,)](x, 100, BLOCK=128)
+    torch.cuda.synchronize()
+    assert (first.kernels, first.compiled, first.cold()) == (1, 1, True)
+    assert (second.kernels, second.compiled, second.cold()) == (1, 0, False)
+    torch.testing.assert_close(x, torch.full_like(x, 2.0))
