@@ -29,11 +29,12 @@ class StartupReport:
     phases: list[Phase] = field(default_factory=list)
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[Phase]:
+    def phase(self, name: str, merge: bool = False) -> Iterator[Phase]:
         """Time the block as `name` (with Triton compilations inside it); the caller may set
-        `.detail` on the phase it gets. A name timed before adds to that phase (a graph runner is
-        built, then the kernels of all are precompiled, then it captures)."""
-        entry = next((p for p in self.phases if p.name == name), None)
+        `.detail` on the phase it gets. `merge`: add to the phase of that name timed before, if
+        any (a graph runner is built, then every runner's kernels are precompiled, then it
+        captures)."""
+        entry = next((p for p in self.phases if p.name == name), None) if merge else None
         if entry is None:
             entry = Phase(name, 0.0)
             self.phases.append(entry)

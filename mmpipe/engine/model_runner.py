@@ -93,26 +93,27 @@ class ModelRunner:
         decode_graphs = graphs_wanted(mode, "decode", cfg.decode_graph)
         pool = SharedPool() if graph_runner.can_capture_on(self.device) and (prefill_graphs or decode_graphs) else None
         # Piecewise: the prefill forward is compiled (and split) whenever its mode or config asks.
-        with startup.phase("prefill graphs"):
+        with startup.phase("prefill graphs", merge=True):
             self.prefiller = family.prefill_runner(lm, self.kv, self.device, cfg.max_prefill_tokens, prefill_graphs,
                                                    replace(cfg.prefill_graph, enabled=prefill_graphs),
                                                    cfg.prefill_compiler, cfg.compile_cache_dir, memory=pool)
             self.prefiller.lockstep = model.tp is not None
-        with startup.phase("decode graphs"):
+        with startup.phase("decode graphs", merge=True):
             self.decoder = family.decode_runner(lm, self.kv, cfg.max_running_requests, self.max_model_len,
                                                 self.device, replace(cfg.decode_graph, enabled=decode_graphs),
                                                 ban_width=cfg.max_banned_tokens, memory=pool)
             self.decoder.lockstep = model.tp is not None
             self.decoder.startup_sampling = startup_sampling
         if self.prefiller.startup_keys() or self.decoder.startup_keys():
-            # A cold Triton cache: every start-up kernel, and the vision path's, compiled at once.
+            # Where Triton's cache is cold (precompile_cold probes): every start-up kernel, and the
+            # vision path's, compiled at once before any capture.
             with startup.phase("Triton precompile"):
                 precompile_cold([self.prefiller, self.decoder],
                                 self._vision_dry_run if model.tp is None and not self.vision_sharded else None)
-        with startup.phase("prefill graphs") as phase:
+        with startup.phase("prefill graphs", merge=True) as phase:
             self.prefiller.capture_all(progress=cfg.startup_progress)
             phase.detail = _graph_detail(self.prefiller.stats())
-        with startup.phase("decode graphs") as phase:
+        with startup.phase("decode graphs", merge=True) as phase:
             if startup_sampling is not None:
                 self.decoder.capture_sampling(startup_sampling, progress=cfg.startup_progress)
             else:

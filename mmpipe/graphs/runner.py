@@ -71,7 +71,7 @@ class GraphRunner:
             log.info("%s graphs off: the %s attention backend cannot be captured; running eagerly", name,
                      getattr(backend, "name", type(backend).__name__))
         self.cache: GraphCache | None = None
-        self.precompiled_keys: set[Hashable] = set()  # whose kernels `precompile_cold` compiled
+        self.precompiled_keys: set[Hashable] = set()  # `precompile_cold` compiled them or found them cached
         if self.enabled:
             if isinstance(memory, str):
                 memory = make_graph_memory(memory, device)
@@ -236,7 +236,8 @@ def precompile_cold(runners: Sequence[GraphRunner], more: Callable[[], None] | N
     encoder) in one parallel block, before any of them captures: one wait for the whole model
     instead of one per runner, and the first image request compiles nothing. The first runner's
     first key is the probe (as `_precompile_if_cold`); with a warm cache nothing more runs and
-    each runner probes its own schedule when it captures. Returns the kernels compiled or loaded."""
+    the other runners probe their own schedules when they capture. A `more` that fails is logged
+    and skipped (its kernels then compile when first used). Returns the kernels compiled or loaded."""
     plans = [(r, r.startup_keys()) for r in runners if r is not None and not r.lockstep]
     plans = [(r, keys) for r, keys in plans if keys]
     if not plans:
@@ -248,15 +249,19 @@ def precompile_cold(runners: Sequence[GraphRunner], more: Callable[[], None] | N
                 first.precompile(keys[:1])
         if not parallel:
             return 0
-        first.precompiled_keys.update(keys[:1])
-        if not clock.cold():
+        if not clock.cold():  # the first runner's cache is warm: its own capture need not probe again
+            first.precompiled_keys.update(keys)
             return clock.kernels
         with compile_in_parallel():
             first.precompile(keys[1:])
             for runner, runner_keys in plans[1:]:
                 runner.precompile(runner_keys)
             if more is not None:
-                more()
+                try:
+                    more()
+                except Exception as exc:  # noqa: BLE001 - a best-effort warm-up must not fail start-up
+                    log.warning("precompiling the vision path failed (its kernels compile at the first image "
+                                "request): %s", exc)
     for runner, runner_keys in plans:
         runner.precompiled_keys.update(runner_keys)
     return clock.kernels

@@ -25,8 +25,8 @@ class TritonCompileClock:
     def __init__(self) -> None:
         self.kernels = 0
         self.seconds = 0.0
-        # Of those, how many Triton compiled rather than loaded from its disk cache (None: this
-        # Triton has no compilation listener to tell).
+        # Compilations Triton ran rather than loaded from its disk cache while the block ran, in
+        # any thread of the process (None: this Triton has no compilation listener to tell).
         self.compiled: int | None = None
         self._pending: dict[Any, float] = {}
         self._lock = threading.Lock()

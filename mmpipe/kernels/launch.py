@@ -69,8 +69,9 @@ class DirectLauncher:
         # kernel once per layer with the same key, and binding Triton's arguments again for every
         # one cost ~0.3 ms a launch, ~1.4 s of a fresh start-up's decode pass on the 3B shape.
         self.compile_only_seen: set[tuple[Any, ...]] = set()
-        # The block's launches with a new key, submitted when it ends (`compile_in_parallel`).
-        self.compile_only_pending: list[tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, Any]]] = []
+        # The block's launches with a new key and the device current at each, submitted when it
+        # ends (`compile_in_parallel`).
+        self.compile_only_pending: list[tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, Any], int]] = []
 
     def __call__(self, kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # traced: the tracer records Triton's own launch
@@ -81,7 +82,7 @@ class DirectLauncher:
             if key not in self.compile_only_seen:  # needs no second compilation
                 self.compile_only_seen.add(key)
                 self.compile_only_submits += 1
-                self.compile_only_pending.append((kernel, args, tuple(grid), kwargs))
+                self.compile_only_pending.append((kernel, args, tuple(grid), kwargs, torch.cuda.current_device()))
             return
         enabled = self.enabled if self.enabled is not None else settings.current().triton_direct
         if not enabled or _hooks_set():

@@ -62,37 +62,46 @@ def compile_in_parallel(workers: int | None = None) -> Iterator[bool]:
         yield False
         return
     with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="mmpipe-triton") as pool:
-        compiling = mode(pool)
+        try:  # a compilation that fails is not raised here (nor left cached): its real launch raises it
+            compiling = mode(pool, ignore_errors=True)
+        except TypeError:  # a Triton without the option
+            compiling = mode(pool)
+        devices: set[int] = set()
         with compiling:
-            launch.compile_only_thread = threading.get_ident()
             launch.compile_only_seen.clear()
             launch.compile_only_pending = []
+            launch.compile_only_thread = threading.get_ident()
+            failed = False
             try:
                 yield True
             except BaseException:
-                launch.compile_only_pending = []
+                failed = True
                 raise
             finally:
-                launch.compile_only_thread = None
-                launch.compile_only_seen.clear()
                 launches, launch.compile_only_pending = launch.compile_only_pending, []
+                launch.compile_only_seen.clear()
+                launch.compile_only_thread = None  # last: a block another thread starts now starts clean
                 # Submitted only now, all at once: submitted as the block ran, the compiling
                 # threads (Triton's front end is Python) took the GIL from the block's own Python:
                 # its walk over the 3B model's start-up schedules took 4.4 s, against 1.3 s now.
-                for kernel, args, grid, kwargs in launches:
-                    kernel.warmup(*args, grid=grid, **kwargs)
-                pending = list(compiling.future_kernels.values())  # the mode forgets them on leaving
+                if not failed:
+                    for kernel, args, grid, kwargs, device in launches:
+                        devices.add(device)
+                        with torch.cuda.device(device):  # Triton compiles for the current device
+                            kernel.warmup(*args, grid=grid, **kwargs)
+                pending = list(compiling.future_kernels.values())  # newer Tritons clear them on leaving
         # Leaving the mode waited for every compile and put the kernels in Triton's caches.
-        _load_in_parallel(pool, [f.kernel for f in pending if getattr(f, "kernel", None) is not None])
+        if len(devices) == 1:  # (launches on several devices: each kernel loads at its first launch)
+            _load_in_parallel(pool, [f.kernel for f in pending if getattr(f, "kernel", None) is not None],
+                              devices.pop())
 
 
-def _load_in_parallel(pool: ThreadPoolExecutor, kernels: list[Any]) -> None:
-    """Load compiled kernels (module and launcher) on the pool's threads, on the caller's current
-    CUDA device. A kernel that fails to load is left as it is: its first launch raises the error
+def _load_in_parallel(pool: ThreadPoolExecutor, kernels: list[Any], device: int) -> None:
+    """Load compiled kernels (module and launcher) on the pool's threads, on CUDA device
+    `device`. A kernel that fails to load is left as it is: its first launch raises the error
     where it belongs."""
     if not kernels or not torch.cuda.is_available():
         return
-    device = torch.cuda.current_device()
 
     def load(kernel: Any) -> None:
         try:

@@ -98,40 +98,60 @@ def test_a_launch_key_is_submitted_once_and_kernels_load_on_the_pool(tmp_path, m
     torch.testing.assert_close(y, x + 2)
 
 
-def test_a_cold_start_up_compiles_the_first_image_requests_vision_kernels(tmp_path, monkeypatch):
-    """On a fresh Triton cache, `from_pretrained` compiles the vision path's kernels with the
-    language model's (one image dry run in the parallel block): the first image request compiles
-    none of them, and its answer equals a warm process's."""
-    from triton import knobs
+def test_a_cold_start_up_compiles_the_first_image_requests_vision_kernels(tmp_path):
+    """A new process on a fresh Triton cache (a new process: Triton's in-memory caches would
+    otherwise hold what earlier tests compiled): `from_pretrained` compiles the vision path's
+    kernels with the language model's (one image dry run in the parallel block), the first image
+    request compiles none of them, and its answer equals a second Pipeline's, built on the now
+    warm cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
 
-    from mmpipe import Pipeline, SamplingParams
-    from tests.helpers import random_image
+    code = textwrap.dedent("""
+        import json
+        from triton import knobs
+        from mmpipe import Pipeline, SamplingParams
+        from mmpipe.kernels.launch import launch
+        from tests.helpers import random_image
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    compiled: list[str] = []
-    previous = knobs.runtime.jit_cache_hook
+        compiled = []
 
-    def record(*args, **kwargs):
-        fn = kwargs.get("fn")
-        compiled.append(f"{getattr(fn, 'module', '')}.{getattr(fn, 'name', fn)}")
-        return previous(*args, **kwargs) if previous is not None else False
+        def record(*args, **kwargs):
+            fn = kwargs.get("fn")
+            compiled.append(f"{getattr(fn, 'module', '')}.{getattr(fn, 'name', fn)}")
+            return False
 
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", record)
-    conversation = [{"role": "user", "content": [{"type": "image", "image": random_image(448, 448, seed=5)},
-                                                 {"type": "text", "text": "Describe this image."}]}]
-    params = SamplingParams(max_new_tokens=8)
-    with Pipeline.from_pretrained(device="cuda", startup_progress=False) as pipe:
-        phases = [p["name"] for p in pipe.stats()["startup"]["phases"]]
-        assert "Triton precompile" in phases
-        at_start = len(compiled)
-        first = pipe.chat([conversation], params)[0]
-        during = compiled[at_start:]
-    vision_kernels = [name for name in compiled[:at_start] if "patchify" in name or "vision" in name or "window" in name]
-    assert vision_kernels, compiled  # the dry run compiled them at start-up
-    assert not [name for name in during if "patchify" in name or "vision" in name or "window" in name], during
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", previous)
-    with Pipeline.from_pretrained(device="cuda", startup_progress=False) as warm:
-        assert warm.chat([conversation], params)[0].token_ids == first.token_ids
+        knobs.runtime.jit_cache_hook = record
+        conversation = [{"role": "user", "content": [{"type": "image", "image": random_image(448, 448, seed=5)},
+                                                     {"type": "text", "text": "Describe this image."}]}]
+        params = SamplingParams(max_new_tokens=8)
+        with Pipeline.from_pretrained(device="cuda", startup_progress=False) as pipe:
+            submits, at_start = launch.compile_only_submits, len(compiled)
+            first = pipe.chat([conversation], params)[0].token_ids
+            during = compiled[at_start:]
+        knobs.runtime.jit_cache_hook = None
+        with Pipeline.from_pretrained(device="cuda", startup_progress=False) as warm:
+            again = warm.chat([conversation], params)[0].token_ids
+        print(json.dumps({"start": compiled[:at_start], "during": during, "submits": submits,
+                          "same": first == again}))
+    """)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), MMPIPE_CACHE_DIR=str(tmp_path / "mmpipe"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,
+                         env=env).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+
+    def vision(names: list[str]) -> list[str]:
+        return [n for n in names if any(part in n for part in ("patchify", "vision_rotary", "window_attention",
+                                                                "_rotary_qk_kernel", "_add_layer_norm_kernel"))]
+
+    assert got["submits"] > 0  # the cold pass ran
+    assert vision(got["start"]), got["start"]  # the dry run compiled the vision kernels at start-up
+    assert not vision(got["during"]), got["during"]
+    assert got["same"]
 
 
 def test_the_clock_tells_a_compilation_from_a_disk_cache_load(tmp_path, monkeypatch):

@@ -97,8 +97,8 @@ def test_a_cold_model_compiles_every_runner_and_the_vision_path_in_one_block(mon
 
 
 def test_a_warm_model_runs_the_probe_only(monkeypatch):
-    """Warm (the probe's kernels loaded from the disk cache): nothing else, no vision dry run; each
-    runner probes its own schedule when it captures."""
+    """Warm (the probe's kernels loaded from the disk cache): nothing else, no vision dry run; the
+    probed runner does not probe again when it captures, the others probe their own schedules."""
     _fake_compiles(monkeypatch, 5, 5 * 0.004)
     prefill, decode, vision = _Runner(keys=[512, 256, 64]), _Runner(keys=[32, 8, 1]), []
     runner_module.precompile_cold([prefill, decode], lambda: vision.append("ran"))
@@ -106,7 +106,21 @@ def test_a_warm_model_runs_the_probe_only(monkeypatch):
     decode._precompile_if_cold([32, 8, 1])
     assert decode.passes == [[32]]
     prefill._precompile_if_cold([512, 256, 64])
-    assert prefill.passes == [[512], [256]]  # its probe key is done: the next one probes
+    assert prefill.passes == [[512]]
+
+
+def test_a_failing_vision_dry_run_is_logged_and_start_up_goes_on(monkeypatch, caplog):
+    _fake_compiles(monkeypatch, 5, 5 * 0.4)
+    prefill, decode = _Runner(keys=[512, 256]), _Runner(keys=[8, 1])
+
+    def broken() -> None:
+        raise RuntimeError("no memory for the image")
+
+    with caplog.at_level("WARNING", logger="mmpipe"):
+        assert runner_module.precompile_cold([prefill, decode], broken) == 5
+    assert "no memory for the image" in caplog.text
+    assert prefill.passes == [[512], [256]] and decode.passes == [[8, 1]]
+    assert decode.precompiled_keys == {8, 1}
 
 
 def test_a_tensor_parallel_model_runner_puts_its_language_graphs_in_lockstep(monkeypatch):
