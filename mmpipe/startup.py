@@ -1,8 +1,9 @@
 """What a Pipeline's start-up spent its time on, measured once, reported in one line.
 
 `Pipeline.from_pretrained` records each phase (weights, tokenizer, KV cache, each graph runner's
-start-up schedule, the Triton precompile of a cold machine) and Triton's compile time inside them; the line is logged at INFO, returned by
-`Pipeline.startup_report()`, shown by `mmpipe info` and kept in `Pipeline.stats()["startup"]`.
+start-up schedule, the Triton precompile of a cold machine) and Triton's compile time inside them;
+the line is logged at INFO, returned by `Pipeline.startup_report()`, shown by `mmpipe info` and
+kept in `Pipeline.stats()["startup"]`.
 """
 
 from __future__ import annotations

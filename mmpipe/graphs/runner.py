@@ -35,7 +35,6 @@ from mmpipe.kernels.precompile import compile_in_parallel
 log = logging.getLogger("mmpipe")
 
 
-
 def can_capture_on(device: torch.device) -> bool:
     """CUDA graphs need a CUDA device (tests on the CPU simulate captures by replacing this)."""
     return device.type == "cuda"
@@ -192,10 +191,7 @@ class GraphRunner:
         keys = [k for k in keys if k not in self.precompiled_keys]
         if not keys or self.lockstep:
             return
-        with TritonCompileClock() as probe:
-            with compile_in_parallel() as parallel:
-                if parallel:
-                    self.precompile(keys[:1])
+        parallel, probe = _probe(self, keys[0])
         if parallel and probe.cold() and len(keys) > 1:
             with compile_in_parallel():
                 self.precompile(keys[1:])
@@ -243,25 +239,32 @@ def precompile_cold(runners: Sequence[GraphRunner], more: Callable[[], None] | N
     if not plans:
         return 0
     first, keys = plans[0]
+    parallel, probe = _probe(first, keys[0])
+    if not parallel:
+        return 0
+    if not probe.cold():  # the first runner's cache is warm: its own capture need not probe again
+        first.precompiled_keys.update(keys)
+        return probe.kernels
+    with TritonCompileClock() as clock, compile_in_parallel():
+        first.precompile(keys[1:])
+        for runner, runner_keys in plans[1:]:
+            runner.precompile(runner_keys)
+        if more is not None:
+            try:
+                more()
+            except Exception as exc:  # noqa: BLE001 - a best-effort warm-up must not fail start-up
+                log.warning("precompiling the vision path failed (its kernels compile at the first image "
+                            "request): %s", exc)
+    for runner, runner_keys in plans:
+        runner.precompiled_keys.update(runner_keys)
+    return probe.kernels + clock.kernels
+
+
+def _probe(runner: GraphRunner, key: Hashable) -> tuple[bool, TritonCompileClock]:
+    """Compile the kernels of `runner`'s `key` in parallel (or load them from Triton's disk
+    cache): whether Triton compiles in parallel here, and the clock that saw which it was."""
     with TritonCompileClock() as clock:
         with compile_in_parallel() as parallel:
             if parallel:
-                first.precompile(keys[:1])
-        if not parallel:
-            return 0
-        if not clock.cold():  # the first runner's cache is warm: its own capture need not probe again
-            first.precompiled_keys.update(keys)
-            return clock.kernels
-        with compile_in_parallel():
-            first.precompile(keys[1:])
-            for runner, runner_keys in plans[1:]:
-                runner.precompile(runner_keys)
-            if more is not None:
-                try:
-                    more()
-                except Exception as exc:  # noqa: BLE001 - a best-effort warm-up must not fail start-up
-                    log.warning("precompiling the vision path failed (its kernels compile at the first image "
-                                "request): %s", exc)
-    for runner, runner_keys in plans:
-        runner.precompiled_keys.update(runner_keys)
-    return clock.kernels
+                runner.precompile([key])
+    return parallel, clock

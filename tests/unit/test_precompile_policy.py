@@ -87,7 +87,7 @@ def test_a_cold_model_compiles_every_runner_and_the_vision_path_in_one_block(mon
     key they have not seen, such as a later sampler variant, still probes)."""
     _fake_compiles(monkeypatch, 5, 5 * 0.4)
     prefill, decode, vision = _Runner(keys=[512, 256, 64]), _Runner(keys=[32, 8, 1]), []
-    assert runner_module.precompile_cold([prefill, None, decode], lambda: vision.append("ran")) == 5
+    assert runner_module.precompile_cold([prefill, None, decode], lambda: vision.append("ran")) == 10  # probe + block
     assert prefill.passes == [[512], [256, 64]] and decode.passes == [[32, 8, 1]] and vision == ["ran"]
     prefill._precompile_if_cold([512, 256, 64])
     decode._precompile_if_cold([32, 8, 1])
@@ -117,7 +117,7 @@ def test_a_failing_vision_dry_run_is_logged_and_start_up_goes_on(monkeypatch, ca
         raise RuntimeError("no memory for the image")
 
     with caplog.at_level("WARNING", logger="mmpipe"):
-        assert runner_module.precompile_cold([prefill, decode], broken) == 5
+        assert runner_module.precompile_cold([prefill, decode], broken) == 10
     assert "no memory for the image" in caplog.text
     assert prefill.passes == [[512], [256]] and decode.passes == [[8, 1]]
     assert decode.precompiled_keys == {8, 1}
