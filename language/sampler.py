@@ -35,8 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
 
+from mmpipe.graphs.transfer import to_device
 from mmpipe.trace import phase
 
 _MASK32 = 0xFFFFFFFF
@@ -149,15 +151,20 @@ class SamplerTensors:
 
 
 class _Staged:
-    """Rows packed on the host into one float32 and one int64 tensor, each sent in one transfer."""
+    """Rows packed on the host into one float32 and one int64 array, each sent in one transfer.
+
+    Built with numpy, not torch: torch's host kernels fan out to its OpenMP threads (its
+    `repeat_interleave` for any two rows, a copy or `cat` past 32768 elements), which then spin
+    on every core for milliseconds; rows join a decode batch many times a second, and that spin
+    was a third of a captioning run's CPU time on a 16-core host."""
 
     def __init__(self, rows: Sequence[RowSampling], vocab: int, ban_width: int, with_seen: bool,
                  device: torch.device):
         n = len(rows)
         self.n, self.vocab, self.ban_width = n, vocab, ban_width
         self.with_seen, self.device = with_seen, device
-        self.floats = torch.tensor([r.temperature for r in rows] + [r.top_p for r in rows]
-                                   + [r.min_p for r in rows] + [r.penalty for r in rows], dtype=torch.float32)
+        self.floats = np.array([r.temperature for r in rows] + [r.top_p for r in rows]
+                               + [r.min_p for r in rows] + [r.penalty for r in rows], dtype=np.float32)
         ints = ([r.top_k for r in rows] + [r.seed & _MASK32 for r in rows] + [r.step for r in rows]
                 + [r.ban_until for r in rows])
         for i, r in enumerate(rows):  # ban_ids [n, ban_width], -1 = empty (as are ids no logit has)
@@ -165,22 +172,18 @@ class _Staged:
                 raise ValueError(f"row {i} has {len(r.ban_ids)} banned token ids, more than the "
                                  f"{ban_width} columns of ban_ids")
             ints += [t if 0 <= t < vocab else -1 for t in r.ban_ids] + [-1] * (ban_width - len(r.ban_ids))
-        parts = [torch.tensor(ints, dtype=torch.int64)]
+        parts = [np.array(ints, dtype=np.int64)]
         if with_seen:  # then the flat positions row * vocab + id of every seen id
-            seen = [torch.as_tensor(r.seen_ids, dtype=torch.int64).reshape(-1) for r in rows]
-            ids = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.int64)
-            counts = torch.tensor([len(x) for x in seen], dtype=torch.int64)
-            row = torch.repeat_interleave(torch.arange(n), counts)
+            seen = [np.asarray(r.seen_ids, dtype=np.int64).reshape(-1) for r in rows]
+            ids = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
+            row = np.repeat(np.arange(n, dtype=np.int64), [len(x) for x in seen])
             keep = (ids >= 0) & (ids < vocab)
             parts.append(row[keep] * vocab + ids[keep])
-        self.ints = torch.cat(parts)
+        self.ints = np.concatenate(parts)
 
     def tensors(self) -> SamplerTensors:
         n, width = self.n, self.ban_width
-        floats, ints = self.floats, self.ints
-        if self.device.type == "cuda":
-            floats, ints = floats.pin_memory(), ints.pin_memory()
-        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
+        floats, ints = to_device(self.floats, self.device), to_device(self.ints, self.device)
         seen = None
         if self.with_seen:
             seen = torch.zeros(n * self.vocab, dtype=torch.bool, device=self.device)

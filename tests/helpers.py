@@ -204,3 +204,34 @@ def random_pack(vit, grids, seed: int = 0):
     meta = build_pack_meta(grids, 2, vit.cfg.window_size, vit.cfg.patch_size)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(meta.num_patches, vit.patch_dim, generator=gen, device="cuda"), meta
+
+
+class HostKernels:
+    """Records the torch kernels that run on host tensors only (views and allocations aside)
+    inside the block: those are what may fan out to torch's OpenMP threads, which spin on every
+    core for milliseconds afterwards. Host bookkeeping on the hot path should record none."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        calls: list[str] = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tensors = [t for t in tree_flatten((args, kwargs or {}, out))[0] if isinstance(t, torch.Tensor)]
+                name = str(func)
+                if (tensors and all(t.device.type == "cpu" for t in tensors) and not func.is_view
+                        and not any(word in name for word in ("empty", "lift_fresh", "alias", "detach"))):
+                    calls.append(name)
+                return out
+
+        self.calls, self._mode = calls, _Mode()
+
+    def __enter__(self) -> "HostKernels":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)

@@ -236,9 +236,14 @@ def patches_on_device(images: Sequence[PreprocessedImage], device: torch.device)
     host = [p for p in pixels if not p.is_cuda]
     head = table.nbytes
     pinned = torch.empty(head + sum(p.numel() for p in host), dtype=torch.uint8, pin_memory=True)
-    pinned[:head].copy_(torch.from_numpy(table.view(np.uint8).reshape(-1)))
-    if host:
-        torch.cat([p.reshape(-1) for p in host], out=pinned[head:])
+    # numpy copies, not torch.cat: torch's copy of megabytes fans out to its OpenMP threads, which
+    # then spin on every core for a while after each pack (whole cores per captioning run).
+    staging = pinned.numpy()
+    staging[:head] = table.view(np.uint8).reshape(-1)
+    start = head
+    for p in host:
+        staging[start:start + p.numel()] = p.numpy().reshape(-1)
+        start += p.numel()
     on_device = pinned.to(device, non_blocking=True)
     flat = on_device[head:]
     if len(host) < len(pixels):  # some were decoded on the device: one buffer, in pack order

@@ -17,19 +17,39 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
                  np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
 
 
+def pinned(data: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `data`, copied by numpy: torch's own host copy (`pin_memory`, `cat`,
+    `copy_`) fans out to its OpenMP threads past 32768 elements, and they then spin on every core
+    for milliseconds after each call. Tensors numpy cannot view (bfloat16) go through torch."""
+    if isinstance(data, torch.Tensor):
+        if data.dtype not in _NUMPY_VIEWABLE:
+            return data.pin_memory()
+        data = data.detach().numpy()
+    array = np.ascontiguousarray(data)
+    host = torch.empty_like(torch.from_numpy(array), pin_memory=True)
+    host.numpy()[...] = array
+    return host
+
+
+# torch dtypes whose CPU tensors numpy views without a copy
+_NUMPY_VIEWABLE = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+                             torch.float16, torch.float32, torch.float64})
+
+
 def to_device(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """`data` on `device` (on the CPU: the same memory, no copy)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
     if device.type != "cuda":
+        tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return pinned(data).to(device, non_blocking=True)
 
 
 def copy_into(target: torch.Tensor, data: np.ndarray | torch.Tensor) -> None:
     """Copy host `data` into the device tensor `target` (same shape), queued without waiting."""
-    tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
-    if target.is_cuda and not tensor.is_cuda:
-        tensor = tensor.pin_memory()
+    if target.is_cuda and not (isinstance(data, torch.Tensor) and data.is_cuda):
+        tensor = pinned(data)
+    else:
+        tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
     target.copy_(tensor, non_blocking=True)
 
 

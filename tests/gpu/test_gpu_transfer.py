@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmpipe.graphs.transfer import PackedUploader
+from mmpipe.graphs.transfer import PackedUploader, copy_into, to_device
+from tests.helpers import HostKernels
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -55,3 +56,19 @@ def test_queued_kernels_read_their_own_step_while_the_ring_turns():
     read = [[v.clone() for v in uploader.upload(arrays)] for arrays in steps]
     torch.cuda.synchronize()
     assert all(same(r, arrays) for r, arrays in zip(read, steps))
+
+
+def test_host_copies_are_pinned_by_numpy_and_run_no_torch_host_kernel():
+    """torch's own host copy of a big tensor (pin_memory, cat) wakes its OpenMP threads, which
+    then spin on every core: the staging copy is numpy's, for arrays and tensors alike."""
+    rng = np.random.default_rng(0)
+    array = rng.integers(-10**9, 10**9, 300_000, dtype=np.int64)
+    tensor = torch.from_numpy(rng.standard_normal((700, 300)).astype(np.float32))
+    target = torch.empty(tensor.shape, device=CUDA)
+    with HostKernels() as host:
+        on_device = [to_device(array, CUDA), to_device(tensor, CUDA), to_device(array[::3], CUDA)]
+        copy_into(target, tensor)
+    assert host.calls == []
+    assert np.array_equal(on_device[0].cpu().numpy(), array) and torch.equal(on_device[1].cpu(), tensor)
+    assert np.array_equal(on_device[2].cpu().numpy(), array[::3]) and torch.equal(target.cpu(), tensor)
+    assert torch.equal(to_device(tensor.bfloat16(), CUDA).cpu(), tensor.bfloat16())  # numpy has no bfloat16

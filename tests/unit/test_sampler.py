@@ -12,6 +12,7 @@ from mmpipe.language.sampler import (
     SampleResult,
     SamplerTensors,
     SamplerVariant,
+    _Staged,
     _top_k_top_p,
     advance,
     logprobs_bucket,
@@ -19,6 +20,8 @@ from mmpipe.language.sampler import (
     uniform_noise,
 )
 from torch.overrides import TorchFunctionMode
+
+from tests.helpers import HostKernels
 
 CPU = torch.device("cpu")
 N = 8000  # seeded rows per empirical distribution: a frequency's standard deviation is <= 0.0056
@@ -122,6 +125,18 @@ def test_build_packs_rows_and_pads_ban_ids():
     assert SamplerTensors.build([RowSampling(seen_ids=(1,))], 10, CPU).seen is None  # no penalty, no mask
     with pytest.raises(ValueError):
         SamplerTensors.build(rows, 10, CPU, ban_width=1)
+
+
+def test_staging_rows_runs_no_torch_host_kernel():
+    """Rows join a decode batch many times a second. Torch's host kernels there (its
+    repeat_interleave for any two rows, a cat past 32768 elements) woke its OpenMP threads, which
+    spun on every core: a third of a captioning run's CPU. The staging is numpy's."""
+    rows = [RowSampling(penalty=1.1, temperature=0.7, seen_ids=range(i, i + 3000), ban_ids=(1, i)) for i in range(16)]
+    with HostKernels() as host:
+        staged = _Staged(rows, 50_000, 2, True, CPU)
+        staged.tensors()  # on the CPU, only the device half (the mask) may run kernels
+    assert not [name for name in host.calls if "zeros" not in name and "index_fill" not in name], host.calls
+    assert staged.ints.shape == (16 * 4 + 16 * 2 + 16 * 3000,)
 
 
 def test_rows_are_views_of_the_first_rows():
