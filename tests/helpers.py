@@ -208,8 +208,10 @@ def random_pack(vit, grids, seed: int = 0):
 
 class HostKernels:
     """Records the torch kernels that run on host tensors only (views and allocations aside)
-    inside the block: those are what may fan out to torch's OpenMP threads, which spin on every
-    core for milliseconds afterwards. Host bookkeeping on the hot path should record none."""
+    inside the block, and host-to-device copies from a non-contiguous host tensor (laid out on the
+    host first): those are what may fan out to torch's OpenMP threads, which spin on every core for
+    milliseconds afterwards. Host bookkeeping on the hot path should record none. Kernels that an
+    op runs inside itself and other threads' ops are not seen."""
 
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -222,9 +224,13 @@ class HostKernels:
                 out = func(*args, **(kwargs or {}))
                 tensors = [t for t in tree_flatten((args, kwargs or {}, out))[0] if isinstance(t, torch.Tensor)]
                 name = str(func)
-                if (tensors and all(t.device.type == "cpu" for t in tensors) and not func.is_view
+                on_host = [t.device.type == "cpu" for t in tensors]
+                if (tensors and all(on_host) and not func.is_view
                         and not any(word in name for word in ("empty", "lift_fresh", "alias", "detach"))):
                     calls.append(name)
+                elif any(on_host) and not all(on_host) and any(  # a copy that lays out or casts on the host first
+                        t.device.type == "cpu" and not t.is_contiguous() for t in tensors):
+                    calls.append(f"{name} (non-contiguous host operand)")
                 return out
 
         self.calls, self._mode = calls, _Mode()

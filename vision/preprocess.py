@@ -234,6 +234,8 @@ def patches_on_device(images: Sequence[PreprocessedImage], device: torch.device)
         rows += gh * gw
     # One pinned buffer: the table's bytes first (8-byte aligned), then the pixels on the host.
     host = [p for p in pixels if not p.is_cuda]
+    if any(p.dtype != torch.uint8 for p in host):  # the table's offsets count bytes
+        raise ValueError("patches_on_device: an image's resized pixels are not uint8")
     head = table.nbytes
     pinned = torch.empty(head + sum(p.numel() for p in host), dtype=torch.uint8, pin_memory=True)
     # numpy copies, not torch.cat: torch's copy of megabytes fans out to its OpenMP threads, which

@@ -25,8 +25,9 @@ def pinned(data: np.ndarray | torch.Tensor) -> torch.Tensor:
         if data.dtype not in _NUMPY_VIEWABLE:
             return data.pin_memory()
         data = data.detach().numpy()
-    array = np.ascontiguousarray(data)
-    host = torch.empty_like(torch.from_numpy(array), pin_memory=True)
+    array = np.asarray(data)  # any strides and 0-d kept: numpy's assignment below copies them
+    dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype  # not from_numpy(array): read-only ones warn
+    host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
     host.numpy()[...] = array
     return host
 
@@ -38,9 +39,9 @@ _NUMPY_VIEWABLE = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, 
 
 def to_device(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """`data` on `device` (on the CPU: the same memory, no copy)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or (isinstance(data, torch.Tensor) and data.is_cuda):
         tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
-        return tensor.to(device)
+        return tensor.to(device, non_blocking=True)
     return pinned(data).to(device, non_blocking=True)
 
 

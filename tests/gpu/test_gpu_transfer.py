@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmpipe.graphs.transfer import PackedUploader, copy_into, to_device
+from mmpipe.graphs.transfer import PackedUploader, copy_into, pinned, to_device
 from tests.helpers import HostKernels
 
 pytestmark = pytest.mark.gpu
@@ -72,3 +72,8 @@ def test_host_copies_are_pinned_by_numpy_and_run_no_torch_host_kernel():
     assert np.array_equal(on_device[0].cpu().numpy(), array) and torch.equal(on_device[1].cpu(), tensor)
     assert np.array_equal(on_device[2].cpu().numpy(), array[::3]) and torch.equal(target.cpu(), tensor)
     assert torch.equal(to_device(tensor.bfloat16(), CUDA).cpu(), tensor.bfloat16())  # numpy has no bfloat16
+    staged = [pinned(array[::3]), pinned(tensor.t()), pinned(torch.tensor(5)), pinned(np.zeros((0, 4), np.int32))]
+    assert all(s.is_pinned() for s in staged[:3])  # else a non_blocking copy from pageable memory waits
+    assert [tuple(s.shape) for s in staged] == [(100_000,), (300, 700), (), (0, 4)]
+    assert np.array_equal(staged[0].numpy(), array[::3]) and torch.equal(staged[1], tensor.t())
+    assert to_device(torch.tensor(5), CUDA).shape == () and to_device(on_device[1], CUDA) is not None
