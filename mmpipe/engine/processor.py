@@ -9,6 +9,7 @@ the Request; caller's thread).
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -22,6 +23,13 @@ from mmpipe.engine.request import Request
 from mmpipe.errors import InputError
 from mmpipe.inputs import ChatImage, decode_encoded, encoded_bytes, load_image, parse_conversation
 from mmpipe.models import LoadedModel
+
+
+# Prompts whose token ids are kept (by text): a captioning job sends one prompt for every image,
+# and the tokenizer releases the GIL around its work, so on a busy host each call also waits to get
+# it back. Longer prompts are tokenised every time (a chat's turns rarely repeat whole).
+PROMPTS_KEPT = 64
+PROMPT_CHARS_KEPT = 8192
 
 
 @dataclass
@@ -49,6 +57,14 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.image_token_id = model.image_token_id
         self.image_token = tokenizer.convert_ids_to_tokens(model.image_token_id)
+        self._kept_ids = functools.lru_cache(maxsize=PROMPTS_KEPT)(self._tokenize)
+
+    def _tokenize(self, prompt: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def token_ids(self, prompt: str) -> list[int]:
+        """The prompt's token ids (a new list: callers may extend it)."""
+        return list(self._kept_ids(prompt) if len(prompt) <= PROMPT_CHARS_KEPT else self._tokenize(prompt))
 
     def render_chat(self, conversation: Sequence[dict[str, Any]], where: str) -> tuple[str, list[ChatImage]]:
         parsed = parse_conversation(conversation, where)
@@ -69,7 +85,7 @@ class InputProcessor:
         if sampling.min_new_tokens > 0 and banned > self.max_banned_tokens:
             raise InputError(f"{where}: min_new_tokens with {banned} stop and end-of-sequence token ids; at most "
                              f"{self.max_banned_tokens} can be held back (EngineConfig.max_banned_tokens)")
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = self.token_ids(prompt)
         slots = sum(1 for t in ids if t == self.image_token_id)
         if slots != len(images):
             raise InputError(f"{where}: the prompt has {slots} image placeholder(s) ({self.image_token}) but "

@@ -54,6 +54,38 @@ def test_assembling_token_ids_checks_the_image_count(pipe):
     assert request.prompt_ids == [5, 6, 7] and request.positions.tolist() == [[0, 1, 2]] * 3
 
 
+def test_a_repeated_prompt_is_tokenised_once(pipe):
+    """A captioning job sends one prompt per image: the tokenizer (which releases the GIL, and on a
+    busy host then waits to get it back) runs once for it; each request still gets its own list."""
+    from mmpipe.engine.processor import PROMPT_CHARS_KEPT, InputProcessor
+
+    calls = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return self.inner(text, **kwargs)
+
+    processor = InputProcessor(Counting(pipe.tokenizer), pipe.processor.model, pipe.defaults, 4096)
+    first = processor.prepare(0, "a photo of a fox", [], GREEDY, "p")
+    first.token_ids.append(99)  # a caller extending its list
+    second = processor.prepare(1, "a photo of a fox", [], GREEDY, "p")
+    other = processor.prepare(2, "two foxes", [], GREEDY, "p")
+    assert calls == ["a photo of a fox", "two foxes"]
+    assert second.token_ids == pipe.tokenizer("a photo of a fox", add_special_tokens=False)["input_ids"]
+    assert other.token_ids == pipe.tokenizer("two foxes", add_special_tokens=False)["input_ids"]
+    long = "fox " * (PROMPT_CHARS_KEPT // 4 + 1)  # not kept: tokenised each time
+    processor.prepare(3, long, [], GREEDY, "p")
+    processor.prepare(4, long, [], GREEDY, "p")
+    assert calls.count(long) == 2
+
+
 def test_caption(pipe):
     captions = pipe.caption([random_image(64, 64, seed=1), random_image(90, 40, seed=2)],
                             sampling=SamplingParams(max_new_tokens=5))
