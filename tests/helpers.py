@@ -208,8 +208,8 @@ def random_pack(vit, grids, seed: int = 0):
 
 class HostKernels:
     """Records the torch kernels that run on host tensors only (views and allocations aside)
-    inside the block, and host-to-device copies from a non-contiguous host tensor (laid out on the
-    host first): those are what may fan out to torch's OpenMP threads, which spin on every core for
+    inside the block, and host-device copies whose host operand is not contiguous or not of the
+    device operand's dtype (laid out or cast on the host first): those are what may fan out to torch's OpenMP threads, which spin on every core for
     milliseconds afterwards. Host bookkeeping on the hot path should record none. Kernels that an
     op runs inside itself and other threads' ops are not seen."""
 
@@ -228,9 +228,11 @@ class HostKernels:
                 if (tensors and all(on_host) and not func.is_view
                         and not any(word in name for word in ("empty", "lift_fresh", "alias", "detach"))):
                     calls.append(name)
-                elif any(on_host) and not all(on_host) and any(  # a copy that lays out or casts on the host first
-                        t.device.type == "cpu" and not t.is_contiguous() for t in tensors):
-                    calls.append(f"{name} (non-contiguous host operand)")
+                elif any(on_host) and not all(on_host):  # a copy that lays out or casts on the host first
+                    host = [t for t in tensors if t.device.type == "cpu"]
+                    if (any(not t.is_contiguous() for t in host)
+                            or len({t.dtype for t in tensors if t.device.type != "cpu"} | {t.dtype for t in host}) > 1):
+                        calls.append(f"{name} (host operand to lay out or cast)")
                 return out
 
         self.calls, self._mode = calls, _Mode()

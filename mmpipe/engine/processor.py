@@ -57,10 +57,9 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.image_token_id = model.image_token_id
         self.image_token = tokenizer.convert_ids_to_tokens(model.image_token_id)
+        # Bound to this tokenizer, not to self (no reference cycle keeping the model alive).
+        self._tokenize = functools.partial(_tokenize, tokenizer)
         self._kept_ids = functools.lru_cache(maxsize=PROMPTS_KEPT)(self._tokenize)
-
-    def _tokenize(self, prompt: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     def token_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids (a new list: callers may extend it)."""
@@ -171,6 +170,10 @@ class InputProcessor:
         prepared = self.prepare(index, prompt, images, params, where, stream)
         loaded = [self.load_image(src, self.image_where(prepared, k)) for k, src in enumerate(images)]
         return self.assemble(prepared, loaded)
+
+
+def _tokenize(tokenizer: Any, prompt: str) -> tuple[int, ...]:
+    return tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def _cap_new_tokens(sampling: ResolvedSampling, room: int) -> ResolvedSampling:

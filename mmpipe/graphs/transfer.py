@@ -40,8 +40,9 @@ _NUMPY_VIEWABLE = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, 
 def to_device(data: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """`data` on `device` (on the CPU: the same memory, no copy)."""
     if device.type != "cuda" or (isinstance(data, torch.Tensor) and data.is_cuda):
-        tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
-        return tensor.to(device, non_blocking=True)
+        # (to the CPU the copy waits: a non_blocking one could hand back memory not yet written)
+        tensor = torch.from_numpy(np.asarray(data, order="C")) if isinstance(data, np.ndarray) else data
+        return tensor.to(device, non_blocking=device.type == "cuda")
     return pinned(data).to(device, non_blocking=True)
 
 
@@ -50,7 +51,7 @@ def copy_into(target: torch.Tensor, data: np.ndarray | torch.Tensor) -> None:
     if target.is_cuda and not (isinstance(data, torch.Tensor) and data.is_cuda):
         tensor = pinned(data)
     else:
-        tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
+        tensor = torch.from_numpy(np.asarray(data, order="C")) if isinstance(data, np.ndarray) else data
     target.copy_(tensor, non_blocking=True)
 
 

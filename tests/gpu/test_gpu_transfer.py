@@ -76,4 +76,4 @@ def test_host_copies_are_pinned_by_numpy_and_run_no_torch_host_kernel():
     assert all(s.is_pinned() for s in staged[:3])  # else a non_blocking copy from pageable memory waits
     assert [tuple(s.shape) for s in staged] == [(100_000,), (300, 700), (), (0, 4)]
     assert np.array_equal(staged[0].numpy(), array[::3]) and torch.equal(staged[1], tensor.t())
-    assert to_device(torch.tensor(5), CUDA).shape == () and to_device(on_device[1], CUDA) is not None
+    assert to_device(torch.tensor(5), CUDA).shape == () and to_device(on_device[1], CUDA) is on_device[1]
