@@ -33,7 +33,7 @@ from mmpipe.kernels.rope_kv import rope_qk_write_kv
 from mmpipe.layers.attention import AttentionBackend
 from mmpipe.layers.buffers import on_ambient_device
 from mmpipe.layers.context import get_forward_context
-from mmpipe.layers.fp8 import Fp8Linear
+from mmpipe.layers.fp8 import Fp8Linear, Fp8Rows, takes_rows
 from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.norm import RMSNorm
 from mmpipe.layers.parallel import TPGroup, reduce_rows
@@ -168,7 +168,7 @@ class Qwen2Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.tp: TPGroup | None = None  # a tensor-parallel shard's group: o_proj's product is summed over it
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
                 ) -> torch.Tensor | gemv.PartialSums:
         n = x.shape[0]
@@ -189,10 +189,12 @@ class Qwen2Attention(nn.Module):
         return reduce_rows(self.tp, _project(self.o_proj, out.view(n, self.q_size), split=True))
 
 
-def _project(layer: nn.Module, x: torch.Tensor, split: bool = False) -> torch.Tensor | gemv.PartialSums:
+def _project(layer: nn.Module, x: torch.Tensor | Fp8Rows, split: bool = False) -> torch.Tensor | gemv.PartialSums:
     """A projection through `gemv` (few-row kernels for decode, K-split partial sums where `split`);
     an FP8 layer (`quantization="fp8"`) through gemv's FP8 kernels for decode rows, else itself
-    (its cuBLASLt FP8 product)."""
+    (its cuBLASLt FP8 product; `Fp8Rows`, input the norm before it quantized, go there too)."""
+    if isinstance(x, Fp8Rows):
+        return layer(x)
     if isinstance(layer, Fp8Linear):
         if not gemv.fp8_usable(x, layer.weight):
             return layer(x)
@@ -210,22 +212,25 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, few_row_kernels=True)
 
-    def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, residual: torch.Tensor, normed: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
-                next_norm: RMSNorm, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, extra: torch.Tensor | None = None, next_proj: nn.Module | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """x + attn(input_norm(x)), then + mlp(post_norm(.)); takes input_norm(x) precomputed and
         returns the new residual with `next_norm` of it, so every residual add is fused with the
         norm after it (one kernel, transformers' rounding: the sum rounded, then normed). `extra`
         (deepstack features, zero on rows without any) is added after the MLP's sum, rounded as
-        transformers adds it."""
+        transformers adds it. `next_proj`: the layer that reads `next_norm`'s output; where it
+        quantizes its input per row (FP8), the norm comes quantized (`Fp8Rows`)."""
         post = self.post_attention_layernorm
         residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin, kv_cache, slot_mapping),
-                                        post.weight, post.eps)
+                                        post.weight, post.eps, takes_rows(self.mlp.gate_up_proj, residual))
         mlp_out = self.mlp(normed)
         if extra is not None:
             residual = residual + mlp_out  # prefill only: a tensor, never K-split partial sums
             mlp_out = extra
-        return add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps)
+        quantize = next_proj is not None and takes_rows(next_proj, residual)
+        return add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps, quantize)
 
 
 def _is_decode_step() -> bool:
@@ -299,11 +304,14 @@ class Qwen2LanguageModel(nn.Module):
                  deepstack: Sequence[torch.Tensor]) -> torch.Tensor:
         cos, sin = self.rotary(positions, input_embeds.dtype)
         first = self.layers[0].input_layernorm
-        residual, normed = add_rms_norm(input_embeds, None, first.weight, first.eps)
+        residual, normed = add_rms_norm(input_embeds, None, first.weight, first.eps,
+                                        takes_rows(self.layers[0].self_attn.qkv_proj, input_embeds))
         for index, layer in enumerate(self.layers):
-            following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            last = index + 1 == len(self.layers)
+            following = self.norm if last else self.layers[index + 1].input_layernorm
             extra = deepstack[index] if index < len(deepstack) else None
-            residual, normed = layer(residual, normed, cos, sin, kv_caches[index], slot_mapping, following, extra)
+            residual, normed = layer(residual, normed, cos, sin, kv_caches[index], slot_mapping, following, extra,
+                                     None if last else self.layers[index + 1].self_attn.qkv_proj)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from mmpipe.graphs.transfer import to_device
 from mmpipe.kernels.fused import add_layer_norm, rotary_qk
 from mmpipe.kernels.vision_rotary import rotary_tables
 from mmpipe.layers.buffers import on_ambient_device
+from mmpipe.layers.fp8 import Fp8Rows
 from mmpipe.layers.mlp import activation
 from mmpipe.layers.parallel import reduce_rows
 
@@ -68,7 +69,7 @@ class VisionSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
         self.tp: Any = None  # a tensor-parallel shard's group (`TPGroup`): proj's product is summed over it
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
+    def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor, seg: Segments,
                 attention: VisionAttention) -> torch.Tensor:
         q, k, v = rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # rotated in float32, as the reference
         out = attention.forward(q, k, v, seg)

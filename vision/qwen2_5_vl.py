@@ -21,6 +21,7 @@ from torch import nn
 
 from mmpipe.errors import CheckpointError
 from mmpipe.kernels.fused import add_rms_norm
+from mmpipe.layers.fp8 import Fp8Rows, takes_rows
 from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.norm import RMSNorm
 from mmpipe.layers.weight_map import WeightMap
@@ -68,13 +69,17 @@ class VisionBlock(nn.Module):
         self.attn = VisionSelfAttention(cfg.hidden_size, cfg.num_heads)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
 
-    def forward(self, residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seg: Segments, attention: VisionAttention, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, residual: torch.Tensor, normed: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
+                seg: Segments, attention: VisionAttention, next_norm: RMSNorm, next_proj: nn.Module | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """x + attn(norm1(x)), then + mlp(norm2(.)); takes norm1(x) precomputed and returns the
-        new residual with `next_norm` of it, so every residual add fuses with the next norm."""
+        new residual with `next_norm` of it, so every residual add fuses with the next norm. A norm
+        whose reader quantizes its input per row (`fp8-all`; `next_proj` reads `next_norm`'s) comes
+        quantized (`Fp8Rows`)."""
         residual, normed = add_rms_norm(residual, self.attn(normed, cos, sin, seg, attention), self.norm2.weight,
-                                        self.norm2.eps)
-        return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
+                                        self.norm2.eps, takes_rows(self.mlp.gate_up_proj, residual))
+        quantize = next_proj is not None and takes_rows(next_proj, residual)
+        return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps, quantize)
 
 
 class PatchMerger(nn.Module):
@@ -112,11 +117,14 @@ class Qwen25VisionTransformer(VisionTower):
                        windows: Segments, merged_inverse: torch.Tensor) -> torch.Tensor:
         """Blocks + merger on window-ordered patches; returns merged rows in image order."""
         first = self.blocks[0].norm1
-        residual, normed = add_rms_norm(hidden, None, first.weight, first.eps)
+        residual, normed = add_rms_norm(hidden, None, first.weight, first.eps, takes_rows(self.blocks[0].attn.qkv, hidden))
         for index, block in enumerate(self.blocks):
             seg = full if index in self.full_blocks else windows
-            following = self.blocks[index + 1].norm1 if index + 1 < len(self.blocks) else self.merger.ln_q
-            residual, normed = block(residual, normed, cos, sin, seg, self.attention, following)
+            last = index + 1 == len(self.blocks)
+            following = self.merger.ln_q if last else self.blocks[index + 1].norm1
+            # (the merger's norm stays in the model's dtype: its rows are regrouped before fc1)
+            residual, normed = block(residual, normed, cos, sin, seg, self.attention, following,
+                                     None if last else self.blocks[index + 1].attn.qkv)
         return self.merger.project(normed).index_select(0, merged_inverse)
 
     # ---- weights

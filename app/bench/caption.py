@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default=None, help="EngineConfig overrides as JSON")
     parser.add_argument("--prefill-budgets", default="", help="also run the largest --images count with these "
                         "max_prefill_tokens (at most the engine's), lowered at run time")
+    parser.add_argument("--quantizations", default="", help="also caption with these quantizations (comma-separated: "
+                        "fp8, fp8-all), each in a Pipeline of its own, overlap on")
     parser.add_argument("--gpus", default="", help="comma-separated process counts for `mmpipe caption --gpus`")
     parser.add_argument("--cli-images", type=int, default=512, help="at least this many files in the folder that "
                         "--gpus captions (all of it)")
@@ -152,6 +154,20 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
                 name = variant_name(True, False)
                 seconds[(name, n)] = min(stream(inline, n, True) for _ in range(2))
 
+    for quantization in [q for q in args.quantizations.split(",") if q]:
+        with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16", quantization=quantization,
+                                      **engine_options) as quantized:
+            stream(quantized, 64, True)  # warm-up
+            for n in sizes:
+                seconds[(f"mmpipe chat_stream, overlap on, {quantization}", n)] = min(
+                    stream(quantized, n, True) for _ in range(2))
+            if args.timeline:
+                stem, ext = os.path.splitext(args.timeline)
+                summaries[f"on, {quantization}"], top_kernels[f"on, {quantization}"] = profile_run(
+                    quantized, convs[:args.timeline_images], params, True, f"{stem}_{quantization}{ext or '.png'}",
+                    f"mmpipe captioning {args.timeline_images} JPEG files ({label} shape, {quantization}, "
+                    f"{args.new_tokens} tokens), overlap on, {device}")
+
     rows = []
     for n in sorted(set(sizes) | set(hf_sizes)):
         base = seconds.get((f"transformers generate, batches of {args.hf_batch}", n))
@@ -169,8 +185,10 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         print(table(f"Timeline of one profiled run ({args.timeline_images} files; fractions of wall time, host "
                     "seconds per engine phase)", ["overlap"] + keys,
                     [[k] + [round(v[key], 3) for key in keys] for k, v in summaries.items()]))
-        print(table("Heaviest kernels of each phase, overlap on (GPU ms and calls per image)",
-                    ["phase", "kernel", "ms per image", "calls per image"], top_kernels["on"]))
+        for key, kernels in top_kernels.items():
+            if key.startswith("on"):
+                print(table(f"Heaviest kernels of each phase, overlap {key} (GPU ms and calls per image)",
+                            ["phase", "kernel", "ms per image", "calls per image"], kernels))
     result: dict[str, Any] = {"device": device, "new_tokens": args.new_tokens, "rows": rows, "timeline": summaries,
                               "top_kernels": top_kernels,
                               "engine": {k: stats[k] for k in ("graph_mode", "runner", "overlap_schedule",

@@ -4,9 +4,16 @@ columns of a row (`quantize_per_group`, for block-scaled FP8 weights: one scale 
 128-column group). The PyTorch references are six kernels and two float32 copies of the
 activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before every FP8 product on CUDA.
 Both scale by the float32 reciprocal of 448 and divide the values with IEEE rounding, so they
-agree bit for bit."""
+agree bit for bit.
+
+`Fp8Rows` carries activations already quantized per row: the kernels that make a product's input
+(`mmpipe.kernels.fused.add_rms_norm`, `silu_mul`) can quantize as they write it (`quantize=True`),
+bit for bit what `quantize_per_row` of their output gives, and save the FP8 product a pass over
+its input. `quantize_row` is that arithmetic for a row held in registers."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +26,29 @@ TINY = 1e-12  # an all-zero row keeps a finite scale (its values quantize to zer
 # Scales are the row maximum times the float32 reciprocal of 448 (an exact product on every device;
 # PyTorch's CUDA division by a number is that product, its CPU division is not).
 INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32))
+
+
+class Fp8Rows(NamedTuple):
+    """A 2-D activation quantized per row: x ~= values * scale, x of dtype `dtype` (the dtype an
+    FP8 product of it returns)."""
+
+    values: torch.Tensor  # [rows, K] float8_e4m3fn
+    scale: torch.Tensor  # [rows, 1] float32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+
+def rows_of(x: torch.Tensor) -> Fp8Rows:
+    """`quantize_per_row` of a 2-D `x`, as `Fp8Rows`."""
+    values, scale = quantize_per_row(x)
+    return Fp8Rows(values, scale, x.dtype)
 
 
 def quantize_per_row_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +121,17 @@ def quantize_per_group(x: torch.Tensor, group: int = 128, row_multiple: int = 1)
 
 
 if triton is not None:
+
+    @triton.jit
+    def quantize_row(q_ptr, s_ptr, row, cols, offs, mask, values, tiny, fp8_max, inv_fp8_max):
+        """Store one row held whole in registers (`values` at columns `offs`, already rounded to
+        the activations' dtype) as FP8 at q_ptr + row * cols and its scale at s_ptr + row:
+        `quantize_per_row`'s arithmetic."""
+        v = tl.where(mask, values.to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0), tiny) * inv_fp8_max
+        tl.store(s_ptr + row, scale)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max)
+        tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, scale_stride, cols, stride_x, tiny, fp8_max, inv_fp8_max,

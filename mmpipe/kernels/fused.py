@@ -12,6 +12,11 @@ dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
   LayerNorm vision blocks of Qwen2-VL and Qwen3-VL.
 - `rotary_qk(qkv, cos, sin, heads)`: q and k of a fused qkv rotated (rotate-half form), contiguous.
 - `silu_mul(gate_up)`: silu(gate) * up for a fused [.., 2I] projection.
+
+`add_rms_norm` and `silu_mul` take `quantize=True` when their output feeds an FP8 product that
+quantizes its input per row (`mmpipe.layers.fp8.takes_rows`): the kernel then writes the output
+as FP8 with one scale per row (`Fp8Rows`), bit for bit `quantize_per_row` of the output it would
+have written, instead of writing it in the model's dtype for the quantizer to read again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from mmpipe.kernels import pdl, tl, triton
+from mmpipe.kernels.fp8_quant import FP8, FP8_MAX, INV_FP8_MAX, TINY, Fp8Rows, rows_of
+if triton is not None:
+    from mmpipe.kernels.fp8_quant import quantize_row
 from mmpipe.kernels.gemv import PartialSums
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
@@ -56,18 +64,30 @@ def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # ---------------------------------------------------------------------------- public ops
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
     """(x + delta, rms_norm(x + delta)); with delta None, (x, rms_norm(x)). A `PartialSums` delta is
-    summed in index order and rounded to x's dtype first, as `delta.total()` does."""
+    summed in index order and rounded to x's dtype first, as `delta.total()` does. `quantize`: the
+    norm comes as `Fp8Rows` of its rows ([-1, hidden]; see the module docstring)."""
     if not _use_triton(x):
         if isinstance(delta, PartialSums):
             delta = delta.total()
         residual = x if delta is None else x + delta
-        return residual, rms_norm_reference(residual, weight, eps)
+        normed_ref = rms_norm_reference(residual, weight, eps)
+        return residual, rows_of(normed_ref.reshape(-1, x.shape[-1])) if quantize else normed_ref
+    if quantize and x.dtype == torch.float32:
+        # A float32 row's sum of squares may be reduced in another order once the kernel also
+        # writes FP8 (Triton lays the row out for the 1-byte stores): last-bit differences, so
+        # float32 (tests, not a serving dtype) quantizes the norm it wrote, as before.
+        residual, normed_f32 = add_rms_norm(x, delta, weight, eps)
+        return residual, rows_of(normed_f32.reshape(-1, x.shape[-1]))
     cols = x.shape[-1]
     x2 = x.reshape(-1, cols)
     rows = x2.shape[0]
-    normed = torch.empty_like(x2)
+    if quantize:
+        normed = torch.empty(rows, cols, dtype=FP8, device=x.device)
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    else:
+        normed, scale = torch.empty_like(x2), x2  # (scale: an unused pointer)
     residual = x2 if delta is None else torch.empty_like(x2)
     splits, split_stride = 0, 0
     if isinstance(delta, PartialSums):
@@ -83,9 +103,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
         d2 = x2 if delta is None else delta.reshape(-1, cols)
         stride_d = d2.stride(0)
     if rows:
-        launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, cols, x2.stride(0), stride_d,
-               split_stride, eps, HAS_DELTA=delta is not None, SPLITS=splits, BLOCK=next_power_of_2(cols),
-               PDL=(on := pdl.enabled(x)), num_warps=4 if cols <= 2048 else 8, launch_pdl=on)
+        launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, scale, cols, x2.stride(0),
+               stride_d, split_stride, eps, TINY, FP8_MAX, INV_FP8_MAX, HAS_DELTA=delta is not None,
+               SPLITS=splits, QUANT=quantize, BLOCK=next_power_of_2(cols), PDL=(on := pdl.enabled(x)),
+               num_warps=4 if cols <= 2048 else 8, launch_pdl=on)
+    if quantize:
+        return residual.view_as(x), Fp8Rows(normed, scale, x.dtype)
     return residual.view_as(x), normed.view_as(x)
 
 
@@ -129,14 +152,18 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     return q, k, v
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up with gate, up the two halves of the last dimension (each rounded as PyTorch does)."""
+def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp8Rows:
+    """silu(gate) * up with gate, up the two halves of the last dimension (each rounded as PyTorch
+    does). `quantize`: the product comes as `Fp8Rows` of its rows ([-1, I]; see the module docstring)."""
     if not _use_triton(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        out = F.silu(gate) * up
+        return rows_of(out.reshape(-1, out.shape[-1])) if quantize else out
     cols = gate_up.shape[-1] // 2
     g2 = gate_up.reshape(-1, 2 * cols)
     rows = g2.shape[0]
+    if quantize:
+        return _silu_mul_rows(g2, rows, cols)
     out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, next_power_of_2(cols))
     if rows:
@@ -145,13 +172,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], cols)
 
 
+def _silu_mul_rows(g2: torch.Tensor, rows: int, cols: int) -> Fp8Rows:
+    values = torch.empty(rows, cols, dtype=FP8, device=g2.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=g2.device)
+    if rows and cols:
+        block = min(4096, next_power_of_2(cols))
+        launch(_silu_mul_quant_kernel, (rows,), g2, values, scale, cols, g2.stride(0), TINY, FP8_MAX, INV_FP8_MAX,
+               BLOCK=block, PDL=(on := pdl.enabled(g2)), num_warps=8 if block >= 2048 else 4, launch_pdl=on)
+    elif rows:
+        scale.fill_(TINY * INV_FP8_MAX)
+    return Fp8Rows(values, scale, g2.dtype)
+
+
 # ---------------------------------------------------------------------------- kernels
 
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, cols, stride_x, stride_d, stride_split, eps,
-                             HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, s_ptr, cols, stride_x, stride_d, stride_split,
+                             eps, tiny, fp8_max, inv_fp8_max, HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr,
+                             QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -172,7 +212,10 @@ if triton is not None:
         normed = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-        tl.store(out_ptr + row * stride_x + offs, out, mask=mask)
+        if QUANT:  # FP8 rows [rows, cols] with a scale per row, as quantize_per_row of `out`
+            quantize_row(out_ptr, s_ptr, row, cols, offs, mask, out, tiny, fp8_max, inv_fp8_max)
+        else:
+            tl.store(out_ptr + row * stride_x + offs, out, mask=mask)
 
     @triton.jit
     def _add_layer_norm_kernel(x_ptr, d_ptr, w_ptr, b_ptr, res_ptr, out_ptr, cols, stride_x, stride_d, eps,
@@ -229,3 +272,31 @@ if triton is not None:
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu, rounded like F.silu's output
         out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
         tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+
+    @triton.jit
+    def _silu_mul_act(g_ptr, row, stride_g, cols, offs, mask):
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
+        u = tl.load(g_ptr + row * stride_g + cols + offs, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)  # as _silu_mul_kernel rounds
+
+    @triton.jit
+    def _silu_mul_quant_kernel(g_ptr, q_ptr, s_ptr, cols, stride_g, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
+        """One row per program: the row's largest |silu(gate) * up| in a first pass, then the
+        products again (their inputs now in cache) divided by the scale and stored as FP8."""
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            mask = start + offs < cols
+            amax = tl.maximum(amax, tl.abs(_silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)))
+        scale = tl.maximum(tl.max(amax, axis=0), tiny) * inv_fp8_max
+        tl.store(s_ptr + row, scale)
+        for start in range(0, cols, BLOCK):
+            mask = start + offs < cols
+            v = _silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max)
+            tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)

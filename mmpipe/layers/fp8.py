@@ -17,6 +17,11 @@ kept as published): one scale per 128 x 128 tile of W, activations quantized per
 128-column group, the product through cuBLASLt's block-scaled FP8 GEMM (`F.scaled_mm` with
 BlockWise1x128 x BlockWise128x128); the few-row kernels apply each tile's scale to its partial
 sum. Off CUDA the same arithmetic runs in float32 (`_reference_block_product`), for tests.
+
+A per-channel layer also takes its input already quantized (`Fp8Rows`): where `takes_rows` says
+the layer would quantize its input per row, the kernel that makes the input (the RMSNorm before
+qkv and gate_up, the SiLU product before down) writes it in FP8 at once, one pass fewer over the
+activations, with the same bits (`MMPIPE_FP8_FUSED_QUANT=0` turns this off).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmpipe.kernels.fp8_quant import FP8, FP8_MAX, quantize_per_group, quantize_per_row  # noqa: F401 (re-exported)
+from mmpipe import settings
+from mmpipe.kernels import gemv
+from mmpipe.kernels.fp8_quant import FP8, FP8_MAX, Fp8Rows, quantize_per_group, quantize_per_row  # noqa: F401 (re-exported)
 
 BLOCK = 128  # the weight tile that block-scaled layers (and their kernels) take: 128 x 128
 
@@ -34,6 +41,15 @@ def fp8_shape_ok(linear: nn.Linear) -> bool:
     """cuBLASLt's FP8 GEMM needs both weight dimensions to be multiples of 16 (a layer that is not
     stays in the run's dtype)."""
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+def takes_rows(layer: nn.Module, like: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `layer`'s product of an input shaped like `like` quantizes that input per row (a
+    per-channel `Fp8Linear`, rows the few-row kernels do not serve), so that the kernel making the
+    input may hand it over as `Fp8Rows`. `gated`: `like` is the fused [gate, up] projection whose
+    SiLU product is the input."""
+    return (isinstance(layer, Fp8Linear) and not layer.block and like.dim() == 2 and settings.current().fp8_fused_quant
+            and not gemv.fp8_usable(like, layer.weight, gated))
 
 
 def fp8_available(device: torch.device) -> bool:
@@ -90,7 +106,12 @@ class Fp8Linear(nn.Module):
         n, k = self.weight.shape
         return self.weight_scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):
+            if self.block or x.values.shape[-1] != self.in_features:
+                raise ValueError(f"Fp8Linear: rows quantized per row of width {x.values.shape[-1]} given to "
+                                 f"{self.extra_repr()} (per-channel layers of that width take them)")
+            return self._scaled_product(x.values, x.scale, x.dtype)
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if self.block:
@@ -101,10 +122,13 @@ class Fp8Linear(nn.Module):
 
     def _channel_product(self, rows: torch.Tensor) -> torch.Tensor:
         values, scale = quantize_per_row(rows)  # one Triton kernel on CUDA
+        return self._scaled_product(values, scale, rows.dtype)
+
+    def _scaled_product(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # cuBLASLt takes a bias only in half precision; float32 runs (tests) add it after.
-        fused_bias = self.bias is not None and rows.dtype in (torch.bfloat16, torch.float16)
+        fused_bias = self.bias is not None and dtype in (torch.bfloat16, torch.float16)
         out = torch._scaled_mm(values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.view(1, -1),
-                               bias=self.bias if fused_bias else None, out_dtype=rows.dtype)
+                               bias=self.bias if fused_bias else None, out_dtype=dtype)
         if self.bias is not None and not fused_bias:
             out = out + self.bias
         return out

@@ -12,7 +12,7 @@ from mmpipe.errors import CheckpointError
 from mmpipe.kernels import gemv
 from mmpipe.kernels.fused import silu_mul
 from mmpipe.layers.buffers import no_init
-from mmpipe.layers.fp8 import Fp8Linear
+from mmpipe.layers.fp8 import Fp8Linear, Fp8Rows, takes_rows
 from mmpipe.layers.parallel import reduce_rows
 
 __all__ = ["GatedMLP", "activation", "padded_width"]
@@ -83,19 +83,20 @@ class GatedMLP(nn.Module):
         self.silu = act in ("silu", "swish")
         self.tp: Any = None  # a tensor-parallel shard's group (`TPGroup`): the down product is summed over it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | gemv.PartialSums:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | gemv.PartialSums:
         return reduce_rows(self.tp, self._product(x))
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor | gemv.PartialSums:
+    def _product(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | gemv.PartialSums:
         up, down = self.gate_up_proj, self.down_proj
-        if (self.few_row_kernels and self.silu and isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear)
+        few_rows = self.few_row_kernels and self.silu and not isinstance(x, Fp8Rows)  # (FP8 rows: never few-row)
+        if (few_rows and isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear)
                 and down.bias is None and gemv.fp8_usable(x, up.weight)):
             # FP8 weights (`quantization="fp8"`), decode rows: the same kernels reading FP8.
             gate_up = gemv.fp8_linear(x, up.weight, up.weight_scale, up.bias)
             if x.shape[0] == 1 and gemv.fp8_usable(gate_up, down.weight, gated=True):
                 return gemv.fp8_gated_linear_split(gate_up, down.weight, down.weight_scale)
             return gemv.fp8_linear_split(silu_mul(gate_up), down.weight, down.weight_scale)
-        if (self.few_row_kernels and self.silu and isinstance(down, nn.Linear)
+        if (few_rows and isinstance(down, nn.Linear)
                 and gemv.usable(x, self.gate_up_proj.weight)):
             gate_up = gemv.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if (x.shape[0] == 1 and self.down_proj.bias is None
@@ -106,8 +107,8 @@ class GatedMLP(nn.Module):
                 return gemv.gated_linear_split(gate_up, self.down_proj.weight)
             return gemv.linear_split(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
         gate_up = self.gate_up_proj(x)
-        if self.silu:
-            return self.down_proj(silu_mul(gate_up))  # one kernel on CUDA
+        if self.silu:  # one kernel on CUDA, FP8 rows where the down projection would quantize its input
+            return self.down_proj(silu_mul(gate_up, takes_rows(down, gate_up, gated=True)))
         gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

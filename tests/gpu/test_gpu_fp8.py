@@ -235,3 +235,78 @@ def test_fp8_all_quantizes_the_vision_tower_and_keeps_graphs_exact(checkpoint):
 
     for a, b in zip(embeds[("fp8-all", "none")], embeds[("fp8", "none")]):
         assert 1e-4 < rel_err(a.float(), b.float()) < 0.1
+
+
+def _rows_of_magnitudes(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scale = torch.logspace(-2, 2, rows, device="cuda").unsqueeze(1)  # rows of very different peaks
+    return (torch.randn(rows, cols, device="cuda", generator=gen) * scale).to(dtype)
+
+
+def _same_rows(rows, values: torch.Tensor, scale: torch.Tensor) -> None:
+    assert rows.values.dtype == FP8 and rows.scale.shape == scale.shape
+    assert torch.equal(rows.scale, scale)
+    assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("delta", ["none", "tensor", "partial_sums"])
+@pytest.mark.parametrize("rows,cols", [(1, 2048), (37, 1280), (300, 2048), (64, 3584), (8, 5120)])
+def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, delta, rows, cols):
+    from mmpipe.kernels.fused import add_rms_norm
+    from mmpipe.kernels.gemv import PartialSums
+
+    x = _rows_of_magnitudes(rows, cols, dtype, rows + cols)
+    w = _rows_of_magnitudes(1, cols, dtype, 7)[0] + 1
+    d = {"none": None, "tensor": _rows_of_magnitudes(rows, cols, dtype, 3),
+         "partial_sums": PartialSums(torch.randn(3, rows, cols, device="cuda"), dtype)}[delta]
+    residual, normed = add_rms_norm(x, d, w, 1e-6)
+    fused_residual, rows_q = add_rms_norm(x, d, w, 1e-6, quantize=True)
+    assert torch.equal(fused_residual, residual)
+    _same_rows(rows_q, *quantize_per_row(normed))
+    assert rows_q.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 5000), (64, 11008), (130, 3456), (3, 4096)])
+def test_the_silu_product_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, rows, cols):
+    from mmpipe.kernels.fused import silu_mul
+
+    gate_up = _rows_of_magnitudes(rows, 2 * cols, dtype, rows * cols) * 3
+    rows_q = silu_mul(gate_up, quantize=True)
+    _same_rows(rows_q, *quantize_per_row(silu_mul(gate_up)))
+    assert rows_q.shape == (rows, cols) and rows_q.dtype == dtype
+
+
+@pytest.mark.parametrize("quantization,mode", [("fp8", "none"), ("fp8", "full_and_piecewise"),
+                                               ("fp8-all", "full_and_piecewise")])
+def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, monkeypatch, quantization, mode):
+    """(bfloat16) The same requests with the norms and SiLU products quantizing for the FP8 layers
+    (MMPIPE_FP8_FUSED_QUANT on, the default) and with each layer quantizing its own input: equal
+    tokens, log-probabilities and image embeddings; the eager run shows the fused path was taken."""
+    from mmpipe import settings
+
+    images = [random_image(200 + 40 * i, 150 + 30 * i, seed=60 + i) for i in range(3)]
+    conversations = [[{"role": "user", "content": [{"type": "image", "image": images[i % 3]},
+                                                   {"type": "text", "text": "describe it " * (1 + i)}]}]
+                     for i in range(4)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0, logprobs=5)
+    forward, fed = Fp8Linear.forward, []
+    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: fed.append(type(x).__name__) or forward(self, x))
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
+        settings.refresh()
+        fed.clear()
+        pipe = Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16", graph_mode=mode,
+                                        quantization=quantization, num_kv_pages=512, max_running_requests=4)
+        outs = pipe.chat(conversations, params)
+        embeds = pipe.runner.encode_images([pipe.processor.load_image(i, "probe") for i in images])
+        results[flag] = ([o.token_ids for o in outs], [o.logprobs for o in outs], [e.cpu() for e in embeds])
+        pipe.close()
+        if mode == "none":
+            assert ("Fp8Rows" in fed) == (flag == "1"), sorted(set(fed))
+    monkeypatch.delenv("MMPIPE_FP8_FUSED_QUANT")
+    settings.refresh()
+    assert results["1"][0] == results["0"][0] and results["1"][1] == results["0"][1]
+    assert all(torch.equal(a, b) for a, b in zip(results["1"][2], results["0"][2]))

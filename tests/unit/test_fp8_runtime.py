@@ -10,7 +10,7 @@ from torch import nn
 
 from mmpipe import Pipeline
 from mmpipe.errors import InputError
-from mmpipe.layers.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_linears, quantize_per_row
+from mmpipe.layers.fp8 import FP8, FP8_MAX, Fp8Linear, Fp8Rows, quantize_linears, quantize_per_row
 from mmpipe.quantization import LM_FP8_LAYERS, check_runtime_quantization
 from tests.lm_helpers import tiny_lm
 
@@ -57,8 +57,12 @@ class Emulated(Fp8Linear):
         super().__init__(layer.weight, layer.weight_scale, layer.bias)
 
     def forward(self, x):
-        values, scale = quantize_per_row(x.reshape(-1, x.shape[-1]))
-        return nn.functional.linear((values.float() * scale).reshape(x.shape), self.dequantized_weight(), self.bias)
+        if isinstance(x, Fp8Rows):  # quantized by the kernel before (the norm or the SiLU product)
+            values, scale, shape = x.values, x.scale, x.shape
+        else:
+            values, scale = quantize_per_row(x.reshape(-1, x.shape[-1]))
+            shape = x.shape
+        return nn.functional.linear((values.float() * scale).reshape(shape), self.dequantized_weight(), self.bias)
 
 
 def test_every_language_model_projection_is_quantized_and_runs_its_arithmetic():
@@ -90,3 +94,51 @@ def test_fp8_is_refused_by_name_where_it_cannot_run(checkpoint):
         Pipeline.from_pretrained(checkpoint, device="cpu", quantization="int4")
     assert check_runtime_quantization(None, torch.device("cpu")) is None
     assert check_runtime_quantization("none", torch.device("cpu")) is None
+
+
+def test_norms_and_silu_products_hand_fp8_layers_their_input_quantized_with_the_same_bits(monkeypatch):
+    """With FP8 projections the RMSNorm before qkv and gate_up and the SiLU product before down
+    quantize their output themselves (`Fp8Rows`); the model's output is bit for bit the one of
+    each projection quantizing its own input (MMPIPE_FP8_FUSED_QUANT=0). o_proj reads attention's
+    output and quantizes it itself."""
+    from mmpipe import settings
+    from tests.lm_helpers import make_runner, run
+
+    lm = tiny_lm()
+    quantize_linears(lm, LM_FP8_LAYERS)
+    seen: dict[str, list[bool]] = {}
+    forward = Fp8Linear.forward
+
+    def spy(self, x):
+        seen.setdefault(self.name, []).append(isinstance(x, Fp8Rows))
+        return forward(self, x)
+
+    for module_name, module in lm.named_modules():
+        if isinstance(module, Fp8Linear):
+            module.name = module_name.rsplit(".", 1)[-1]
+    monkeypatch.setattr(Fp8Linear, "forward", spy)
+    outputs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
+        settings.refresh()
+        seen.clear()
+        outputs[flag] = run(make_runner(lm, piecewise=False), [(0, 12), (0, 5)], seed=3)
+        layers = lm.cfg.num_layers
+        fused = {name: sum(flags) for name, flags in seen.items()}
+        if flag == "1":
+            assert fused == {"qkv_proj": layers, "o_proj": 0, "gate_up_proj": layers, "down_proj": layers}, fused
+        else:
+            assert not any(fused.values()), fused
+    monkeypatch.delenv("MMPIPE_FP8_FUSED_QUANT")
+    settings.refresh()
+    assert torch.equal(outputs["1"], outputs["0"])
+
+
+def test_fp8_rows_go_only_to_a_per_channel_layer_of_their_width():
+    from mmpipe.kernels.fp8_quant import rows_of
+
+    layer = Fp8Linear.from_linear(nn.Linear(64, 32, bias=False))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(rows_of(x)), layer(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="width 48 given to in_features=64"):
+        layer(rows_of(torch.randn(3, 48)))
