@@ -33,7 +33,7 @@ from mmpipe.kernels.rope_kv import rope_qk_write_kv
 from mmpipe.layers.attention import AttentionBackend
 from mmpipe.layers.buffers import on_ambient_device
 from mmpipe.layers.context import get_forward_context
-from mmpipe.layers.fp8 import Fp8Linear, Fp8Rows, takes_rows
+from mmpipe.layers.fp8 import Fp8Linear, Fp8Rows, fp8_input
 from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.norm import RMSNorm
 from mmpipe.layers.parallel import TPGroup, reduce_rows
@@ -221,16 +221,16 @@ class Qwen2DecoderLayer(nn.Module):
         norm after it (one kernel, transformers' rounding: the sum rounded, then normed). `extra`
         (deepstack features, zero on rows without any) is added after the MLP's sum, rounded as
         transformers adds it. `next_proj`: the layer that reads `next_norm`'s output; where it
-        quantizes its input per row (FP8), the norm comes quantized (`Fp8Rows`)."""
+        quantizes its input (FP8, `fp8_input`), the norm comes quantized that way (`Fp8Rows`)."""
         post = self.post_attention_layernorm
         residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin, kv_cache, slot_mapping),
-                                        post.weight, post.eps, takes_rows(self.mlp.gate_up_proj, residual))
+                                        post.weight, post.eps, fp8_input(self.mlp.gate_up_proj, residual))
         mlp_out = self.mlp(normed)
         if extra is not None:
             residual = residual + mlp_out  # prefill only: a tensor, never K-split partial sums
             mlp_out = extra
-        quantize = next_proj is not None and takes_rows(next_proj, residual)
-        return add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps, quantize)
+        fp8 = fp8_input(next_proj, residual) if next_proj is not None else None
+        return add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps, fp8)
 
 
 def _is_decode_step() -> bool:
@@ -305,7 +305,7 @@ class Qwen2LanguageModel(nn.Module):
         cos, sin = self.rotary(positions, input_embeds.dtype)
         first = self.layers[0].input_layernorm
         residual, normed = add_rms_norm(input_embeds, None, first.weight, first.eps,
-                                        takes_rows(self.layers[0].self_attn.qkv_proj, input_embeds))
+                                        fp8_input(self.layers[0].self_attn.qkv_proj, input_embeds))
         for index, layer in enumerate(self.layers):
             last = index + 1 == len(self.layers)
             following = self.norm if last else self.layers[index + 1].input_layernorm

@@ -21,7 +21,7 @@ from torch import nn
 
 from mmpipe.errors import CheckpointError
 from mmpipe.kernels.fused import add_rms_norm
-from mmpipe.layers.fp8 import Fp8Rows, takes_rows
+from mmpipe.layers.fp8 import Fp8Rows, fp8_input
 from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.norm import RMSNorm
 from mmpipe.layers.weight_map import WeightMap
@@ -74,12 +74,12 @@ class VisionBlock(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """x + attn(norm1(x)), then + mlp(norm2(.)); takes norm1(x) precomputed and returns the
         new residual with `next_norm` of it, so every residual add fuses with the next norm. A norm
-        whose reader quantizes its input per row (`fp8-all`; `next_proj` reads `next_norm`'s) comes
-        quantized (`Fp8Rows`)."""
+        whose reader quantizes its input (`fp8-all`, `fp8_input`; `next_proj` reads `next_norm`'s)
+        comes quantized that way (`Fp8Rows`)."""
         residual, normed = add_rms_norm(residual, self.attn(normed, cos, sin, seg, attention), self.norm2.weight,
-                                        self.norm2.eps, takes_rows(self.mlp.gate_up_proj, residual))
-        quantize = next_proj is not None and takes_rows(next_proj, residual)
-        return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps, quantize)
+                                        self.norm2.eps, fp8_input(self.mlp.gate_up_proj, residual))
+        fp8 = fp8_input(next_proj, residual) if next_proj is not None else None
+        return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps, fp8)
 
 
 class PatchMerger(nn.Module):
@@ -117,7 +117,7 @@ class Qwen25VisionTransformer(VisionTower):
                        windows: Segments, merged_inverse: torch.Tensor) -> torch.Tensor:
         """Blocks + merger on window-ordered patches; returns merged rows in image order."""
         first = self.blocks[0].norm1
-        residual, normed = add_rms_norm(hidden, None, first.weight, first.eps, takes_rows(self.blocks[0].attn.qkv, hidden))
+        residual, normed = add_rms_norm(hidden, None, first.weight, first.eps, fp8_input(self.blocks[0].attn.qkv, hidden))
         for index, block in enumerate(self.blocks):
             seg = full if index in self.full_blocks else windows
             last = index + 1 == len(self.blocks)

@@ -6,10 +6,11 @@ activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before every FP8 
 Both scale by the float32 reciprocal of 448 and divide the values with IEEE rounding, so they
 agree bit for bit.
 
-`Fp8Rows` carries activations already quantized per row: the kernels that make a product's input
-(`mmpipe.kernels.fused.add_rms_norm`, `silu_mul`) can quantize as they write it (`quantize=True`),
-bit for bit what `quantize_per_row` of their output gives, and save the FP8 product a pass over
-its input. `quantize_row` is that arithmetic for a row held in registers."""
+`Fp8Rows` carries activations already quantized, per row or per row and 128-column group: the
+kernels that make a product's input (`mmpipe.kernels.fused.add_rms_norm`, `silu_mul`) can
+quantize as they write it (`fp8=0` or `fp8=128`), bit for bit what `quantize_per_row` or
+`quantize_per_group` of their output gives, and save the FP8 product a pass over its input.
+`quantize_row` and `quantize_row_groups` are that arithmetic for a row held in registers."""
 
 from __future__ import annotations
 
@@ -29,26 +30,52 @@ INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MA
 
 
 class Fp8Rows(NamedTuple):
-    """A 2-D activation quantized per row: x ~= values * scale, x of dtype `dtype` (the dtype an
-    FP8 product of it returns)."""
+    """A 2-D activation of `count` rows quantized per row (`group` 0: scale [rows, 1]) or per row
+    and `group` columns (scale [padded rows, groups] in column-major layout, values padded to
+    those rows, as `quantize_per_group` gives them): x ~= values * scale, x of dtype `dtype` (the
+    dtype an FP8 product of it returns)."""
 
-    values: torch.Tensor  # [rows, K] float8_e4m3fn
-    scale: torch.Tensor  # [rows, 1] float32
+    values: torch.Tensor  # [rows (padded), K] float8_e4m3fn
+    scale: torch.Tensor  # float32
     dtype: torch.dtype
+    group: int = 0
+    count: int = -1  # rows of x (-1: all of values')
 
     @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
+    def shape(self) -> tuple[int, int]:
+        return (self.values.shape[0] if self.count < 0 else self.count, self.values.shape[1])
 
     @property
     def device(self) -> torch.device:
         return self.values.device
 
 
-def rows_of(x: torch.Tensor) -> Fp8Rows:
-    """`quantize_per_row` of a 2-D `x`, as `Fp8Rows`."""
-    values, scale = quantize_per_row(x)
-    return Fp8Rows(values, scale, x.dtype)
+def rows_of(x: torch.Tensor, group: int = 0, row_multiple: int = 1) -> Fp8Rows:
+    """A 2-D `x` quantized per row (`group` 0, `quantize_per_row`) or per row and `group` columns
+    (`quantize_per_group` with `row_multiple`), as `Fp8Rows`."""
+    if not group:
+        values, scale = quantize_per_row(x)
+        return Fp8Rows(values, scale, x.dtype)
+    values, scale = quantize_per_group(x, group, row_multiple)
+    return Fp8Rows(values, scale, x.dtype, group, x.shape[0])
+
+
+def empty_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device, group: int = 0,
+               row_multiple: int = 1) -> tuple[Fp8Rows, torch.Tensor, int]:
+    """Output buffers for a kernel that quantizes as it writes: (the `Fp8Rows` it fills, its
+    scale storage as the kernel indexes it, that storage's stride between groups). Per group, the
+    rows past `rows` (padding to `row_multiple`) are set here: zero values, unit scales."""
+    if not group:
+        values = torch.empty(rows, cols, dtype=FP8, device=device)
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=device)
+        return Fp8Rows(values, scale, dtype), scale, 0
+    padded = -(-rows // row_multiple) * row_multiple
+    values = torch.empty(padded, cols, dtype=FP8, device=device)
+    scale = torch.empty(-(-cols // group), padded, dtype=torch.float32, device=device)
+    if padded != rows:
+        values[rows:].view(torch.uint8).zero_()
+        scale[:, rows:].fill_(1.0)
+    return Fp8Rows(values, scale.t(), dtype, group, rows), scale, padded
 
 
 def quantize_per_row_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,19 +132,20 @@ def quantize_per_group(x: torch.Tensor, group: int = 128, row_multiple: int = 1)
             scale = _column_major(torch.cat([scale, scale.new_ones(padded - x.shape[0], scale.shape[1])]))
         return values, scale
     rows, cols = x.shape
-    groups = -(-cols // group)
-    padded = -(-rows // row_multiple) * row_multiple
-    values = torch.empty(padded, cols, dtype=FP8, device=x.device)
-    scale = torch.empty(groups, padded, dtype=torch.float32, device=x.device)
-    if padded != rows:
-        values[rows:].zero_()
-        scale[:, rows:].fill_(1.0)
+    out, scale, padded = empty_rows(rows, cols, x.dtype, x.device, group, row_multiple)
     if rows and cols:
-        # One program per row, its groups in turn: one program per group was ~90k one-warp programs
-        # for a 1024-token prefill's down projection.
-        launch(_quantize_groups_kernel, (rows,), x, values, scale, padded, cols, x.stride(0), TINY, FP8_MAX,
-               INV_FP8_MAX, GROUP=group, num_warps=1 if group <= 128 else 4)
-    return values, scale.t()
+        # A program per row and GROUPS groups (a [GROUPS, group] tile): one program per group
+        # was ~90k one-warp programs for a 1024-token prefill's down projection, one per row
+        # walked its 86 groups in turn.
+        tile = group_tile(cols, group)
+        launch(_quantize_groups_kernel, (rows, -(-cols // (group * tile))), x, out.values, scale, padded, cols,
+               x.stride(0), TINY, FP8_MAX, INV_FP8_MAX, GROUP=group, GROUPS=tile, num_warps=4)
+    return out.values, out.scale
+
+
+def group_tile(cols: int, group: int) -> int:
+    """Groups per program of the group-quantizing kernels: 1024 columns, fewer for a short row."""
+    return min(next_power_of_2(-(-cols // group)), max(1, 1024 // group))
 
 
 if triton is not None:
@@ -134,17 +162,27 @@ if triton is not None:
         tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit
+    def quantize_row_groups(q_ptr, s_ptr, scale_stride, row, cols, gi, values, tiny, fp8_max, inv_fp8_max,
+                            GROUP: tl.constexpr):
+        """Store a tile of one row (`values` [groups, GROUP], groups `gi` [groups], already
+        rounded to the activations' dtype) as FP8 at q_ptr + row * cols, a scale per group at
+        s_ptr + group * scale_stride + row: `quantize_per_group`'s arithmetic."""
+        offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        mask = offs < cols
+        v = tl.where(mask, values.to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=1), tiny) * inv_fp8_max  # [groups]
+        tl.store(s_ptr + gi * scale_stride + row, scale, mask=gi * GROUP < cols)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -fp8_max), fp8_max)
+        tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
+
+    @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, scale_stride, cols, stride_x, tiny, fp8_max, inv_fp8_max,
-                                GROUP: tl.constexpr):
+                                GROUP: tl.constexpr, GROUPS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        for group in range(0, tl.cdiv(cols, GROUP)):
-            offs = group * GROUP + tl.arange(0, GROUP)
-            mask = offs < cols
-            x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0), tiny) * inv_fp8_max
-            tl.store(s_ptr + group * scale_stride + row, scale)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-            tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
+        gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < cols, other=0.0)
+        quantize_row_groups(q_ptr, s_ptr, scale_stride, row, cols, gi, x, tiny, fp8_max, inv_fp8_max, GROUP)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr):

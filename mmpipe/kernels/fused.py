@@ -13,10 +13,12 @@ dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
 - `rotary_qk(qkv, cos, sin, heads)`: q and k of a fused qkv rotated (rotate-half form), contiguous.
 - `silu_mul(gate_up)`: silu(gate) * up for a fused [.., 2I] projection.
 
-`add_rms_norm` and `silu_mul` take `quantize=True` when their output feeds an FP8 product that
-quantizes its input per row (`mmpipe.layers.fp8.takes_rows`): the kernel then writes the output
-as FP8 with one scale per row (`Fp8Rows`), bit for bit `quantize_per_row` of the output it would
-have written, instead of writing it in the model's dtype for the quantizer to read again.
+`add_rms_norm` and `silu_mul` take `fp8=` when their output feeds an FP8 product that quantizes
+its input (`mmpipe.layers.fp8.fp8_input`): 0 for one scale per row, 128 for one per row and
+128-column group (block-scaled layers; rows padded to a multiple of 4 for cuBLASLt). The kernel
+then writes the output as FP8 with its scales (`Fp8Rows`), bit for bit `quantize_per_row` /
+`quantize_per_group` of the output it would have written, instead of writing it in the model's
+dtype for the quantizer to read again.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from mmpipe.kernels import pdl, tl, triton
-from mmpipe.kernels.fp8_quant import FP8, FP8_MAX, INV_FP8_MAX, TINY, Fp8Rows, rows_of
+from mmpipe.kernels.fp8_quant import FP8_MAX, INV_FP8_MAX, TINY, Fp8Rows, empty_rows, group_tile, rows_of
 if triton is not None:
-    from mmpipe.kernels.fp8_quant import quantize_row
+    from mmpipe.kernels.fp8_quant import quantize_row, quantize_row_groups
+
+ROW_MULTIPLE = 4  # rows of group-quantized output, padded: cuBLASLt's block-scaled GEMM takes multiples of 4
 from mmpipe.kernels.gemv import PartialSums
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
@@ -64,30 +68,31 @@ def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # ---------------------------------------------------------------------------- public ops
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weight: torch.Tensor,
-                 eps: float, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+                 eps: float, fp8: int | None = None) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
     """(x + delta, rms_norm(x + delta)); with delta None, (x, rms_norm(x)). A `PartialSums` delta is
-    summed in index order and rounded to x's dtype first, as `delta.total()` does. `quantize`: the
-    norm comes as `Fp8Rows` of its rows ([-1, hidden]; see the module docstring)."""
+    summed in index order and rounded to x's dtype first, as `delta.total()` does. `fp8` (0, or a
+    group width): the norm comes as `Fp8Rows` of its rows ([-1, hidden]; see the module docstring)."""
+    cols = x.shape[-1]
     if not _use_triton(x):
         if isinstance(delta, PartialSums):
             delta = delta.total()
         residual = x if delta is None else x + delta
         normed_ref = rms_norm_reference(residual, weight, eps)
-        return residual, rows_of(normed_ref.reshape(-1, x.shape[-1])) if quantize else normed_ref
-    if quantize and x.dtype == torch.float32:
+        return residual, normed_ref if fp8 is None else rows_of(normed_ref.reshape(-1, cols), fp8, ROW_MULTIPLE)
+    if fp8 is not None and (x.dtype == torch.float32 or (fp8 and (cols < fp8 or fp8 & (fp8 - 1)))):
         # A float32 row's sum of squares may be reduced in another order once the kernel also
         # writes FP8 (Triton lays the row out for the 1-byte stores): last-bit differences, so
-        # float32 (tests, not a serving dtype) quantizes the norm it wrote, as before.
-        residual, normed_f32 = add_rms_norm(x, delta, weight, eps)
-        return residual, rows_of(normed_f32.reshape(-1, x.shape[-1]))
-    cols = x.shape[-1]
+        # float32 (tests, not a serving dtype) quantizes the norm it wrote, as before; so do rows
+        # narrower than a group, and groups that are no power of two.
+        residual, normed_alone = add_rms_norm(x, delta, weight, eps)
+        return residual, rows_of(normed_alone.reshape(-1, cols), fp8, ROW_MULTIPLE)
     x2 = x.reshape(-1, cols)
     rows = x2.shape[0]
-    if quantize:
-        normed = torch.empty(rows, cols, dtype=FP8, device=x.device)
-        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if fp8 is None:
+        normed, scale, scale_stride = torch.empty_like(x2), x2, 0  # (scale: an unused pointer)
     else:
-        normed, scale = torch.empty_like(x2), x2  # (scale: an unused pointer)
+        out, scale, scale_stride = empty_rows(rows, cols, x.dtype, x.device, fp8, ROW_MULTIPLE)
+        normed = out.values
     residual = x2 if delta is None else torch.empty_like(x2)
     splits, split_stride = 0, 0
     if isinstance(delta, PartialSums):
@@ -104,11 +109,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
         stride_d = d2.stride(0)
     if rows:
         launch(_add_rms_norm_kernel, (rows,), x2, d2, weight, residual, normed, scale, cols, x2.stride(0),
-               stride_d, split_stride, eps, TINY, FP8_MAX, INV_FP8_MAX, HAS_DELTA=delta is not None,
-               SPLITS=splits, QUANT=quantize, BLOCK=next_power_of_2(cols), PDL=(on := pdl.enabled(x)),
-               num_warps=4 if cols <= 2048 else 8, launch_pdl=on)
-    if quantize:
-        return residual.view_as(x), Fp8Rows(normed, scale, x.dtype)
+               stride_d, split_stride, scale_stride, eps, TINY, FP8_MAX, INV_FP8_MAX, HAS_DELTA=delta is not None,
+               SPLITS=splits, QUANT=0 if fp8 is None else (2 if fp8 else 1), GROUP=fp8 or 1,
+               BLOCK=next_power_of_2(cols), PDL=(on := pdl.enabled(x)), num_warps=4 if cols <= 2048 else 8,
+               launch_pdl=on)
+    if fp8 is not None:
+        return residual.view_as(x), out
     return residual.view_as(x), normed.view_as(x)
 
 
@@ -152,18 +158,19 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     return q, k, v
 
 
-def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp8Rows:
+def silu_mul(gate_up: torch.Tensor, fp8: int | None = None) -> torch.Tensor | Fp8Rows:
     """silu(gate) * up with gate, up the two halves of the last dimension (each rounded as PyTorch
-    does). `quantize`: the product comes as `Fp8Rows` of its rows ([-1, I]; see the module docstring)."""
+    does). `fp8` (0, or a group width): the product comes as `Fp8Rows` of its rows ([-1, I]; see
+    the module docstring)."""
     if not _use_triton(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         out = F.silu(gate) * up
-        return rows_of(out.reshape(-1, out.shape[-1])) if quantize else out
+        return out if fp8 is None else rows_of(out.reshape(-1, out.shape[-1]), fp8, ROW_MULTIPLE)
     cols = gate_up.shape[-1] // 2
     g2 = gate_up.reshape(-1, 2 * cols)
     rows = g2.shape[0]
-    if quantize:
-        return _silu_mul_rows(g2, rows, cols)
+    if fp8 is not None:
+        return _silu_mul_fp8(g2, rows, cols, fp8)
     out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, next_power_of_2(cols))
     if rows:
@@ -172,16 +179,20 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp
     return out.view(*gate_up.shape[:-1], cols)
 
 
-def _silu_mul_rows(g2: torch.Tensor, rows: int, cols: int) -> Fp8Rows:
-    values = torch.empty(rows, cols, dtype=FP8, device=g2.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=g2.device)
-    if rows and cols:
+def _silu_mul_fp8(g2: torch.Tensor, rows: int, cols: int, group: int) -> Fp8Rows:
+    out, scale, scale_stride = empty_rows(rows, cols, g2.dtype, g2.device, group, ROW_MULTIPLE)
+    on = pdl.enabled(g2)
+    if rows and cols and group:  # each group's scale from its own columns: one pass
+        tile = group_tile(cols, group)
+        launch(_silu_mul_groups_kernel, (rows, cdiv(cols, group * tile)), g2, out.values, scale, scale_stride, cols,
+               g2.stride(0), TINY, FP8_MAX, INV_FP8_MAX, GROUP=group, GROUPS=tile, PDL=on, num_warps=4, launch_pdl=on)
+    elif rows and cols:
         block = min(4096, next_power_of_2(cols))
-        launch(_silu_mul_quant_kernel, (rows,), g2, values, scale, cols, g2.stride(0), TINY, FP8_MAX, INV_FP8_MAX,
-               BLOCK=block, PDL=(on := pdl.enabled(g2)), num_warps=8 if block >= 2048 else 4, launch_pdl=on)
-    elif rows:
+        launch(_silu_mul_quant_kernel, (rows,), g2, out.values, scale, cols, g2.stride(0), TINY, FP8_MAX,
+               INV_FP8_MAX, BLOCK=block, PDL=on, num_warps=8 if block >= 2048 else 4, launch_pdl=on)
+    elif rows and not group:
         scale.fill_(TINY * INV_FP8_MAX)
-    return Fp8Rows(values, scale, g2.dtype)
+    return out
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -190,8 +201,9 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, s_ptr, cols, stride_x, stride_d, stride_split,
-                             eps, tiny, fp8_max, inv_fp8_max, HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr,
-                             QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                             scale_stride, eps, tiny, fp8_max, inv_fp8_max, HAS_DELTA: tl.constexpr,
+                             SPLITS: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -212,8 +224,11 @@ if triton is not None:
         normed = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-        if QUANT:  # FP8 rows [rows, cols] with a scale per row, as quantize_per_row of `out`
+        if QUANT == 1:  # FP8 rows [rows, cols] with a scale per row, as quantize_per_row of `out`
             quantize_row(out_ptr, s_ptr, row, cols, offs, mask, out, tiny, fp8_max, inv_fp8_max)
+        elif QUANT == 2:  # a scale per row and GROUP columns, as quantize_per_group of `out`
+            quantize_row_groups(out_ptr, s_ptr, scale_stride, row, cols, tl.arange(0, BLOCK // GROUP),
+                                tl.reshape(out, [BLOCK // GROUP, GROUP]), tiny, fp8_max, inv_fp8_max, GROUP)
         else:
             tl.store(out_ptr + row * stride_x + offs, out, mask=mask)
 
@@ -300,3 +315,14 @@ if triton is not None:
             v = _silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)
             q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max)
             tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)
+
+    @triton.jit
+    def _silu_mul_groups_kernel(g_ptr, q_ptr, s_ptr, scale_stride, cols, stride_g, tiny, fp8_max, inv_fp8_max,
+                                GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+        """GROUPS groups of one row per program, each quantized with its own scale."""
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        v = _silu_mul_act(g_ptr, row, stride_g, cols, offs, offs < cols)
+        quantize_row_groups(q_ptr, s_ptr, scale_stride, row, cols, gi, v, tiny, fp8_max, inv_fp8_max, GROUP)

@@ -18,10 +18,11 @@ kept as published): one scale per 128 x 128 tile of W, activations quantized per
 BlockWise1x128 x BlockWise128x128); the few-row kernels apply each tile's scale to its partial
 sum. Off CUDA the same arithmetic runs in float32 (`_reference_block_product`), for tests.
 
-A per-channel layer also takes its input already quantized (`Fp8Rows`): where `takes_rows` says
-the layer would quantize its input per row, the kernel that makes the input (the RMSNorm before
-qkv and gate_up, the SiLU product before down) writes it in FP8 at once, one pass fewer over the
-activations, with the same bits (`MMPIPE_FP8_FUSED_QUANT=0` turns this off).
+A layer also takes its input already quantized (`Fp8Rows`): where `fp8_input` says how the layer
+would quantize its input (per row, or per row and 128-column group), the kernel that makes the
+input (the RMSNorm before qkv and gate_up, the SiLU product before down) writes it in FP8 at
+once, one pass fewer over the activations, with the same bits (`MMPIPE_FP8_FUSED_QUANT=0` turns
+this off).
 """
 
 from __future__ import annotations
@@ -43,13 +44,16 @@ def fp8_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
-def takes_rows(layer: nn.Module, like: torch.Tensor, gated: bool = False) -> bool:
-    """Whether `layer`'s product of an input shaped like `like` quantizes that input per row (a
-    per-channel `Fp8Linear`, rows the few-row kernels do not serve), so that the kernel making the
-    input may hand it over as `Fp8Rows`. `gated`: `like` is the fused [gate, up] projection whose
-    SiLU product is the input."""
-    return (isinstance(layer, Fp8Linear) and not layer.block and like.dim() == 2 and settings.current().fp8_fused_quant
-            and not gemv.fp8_usable(like, layer.weight, gated))
+def fp8_input(layer: nn.Module, like: torch.Tensor, gated: bool = False) -> int | None:
+    """How `layer`'s product of an input shaped like `like` quantizes that input: 0 per row (a
+    per-channel `Fp8Linear`), `BLOCK` per row and 128-column group (a block-scaled one), None when
+    it does not (not FP8, rows the few-row kernels serve, `MMPIPE_FP8_FUSED_QUANT=0`). The kernel
+    making the input may then hand it over quantized that way (`Fp8Rows`). `gated`: `like` is the
+    fused [gate, up] projection whose SiLU product is the input."""
+    if (not isinstance(layer, Fp8Linear) or like.dim() != 2 or not settings.current().fp8_fused_quant
+            or gemv.fp8_usable(like, layer.weight, gated)):
+        return None
+    return BLOCK if layer.block else 0
 
 
 def fp8_available(device: torch.device) -> bool:
@@ -108,9 +112,11 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):
-            if self.block or x.values.shape[-1] != self.in_features:
-                raise ValueError(f"Fp8Linear: rows quantized per row of width {x.values.shape[-1]} given to "
-                                 f"{self.extra_repr()} (per-channel layers of that width take them)")
+            if x.group != (BLOCK if self.block else 0) or x.values.shape[-1] != self.in_features:
+                raise ValueError(f"Fp8Linear: activations quantized {f'per {x.group} columns' if x.group else 'per row'}"
+                                 f" with width {x.values.shape[-1]} given to {self.extra_repr()}")
+            if self.block:
+                return self._block_scaled(x.values, x.scale, x.dtype, x.shape[0])
             return self._scaled_product(x.values, x.scale, x.dtype)
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
@@ -134,14 +140,16 @@ class Fp8Linear(nn.Module):
         return out
 
     def _block_product(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.is_cuda:
-            # cuBLASLt's block-scaled GEMM takes row counts that are multiples of 4 (H100, torch 2.11).
-            values, scale = quantize_per_group(rows, BLOCK, row_multiple=4)  # one Triton kernel
+        # cuBLASLt's block-scaled GEMM takes row counts that are multiples of 4 (H100, torch 2.11).
+        values, scale = quantize_per_group(rows, BLOCK, row_multiple=4 if rows.is_cuda else 1)  # one Triton kernel
+        return self._block_scaled(values, scale, rows.dtype, rows.shape[0])
+
+    def _block_scaled(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
+        if values.is_cuda:
             out = F.scaled_mm(values, self.weight.t(), scale, F.ScalingType.BlockWise1x128, self.weight_scale.t(),
-                              F.ScalingType.BlockWise128x128, output_dtype=rows.dtype)[:rows.shape[0]]
+                              F.ScalingType.BlockWise128x128, output_dtype=dtype)[:count]
         else:
-            values, scale = quantize_per_group(rows, BLOCK)
-            out = _reference_block_product(values, scale, self.weight, self._full_scale()).to(rows.dtype)
+            out = _reference_block_product(values[:count], scale[:count], self.weight, self._full_scale()).to(dtype)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:

@@ -12,7 +12,7 @@ from mmpipe.errors import CheckpointError
 from mmpipe.kernels import gemv
 from mmpipe.kernels.fused import silu_mul
 from mmpipe.layers.buffers import no_init
-from mmpipe.layers.fp8 import Fp8Linear, Fp8Rows, takes_rows
+from mmpipe.layers.fp8 import Fp8Linear, Fp8Rows, fp8_input
 from mmpipe.layers.parallel import reduce_rows
 
 __all__ = ["GatedMLP", "activation", "padded_width"]
@@ -108,7 +108,7 @@ class GatedMLP(nn.Module):
             return gemv.linear_split(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
         gate_up = self.gate_up_proj(x)
         if self.silu:  # one kernel on CUDA, FP8 rows where the down projection would quantize its input
-            return self.down_proj(silu_mul(gate_up, takes_rows(down, gate_up, gated=True)))
+            return self.down_proj(silu_mul(gate_up, fp8_input(down, gate_up, gated=True)))
         gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -244,15 +244,20 @@ def _rows_of_magnitudes(rows: int, cols: int, dtype: torch.dtype, seed: int) -> 
 
 
 def _same_rows(rows, values: torch.Tensor, scale: torch.Tensor) -> None:
-    assert rows.values.dtype == FP8 and rows.scale.shape == scale.shape
+    assert rows.values.dtype == FP8 and rows.scale.shape == scale.shape and rows.scale.stride() == scale.stride()
     assert torch.equal(rows.scale, scale)
     assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
 
 
+def _quantized(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_per_group(x, group, row_multiple=4) if group else quantize_per_row(x)
+
+
+@pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("delta", ["none", "tensor", "partial_sums"])
 @pytest.mark.parametrize("rows,cols", [(1, 2048), (37, 1280), (300, 2048), (64, 3584), (8, 5120)])
-def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, delta, rows, cols):
+def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, delta, rows, cols, group):
     from mmpipe.kernels.fused import add_rms_norm
     from mmpipe.kernels.gemv import PartialSums
 
@@ -261,30 +266,38 @@ def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, de
     d = {"none": None, "tensor": _rows_of_magnitudes(rows, cols, dtype, 3),
          "partial_sums": PartialSums(torch.randn(3, rows, cols, device="cuda"), dtype)}[delta]
     residual, normed = add_rms_norm(x, d, w, 1e-6)
-    fused_residual, rows_q = add_rms_norm(x, d, w, 1e-6, quantize=True)
+    fused_residual, rows_q = add_rms_norm(x, d, w, 1e-6, fp8=group)
     assert torch.equal(fused_residual, residual)
-    _same_rows(rows_q, *quantize_per_row(normed))
-    assert rows_q.dtype == dtype
+    _same_rows(rows_q, *_quantized(normed, group))
+    assert rows_q.dtype == dtype and rows_q.shape == (rows, cols) and rows_q.group == group
 
 
+@pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,cols", [(1, 64), (5, 5000), (64, 11008), (130, 3456), (3, 4096)])
-def test_the_silu_product_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, rows, cols):
+def test_the_silu_product_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, rows, cols, group):
     from mmpipe.kernels.fused import silu_mul
 
     gate_up = _rows_of_magnitudes(rows, 2 * cols, dtype, rows * cols) * 3
-    rows_q = silu_mul(gate_up, quantize=True)
-    _same_rows(rows_q, *quantize_per_row(silu_mul(gate_up)))
-    assert rows_q.shape == (rows, cols) and rows_q.dtype == dtype
+    rows_q = silu_mul(gate_up, fp8=group)
+    _same_rows(rows_q, *_quantized(silu_mul(gate_up), group))
+    assert rows_q.shape == (rows, cols) and rows_q.dtype == dtype and rows_q.group == group
 
 
 @pytest.mark.parametrize("quantization,mode", [("fp8", "none"), ("fp8", "full_and_piecewise"),
-                                               ("fp8-all", "full_and_piecewise")])
-def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, monkeypatch, quantization, mode):
+                                               ("fp8-all", "full_and_piecewise"), ("block checkpoint", "none")])
+def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, wide, tmp_path, monkeypatch,
+                                                               quantization, mode):
     """(bfloat16) The same requests with the norms and SiLU products quantizing for the FP8 layers
     (MMPIPE_FP8_FUSED_QUANT on, the default) and with each layer quantizing its own input: equal
-    tokens, log-probabilities and image embeddings; the eager run shows the fused path was taken."""
+    tokens, log-probabilities and image embeddings; the eager run shows the fused path was taken
+    (per row for `quantization="fp8"`, per 128-column group for a block-scaled FP8 checkpoint)."""
     from mmpipe import settings
+
+    if quantization == "block checkpoint":
+        from tests.unit.test_fp8_checkpoints import fp8_pair
+
+        checkpoint, quantization = fp8_pair(wide, tmp_path, "block", block=(128, 128))[0], None
 
     images = [random_image(200 + 40 * i, 150 + 30 * i, seed=60 + i) for i in range(3)]
     conversations = [[{"role": "user", "content": [{"type": "image", "image": images[i % 3]},

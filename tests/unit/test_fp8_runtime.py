@@ -96,21 +96,40 @@ def test_fp8_is_refused_by_name_where_it_cannot_run(checkpoint):
     assert check_runtime_quantization("none", torch.device("cpu")) is None
 
 
-def test_norms_and_silu_products_hand_fp8_layers_their_input_quantized_with_the_same_bits(monkeypatch):
+def block_scaled(linear: nn.Linear, seed: int) -> Fp8Linear:
+    """`linear` as a block-scaled FP8 layer with uneven 128 x 128 tile scales."""
+    from mmpipe.layers.fp8 import BLOCK, block_scale_columns
+
+    n, k = linear.weight.shape
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand(-(-n // BLOCK), block_scale_columns(k), generator=gen) * 0.01 + 0.002
+    full = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    weight = (linear.weight.detach() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Linear(weight, scale, linear.bias.detach() if linear.bias is not None else None, block=True)
+
+
+@pytest.mark.parametrize("scales", ["channel", "block"])
+def test_norms_and_silu_products_hand_fp8_layers_their_input_quantized_with_the_same_bits(monkeypatch, scales):
     """With FP8 projections the RMSNorm before qkv and gate_up and the SiLU product before down
-    quantize their output themselves (`Fp8Rows`); the model's output is bit for bit the one of
-    each projection quantizing its own input (MMPIPE_FP8_FUSED_QUANT=0). o_proj reads attention's
-    output and quantizes it itself."""
+    quantize their output themselves (`Fp8Rows`: per row for per-channel layers, per 128-column
+    group for block-scaled ones); the model's output is bit for bit the one of each projection
+    quantizing its own input (MMPIPE_FP8_FUSED_QUANT=0). o_proj reads attention's output and
+    quantizes it itself."""
     from mmpipe import settings
     from tests.lm_helpers import make_runner, run
 
     lm = tiny_lm()
-    quantize_linears(lm, LM_FP8_LAYERS)
+    if scales == "channel":
+        quantize_linears(lm, LM_FP8_LAYERS)
+    else:
+        for index, (parent, name) in enumerate((p, n) for p in lm.modules() for n, c in p.named_children()
+                                               if n in LM_FP8_LAYERS and isinstance(c, nn.Linear)):
+            setattr(parent, name, block_scaled(getattr(parent, name), index))
     seen: dict[str, list[bool]] = {}
     forward = Fp8Linear.forward
 
     def spy(self, x):
-        seen.setdefault(self.name, []).append(isinstance(x, Fp8Rows))
+        seen.setdefault(self.name, []).append(isinstance(x, Fp8Rows) and x.group == (128 if self.block else 0))
         return forward(self, x)
 
     for module_name, module in lm.named_modules():

@@ -4,7 +4,8 @@ a Pipeline per configuration, twice in alternating order (best of the two). 3B s
 prefill time to first token at 256 / 1024 tokens (metrics), a 32 x 256-token prefill, decode
 ms/step at batch 128 (more rows than the few-row kernels take: its products quantize too), and,
 with fp8-all, one image through the ViT at 448 and 896 px.
-Usage: python docs/bench/runs/fp8_fused_ab.py CKPT [forward|reverse|both]  (the order(s) to run; both by default)"""
+Usage: python docs/bench/runs/fp8_fused_ab.py CKPT [forward|reverse|both] [BLOCK_CKPT]  (the order(s) to run,
+both by default; with BLOCK_CKPT, a 128 x 128 block-scaled FP8 checkpoint, only it, fused off and on)"""
 import os, sys, time, torch
 from mmpipe import Pipeline, SamplingParams, settings
 from tests.helpers import random_image
@@ -21,7 +22,10 @@ def measure(q, fused):
     os.environ["MMPIPE_FP8_FUSED_QUANT"] = "1" if fused else "0"
     settings.refresh()
     out = {}
-    pipe = Pipeline.from_pretrained(ck, quantization=q, startup_progress=False)
+    if q == "block":
+        pipe = Pipeline.from_pretrained(sys.argv[3], startup_progress=False)
+    else:
+        pipe = Pipeline.from_pretrained(ck, quantization=q, startup_progress=False)
     for n in (256, 1024):
         pipe.generate([prompt(n)], sampling=one, progress=False)
         out[f"ttft_{n}_ms"] = min(pipe.generate([prompt(n)], sampling=one, progress=False)[0]
@@ -53,6 +57,8 @@ def measure(q, fused):
 
 
 configs = [(None, True), ("fp8", False), ("fp8", True), ("fp8-all", False), ("fp8-all", True)]
+if len(sys.argv) > 3:
+    configs = [("block", False), ("block", True)]
 best = {}
 which = sys.argv[2] if len(sys.argv) > 2 else "both"
 orders = {"forward": [configs], "reverse": [configs[::-1]], "both": [configs, configs[::-1]]}[which]
