@@ -49,9 +49,11 @@ def fp8_input(layer: nn.Module, like: torch.Tensor, gated: bool = False) -> int 
     per-channel `Fp8Linear`), `BLOCK` per row and 128-column group (a block-scaled one), None when
     it does not (not FP8, rows the few-row kernels serve, `MMPIPE_FP8_FUSED_QUANT=0`). The kernel
     making the input may then hand it over quantized that way (`Fp8Rows`). `gated`: `like` is the
-    fused [gate, up] projection whose SiLU product is the input."""
+    fused [gate, up] projection whose SiLU product is the input. Code traced by `torch.compile`
+    (the `inductor` prefill compiler) keeps the separate quantizer: the fused kernels are tested
+    eagerly and in CUDA graphs only."""
     if (not isinstance(layer, Fp8Linear) or like.dim() != 2 or not settings.current().fp8_fused_quant
-            or gemv.fp8_usable(like, layer.weight, gated)):
+            or torch.compiler.is_compiling() or gemv.fp8_usable(like, layer.weight, gated)):
         return None
     return BLOCK if layer.block else 0
 
