@@ -117,7 +117,8 @@ class Qwen25VisionTransformer(VisionTower):
                        windows: Segments, merged_inverse: torch.Tensor) -> torch.Tensor:
         """Blocks + merger on window-ordered patches; returns merged rows in image order."""
         first = self.blocks[0].norm1
-        residual, normed = add_rms_norm(hidden, None, first.weight, first.eps, fp8_input(self.blocks[0].attn.qkv, hidden))
+        residual, normed = add_rms_norm(hidden, None, first.weight, first.eps,
+                                        fp8_input(self.blocks[0].attn.qkv, hidden))
         for index, block in enumerate(self.blocks):
             seg = full if index in self.full_blocks else windows
             last = index + 1 == len(self.blocks)

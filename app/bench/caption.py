@@ -155,8 +155,8 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
                 seconds[(name, n)] = min(stream(inline, n, True) for _ in range(2))
 
     for quantization in [q for q in args.quantizations.split(",") if q]:
-        with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16", quantization=quantization,
-                                      **engine_options) as quantized:
+        with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16",
+                                      **{**engine_options, "quantization": quantization}) as quantized:
             stream(quantized, 64, True)  # warm-up
             for n in sizes:
                 seconds[(f"mmpipe chat_stream, overlap on, {quantization}", n)] = min(

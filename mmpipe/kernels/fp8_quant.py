@@ -2,7 +2,8 @@
 magnitude, its scale (that / 448) and the row divided by it, rounded to FP8) or per group of 128
 columns of a row (`quantize_per_group`, for block-scaled FP8 weights: one scale per row and
 128-column group). The PyTorch references are six kernels and two float32 copies of the
-activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before every FP8 product on CUDA.
+activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before an FP8 product on CUDA
+whose input comes unquantized.
 Both scale by the float32 reciprocal of 448 and divide the values with IEEE rounding, so they
 agree bit for bit.
 

@@ -28,13 +28,14 @@ import torch.nn.functional as F
 
 from mmpipe.kernels import pdl, tl, triton
 from mmpipe.kernels.fp8_quant import FP8_MAX, INV_FP8_MAX, TINY, Fp8Rows, empty_rows, group_tile, rows_of
+from mmpipe.kernels.gemv import PartialSums
+from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
+from mmpipe.kernels.pdl import pdl_enter
+
 if triton is not None:
     from mmpipe.kernels.fp8_quant import quantize_row, quantize_row_groups
 
 ROW_MULTIPLE = 4  # rows of group-quantized output, padded: cuBLASLt's block-scaled GEMM takes multiples of 4
-from mmpipe.kernels.gemv import PartialSums
-from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
-from mmpipe.kernels.pdl import pdl_enter
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -73,17 +74,18 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
     summed in index order and rounded to x's dtype first, as `delta.total()` does. `fp8` (0, or a
     group width): the norm comes as `Fp8Rows` of its rows ([-1, hidden]; see the module docstring)."""
     cols = x.shape[-1]
+    _check_group(fp8)
     if not _use_triton(x):
         if isinstance(delta, PartialSums):
             delta = delta.total()
         residual = x if delta is None else x + delta
         normed_ref = rms_norm_reference(residual, weight, eps)
         return residual, normed_ref if fp8 is None else rows_of(normed_ref.reshape(-1, cols), fp8, ROW_MULTIPLE)
-    if fp8 is not None and (x.dtype == torch.float32 or (fp8 and (cols < fp8 or fp8 & (fp8 - 1)))):
+    if fp8 is not None and (x.dtype == torch.float32 or cols < fp8):
         # A float32 row's sum of squares may be reduced in another order once the kernel also
         # writes FP8 (Triton lays the row out for the 1-byte stores): last-bit differences, so
         # float32 (tests, not a serving dtype) quantizes the norm it wrote, as before; so do rows
-        # narrower than a group, and groups that are no power of two.
+        # narrower than a group.
         residual, normed_alone = add_rms_norm(x, delta, weight, eps)
         return residual, rows_of(normed_alone.reshape(-1, cols), fp8, ROW_MULTIPLE)
     x2 = x.reshape(-1, cols)
@@ -162,6 +164,7 @@ def silu_mul(gate_up: torch.Tensor, fp8: int | None = None) -> torch.Tensor | Fp
     """silu(gate) * up with gate, up the two halves of the last dimension (each rounded as PyTorch
     does). `fp8` (0, or a group width): the product comes as `Fp8Rows` of its rows ([-1, I]; see
     the module docstring)."""
+    _check_group(fp8)
     if not _use_triton(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         out = F.silu(gate) * up
@@ -177,6 +180,11 @@ def silu_mul(gate_up: torch.Tensor, fp8: int | None = None) -> torch.Tensor | Fp
         launch(_silu_mul_kernel, (rows, cdiv(cols, block)), g2, out, cols, g2.stride(0), out.stride(0),
                BLOCK=block, PDL=(on := pdl.enabled(gate_up)), num_warps=4, launch_pdl=on)
     return out.view(*gate_up.shape[:-1], cols)
+
+
+def _check_group(fp8: int | None) -> None:
+    if fp8 is not None and (fp8 < 0 or fp8 & (fp8 - 1)):
+        raise ValueError(f"fp8={fp8}: give None, 0 (one scale per row) or a power-of-two group width")
 
 
 def _silu_mul_fp8(g2: torch.Tensor, rows: int, cols: int, group: int) -> Fp8Rows:

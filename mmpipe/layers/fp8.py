@@ -33,7 +33,13 @@ from torch import nn
 
 from mmpipe import settings
 from mmpipe.kernels import gemv
-from mmpipe.kernels.fp8_quant import FP8, FP8_MAX, Fp8Rows, quantize_per_group, quantize_per_row  # noqa: F401 (re-exported)
+from mmpipe.kernels.fp8_quant import (  # noqa: F401 (re-exported)
+    FP8,
+    FP8_MAX,
+    Fp8Rows,
+    quantize_per_group,
+    quantize_per_row,
+)
 
 BLOCK = 128  # the weight tile that block-scaled layers (and their kernels) take: 128 x 128
 
@@ -47,11 +53,13 @@ def fp8_shape_ok(linear: nn.Linear) -> bool:
 def fp8_input(layer: nn.Module, like: torch.Tensor, gated: bool = False) -> int | None:
     """How `layer`'s product of an input shaped like `like` quantizes that input: 0 per row (a
     per-channel `Fp8Linear`), `BLOCK` per row and 128-column group (a block-scaled one), None when
-    it does not (not FP8, rows the few-row kernels serve, `MMPIPE_FP8_FUSED_QUANT=0`). The kernel
-    making the input may then hand it over quantized that way (`Fp8Rows`). `gated`: `like` is the
-    fused [gate, up] projection whose SiLU product is the input. Code traced by `torch.compile`
-    (the `inductor` prefill compiler) keeps the separate quantizer: the fused kernels are tested
-    eagerly and in CUDA graphs only."""
+    it does not, or may not (not FP8, `MMPIPE_FP8_FUSED_QUANT=0`, or rows the few-row kernels
+    would take: `gemv.fp8_usable`, also where the caller then multiplies otherwise, as the ViT
+    does with <= 32 rows, which only leaves those unfused). The kernel making the input may then
+    hand it over quantized that way (`Fp8Rows`). `gated`: `like` is the fused [gate, up]
+    projection whose SiLU product is the input. Code traced by `torch.compile` (the `inductor`
+    prefill compiler) keeps the separate quantizer: the fused kernels are tested eagerly and in
+    CUDA graphs only."""
     if (not isinstance(layer, Fp8Linear) or like.dim() != 2 or not settings.current().fp8_fused_quant
             or torch.compiler.is_compiling() or gemv.fp8_usable(like, layer.weight, gated)):
         return None
@@ -115,8 +123,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):
             if x.group != (BLOCK if self.block else 0) or x.values.shape[-1] != self.in_features:
-                raise ValueError(f"Fp8Linear: activations quantized {f'per {x.group} columns' if x.group else 'per row'}"
-                                 f" with width {x.values.shape[-1]} given to {self.extra_repr()}")
+                how = f"per {x.group} columns" if x.group else "per row"
+                raise ValueError(f"Fp8Linear: activations quantized {how} with width {x.values.shape[-1]} "
+                                 f"given to {self.extra_repr()}")
             if self.block:
                 return self._block_scaled(x.values, x.scale, x.dtype, x.shape[0])
             return self._scaled_product(x.values, x.scale, x.dtype)

@@ -256,7 +256,8 @@ def _quantized(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("delta", ["none", "tensor", "partial_sums"])
-@pytest.mark.parametrize("rows,cols", [(1, 2048), (37, 1280), (300, 2048), (64, 3584), (8, 5120)])
+@pytest.mark.parametrize("rows,cols", [(1, 2048), (37, 1280), (300, 2048), (64, 3584), (8, 5120), (5, 1000),
+                                       (9, 1536), (33, 2560), (3, 4096), (2, 8192)])
 def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, delta, rows, cols, group):
     from mmpipe.kernels.fused import add_rms_norm
     from mmpipe.kernels.gemv import PartialSums
@@ -323,3 +324,40 @@ def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, wide,
     settings.refresh()
     assert results["1"][0] == results["0"][0] and results["1"][1] == results["0"][1]
     assert all(torch.equal(a, b) for a, b in zip(results["1"][2], results["0"][2]))
+
+
+@pytest.mark.parametrize("mode", ["none", "full_decode_only"])
+@pytest.mark.parametrize("weights", ["fp8", "block checkpoint"])
+def test_fused_activation_quantization_in_decode_batches_above_the_few_row_kernels(wide, tmp_path, monkeypatch,
+                                                                                   weights, mode):
+    """37 requests decoding together: more rows than the few-row kernels take, so decode's FP8
+    products quantize too, fused (per row, or per 128 columns with the rows padded to 4 for
+    cuBLASLt) and in the decode graphs with their PDL chain: tokens and log-probabilities equal
+    with the switch on and off; the eager run shows fused rows in its decode steps."""
+    from mmpipe import settings
+
+    checkpoint, quantization = wide, "fp8"
+    if weights == "block checkpoint":
+        from tests.unit.test_fp8_checkpoints import fp8_pair
+
+        checkpoint, quantization = fp8_pair(wide, tmp_path, "block", block=(128, 128))[0], None
+    prompts = [f"item {i}: " + "tell me more " * (1 + i % 5) for i in range(37)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
+    forward, fed = Fp8Linear.forward, []
+    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: fed.append((type(x).__name__, x.shape[0])) or
+                        forward(self, x))
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
+        settings.refresh()
+        pipe = Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16", graph_mode=mode,
+                                        quantization=quantization, num_kv_pages=1024, max_running_requests=40)
+        fed.clear()
+        outs = pipe.generate(prompts, sampling=params, progress=False)
+        results[flag] = ([o.token_ids for o in outs], [o.logprobs for o in outs])
+        pipe.close()
+        if mode == "none":  # a decode step of all 37 rows fed FP8 rows to the projections, fused on only
+            assert (("Fp8Rows", 37) in fed) == (flag == "1"), sorted(set(fed))
+    monkeypatch.delenv("MMPIPE_FP8_FUSED_QUANT")
+    settings.refresh()
+    assert results["1"] == results["0"]

@@ -153,7 +153,7 @@ def test_norms_and_silu_products_hand_fp8_layers_their_input_quantized_with_the_
     assert torch.equal(outputs["1"], outputs["0"])
 
 
-def test_fp8_rows_go_only_to_a_per_channel_layer_of_their_width():
+def test_fp8_rows_go_only_to_a_layer_of_their_width_and_scaling():
     from mmpipe.kernels.fp8_quant import rows_of
 
     layer = Fp8Linear.from_linear(nn.Linear(64, 32, bias=False))
@@ -161,3 +161,18 @@ def test_fp8_rows_go_only_to_a_per_channel_layer_of_their_width():
     torch.testing.assert_close(layer(rows_of(x)), layer(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="width 48 given to in_features=64"):
         layer(rows_of(torch.randn(3, 48)))
+    with pytest.raises(ValueError, match="quantized per 128 columns with width 64 given to .*per-channel"):
+        layer(rows_of(x, 128))  # group scales to a per-channel layer
+    block = block_scaled(nn.Linear(64, 32, bias=False), seed=1)
+    with pytest.raises(ValueError, match="quantized per row with width 64 given to .*block scales"):
+        block(rows_of(x))
+    torch.testing.assert_close(block(rows_of(x, 128, row_multiple=4)), block(x), rtol=0, atol=0)  # padded rows cut
+
+
+def test_the_fused_kernels_refuse_a_group_width_they_cannot_tile():
+    from mmpipe.kernels.fused import add_rms_norm, silu_mul
+
+    with pytest.raises(ValueError, match="fp8=96: give None, 0 .* or a power-of-two group width"):
+        add_rms_norm(torch.randn(2, 192), None, torch.ones(192), 1e-6, fp8=96)
+    with pytest.raises(ValueError, match="fp8=96"):
+        silu_mul(torch.randn(2, 384), fp8=96)

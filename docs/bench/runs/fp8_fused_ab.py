@@ -1,6 +1,7 @@
 """FP8 with the activation quantization fused into the norms and SiLU products (MMPIPE_FP8_FUSED_QUANT
 on, the default) against each FP8 product quantizing its own input (off), and bfloat16; one process,
-a Pipeline per configuration, twice in alternating order (best of the two). 3B shape. Prints
+a Pipeline per configuration, in the order(s) given (`both`: forward then reverse, best of the two;
+`forward`: one pass, "best of two" then prints that one pass). 3B shape. Prints
 prefill time to first token at 256 / 1024 tokens (metrics), a 32 x 256-token prefill, decode
 ms/step at batch 128 (more rows than the few-row kernels take: its products quantize too), and,
 with fp8-all, one image through the ViT at 448 and 896 px.
