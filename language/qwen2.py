@@ -229,7 +229,7 @@ class Qwen2DecoderLayer(nn.Module):
         if extra is not None:
             residual = residual + mlp_out  # prefill only: a tensor, never K-split partial sums
             mlp_out = extra
-        fp8 = fp8_input(next_proj, residual) if next_proj is not None else None
+        fp8 = fp8_input(next_proj, residual)  # (None: no reader of the norm to quantize for)
         return add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps, fp8)
 
 

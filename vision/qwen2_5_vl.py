@@ -78,7 +78,7 @@ class VisionBlock(nn.Module):
         comes quantized that way (`Fp8Rows`)."""
         residual, normed = add_rms_norm(residual, self.attn(normed, cos, sin, seg, attention), self.norm2.weight,
                                         self.norm2.eps, fp8_input(self.mlp.gate_up_proj, residual))
-        fp8 = fp8_input(next_proj, residual) if next_proj is not None else None
+        fp8 = fp8_input(next_proj, residual)  # (None: no reader of the norm to quantize for)
         return add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps, fp8)
 
 

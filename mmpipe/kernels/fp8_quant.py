@@ -28,6 +28,9 @@ TINY = 1e-12  # an all-zero row keeps a finite scale (its values quantize to zer
 # Scales are the row maximum times the float32 reciprocal of 448 (an exact product on every device;
 # PyTorch's CUDA division by a number is that product, its CPU division is not).
 INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32))
+# Group-quantized activations come with their rows padded to this: cuBLASLt's block-scaled GEMM
+# takes only row counts that are multiples of 4 (H100, torch 2.11).
+GEMM_ROW_MULTIPLE = 4
 
 
 class Fp8Rows(NamedTuple):

@@ -15,7 +15,7 @@ dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
 
 `add_rms_norm` and `silu_mul` take `fp8=` when their output feeds an FP8 product that quantizes
 its input (`mmpipe.layers.fp8.fp8_input`): 0 for one scale per row, 128 for one per row and
-128-column group (block-scaled layers; rows padded to a multiple of 4 for cuBLASLt). The kernel
+128-column group (block-scaled layers; rows padded to `GEMM_ROW_MULTIPLE` for cuBLASLt). The kernel
 then writes the output as FP8 with its scales (`Fp8Rows`), bit for bit `quantize_per_row` /
 `quantize_per_group` of the output it would have written, instead of writing it in the model's
 dtype for the quantizer to read again.
@@ -27,15 +27,22 @@ import torch
 import torch.nn.functional as F
 
 from mmpipe.kernels import pdl, tl, triton
-from mmpipe.kernels.fp8_quant import FP8_MAX, INV_FP8_MAX, TINY, Fp8Rows, empty_rows, group_tile, rows_of
+from mmpipe.kernels.fp8_quant import (
+    FP8_MAX,
+    GEMM_ROW_MULTIPLE,
+    INV_FP8_MAX,
+    TINY,
+    Fp8Rows,
+    empty_rows,
+    group_tile,
+    rows_of,
+)
 from mmpipe.kernels.gemv import PartialSums
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
 
 if triton is not None:
     from mmpipe.kernels.fp8_quant import quantize_row, quantize_row_groups
-
-ROW_MULTIPLE = 4  # rows of group-quantized output, padded: cuBLASLt's block-scaled GEMM takes multiples of 4
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -80,20 +87,22 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
             delta = delta.total()
         residual = x if delta is None else x + delta
         normed_ref = rms_norm_reference(residual, weight, eps)
-        return residual, normed_ref if fp8 is None else rows_of(normed_ref.reshape(-1, cols), fp8, ROW_MULTIPLE)
+        if fp8 is None:
+            return residual, normed_ref
+        return residual, rows_of(normed_ref.reshape(-1, cols), fp8, GEMM_ROW_MULTIPLE)
     if fp8 is not None and (x.dtype == torch.float32 or cols < fp8):
         # A float32 row's sum of squares may be reduced in another order once the kernel also
         # writes FP8 (Triton lays the row out for the 1-byte stores): last-bit differences, so
         # float32 (tests, not a serving dtype) quantizes the norm it wrote, as before; so do rows
         # narrower than a group.
         residual, normed_alone = add_rms_norm(x, delta, weight, eps)
-        return residual, rows_of(normed_alone.reshape(-1, cols), fp8, ROW_MULTIPLE)
+        return residual, rows_of(normed_alone.reshape(-1, cols), fp8, GEMM_ROW_MULTIPLE)
     x2 = x.reshape(-1, cols)
     rows = x2.shape[0]
     if fp8 is None:
         normed, scale, scale_stride = torch.empty_like(x2), x2, 0  # (scale: an unused pointer)
     else:
-        out, scale, scale_stride = empty_rows(rows, cols, x.dtype, x.device, fp8, ROW_MULTIPLE)
+        out, scale, scale_stride = empty_rows(rows, cols, x.dtype, x.device, fp8, GEMM_ROW_MULTIPLE)
         normed = out.values
     residual = x2 if delta is None else torch.empty_like(x2)
     splits, split_stride = 0, 0
@@ -168,7 +177,7 @@ def silu_mul(gate_up: torch.Tensor, fp8: int | None = None) -> torch.Tensor | Fp
     if not _use_triton(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         out = F.silu(gate) * up
-        return out if fp8 is None else rows_of(out.reshape(-1, out.shape[-1]), fp8, ROW_MULTIPLE)
+        return out if fp8 is None else rows_of(out.reshape(-1, out.shape[-1]), fp8, GEMM_ROW_MULTIPLE)
     cols = gate_up.shape[-1] // 2
     g2 = gate_up.reshape(-1, 2 * cols)
     rows = g2.shape[0]
@@ -188,7 +197,7 @@ def _check_group(fp8: int | None) -> None:
 
 
 def _silu_mul_fp8(g2: torch.Tensor, rows: int, cols: int, group: int) -> Fp8Rows:
-    out, scale, scale_stride = empty_rows(rows, cols, g2.dtype, g2.device, group, ROW_MULTIPLE)
+    out, scale, scale_stride = empty_rows(rows, cols, g2.dtype, g2.device, group, GEMM_ROW_MULTIPLE)
     on = pdl.enabled(g2)
     if rows and cols and group:  # each group's scale from its own columns: one pass
         tile = group_tile(cols, group)

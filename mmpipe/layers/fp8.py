@@ -36,6 +36,7 @@ from mmpipe.kernels import gemv
 from mmpipe.kernels.fp8_quant import (  # noqa: F401 (re-exported)
     FP8,
     FP8_MAX,
+    GEMM_ROW_MULTIPLE,
     Fp8Rows,
     quantize_per_group,
     quantize_per_row,
@@ -50,7 +51,7 @@ def fp8_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
-def fp8_input(layer: nn.Module, like: torch.Tensor, gated: bool = False) -> int | None:
+def fp8_input(layer: nn.Module | None, like: torch.Tensor, gated: bool = False) -> int | None:
     """How `layer`'s product of an input shaped like `like` quantizes that input: 0 per row (a
     per-channel `Fp8Linear`), `BLOCK` per row and 128-column group (a block-scaled one), None when
     it does not, or may not (not FP8, `MMPIPE_FP8_FUSED_QUANT=0`, or rows the few-row kernels
@@ -151,8 +152,7 @@ class Fp8Linear(nn.Module):
         return out
 
     def _block_product(self, rows: torch.Tensor) -> torch.Tensor:
-        # cuBLASLt's block-scaled GEMM takes row counts that are multiples of 4 (H100, torch 2.11).
-        values, scale = quantize_per_group(rows, BLOCK, row_multiple=4 if rows.is_cuda else 1)  # one Triton kernel
+        values, scale = quantize_per_group(rows, BLOCK, GEMM_ROW_MULTIPLE if rows.is_cuda else 1)  # one Triton kernel
         return self._block_scaled(values, scale, rows.dtype, rows.shape[0])
 
     def _block_scaled(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
