@@ -192,15 +192,16 @@ class Qwen2Attention(nn.Module):
 def _project(layer: nn.Module, x: torch.Tensor | Fp8Rows, split: bool = False) -> torch.Tensor | gemv.PartialSums:
     """A projection through `gemv` (few-row kernels for decode, K-split partial sums where `split`);
     an FP8 layer (`quantization="fp8"`) through gemv's FP8 kernels for decode rows, else itself
-    (its cuBLASLt FP8 product; `Fp8Rows`, input the norm before it quantized, go there too)."""
-    if isinstance(x, Fp8Rows):
-        return layer(x)
+    (its FP8 product, K-split too where `split`; `Fp8Rows`, input the norm before it quantized, go
+    there too)."""
     if isinstance(layer, Fp8Linear):
-        if not gemv.fp8_usable(x, layer.weight):
-            return layer(x)
+        if isinstance(x, Fp8Rows) or not gemv.fp8_usable(x, layer.weight):
+            return layer(x, split=split)
         if split and layer.bias is None:
             return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale)
         return gemv.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+    if isinstance(x, Fp8Rows):
+        return layer(x)
     return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 
 

@@ -9,6 +9,7 @@
 | `MMPIPE_TRITON_DIRECT` | `triton_direct` | on | `0`: every Triton launch through Triton's own path |
 | `MMPIPE_PREFILL_PLANS` | `prefill_plans` | on | `0`: every prefill forward through dynamo's guards |
 | `MMPIPE_FP8_FUSED_QUANT` | `fp8_fused_quant` | on | `0`: FP8 products quantize their input themselves, not the norm or SiLU kernel before them |
+| `MMPIPE_FP8_TRITON_GEMM` | `fp8_triton_gemm` | on | `0`: FP8 products of 33-256 decode rows on cuBLASLt, not mmpipe's Triton FP8 GEMM |
 | `MMPIPE_CHECK_GRAPH_INPUTS` | `check_graph_inputs` | off | `1`: replays check their inputs' addresses |
 
 The switches are for debugging and A/B measurements; none changes results. They are read once,
@@ -39,6 +40,7 @@ class Settings:
     triton_direct: bool = True
     prefill_plans: bool = True
     fp8_fused_quant: bool = True
+    fp8_triton_gemm: bool = True
     check_graph_inputs: bool = False
 
     @classmethod
@@ -55,6 +57,7 @@ class Settings:
             triton_direct=_flag(env, "MMPIPE_TRITON_DIRECT", True),
             prefill_plans=_flag(env, "MMPIPE_PREFILL_PLANS", True),
             fp8_fused_quant=_flag(env, "MMPIPE_FP8_FUSED_QUANT", True),
+            fp8_triton_gemm=_flag(env, "MMPIPE_FP8_TRITON_GEMM", True),
             check_graph_inputs=_flag(env, "MMPIPE_CHECK_GRAPH_INPUTS", False),
         )
 

@@ -5,6 +5,9 @@
 - `pdl`: programmatic dependent launch for the short kernels of a decode step (Hopper).
 - `gemv`: products of 1-32 rows (decode's projections) near memory bandwidth, with K-split
   partial sums.
+- `fp8_quant`: FP8 quantization of activations (per row, per 128-column group), `Fp8Rows`.
+- `fp8_gemm`: an FP8 GEMM (per-channel or 128 x 128 block scales, K-split partial sums) for
+  decode's 33-256-row products, where it beats cuBLASLt (`rule`).
 - `fused`: residual add + RMSNorm (adding those partial sums up), rotary of a fused qkv, SiLU product.
 - `rope_kv`: the language model's rotary embedding of q and k fused with the paged KV-cache write.
 - `decode_attention`, `extend_attention`, `attention_common`: paged attention of the language model.

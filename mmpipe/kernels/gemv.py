@@ -88,7 +88,13 @@ def allowed(on: bool) -> Iterator[None]:
 
 
 def enabled() -> bool:
-    return triton is not None and settings.current().gemv and getattr(_local, "on", True)
+    return triton is not None and settings.current().gemv and kernels_allowed()
+
+
+def kernels_allowed() -> bool:
+    """False inside `allowed(False)` (the language model's prefill forwards): decode-only kernels
+    (these, and `fp8_gemm`'s) stay off there."""
+    return getattr(_local, "on", True)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:

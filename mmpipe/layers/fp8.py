@@ -1,7 +1,9 @@
 """FP8 (E4M3) linear layers for `quantization="fp8"`: weights quantized at load, one scale per
 output channel; activations quantized per token (one scale per row) at every call; the product
 through `torch._scaled_mm` (cuBLASLt's FP8 GEMM with row-wise scales on Hopper/Ada), which reads
-half the weight bytes of bfloat16 and runs on the FP8 tensor cores.
+half the weight bytes of bfloat16 and runs on the FP8 tensor cores; decode steps of 33-256 rows
+through mmpipe's Triton FP8 GEMM instead, where it is faster (`mmpipe.kernels.fp8_gemm.pick`),
+with `split=True` possibly as K-split `PartialSums` for the caller to add up.
 
 The arithmetic, for x [M, K] and W [N, K]:
     w_scale[n] = max_k |W[n, k]| / 448,   Wq = fp8(W / w_scale)
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe import settings
-from mmpipe.kernels import gemv
+from mmpipe.kernels import fp8_gemm, gemv
+from mmpipe.kernels.gemv import PartialSums
 from mmpipe.kernels.fp8_quant import (  # noqa: F401 (re-exported)
     FP8,
     FP8_MAX,
@@ -121,28 +124,41 @@ class Fp8Linear(nn.Module):
         n, k = self.weight.shape
         return self.weight_scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, split: bool = False) -> torch.Tensor | PartialSums:
+        """x @ W.T (+ bias) in x's dtype. `split` (2-D x, no bias): the caller adds `PartialSums`
+        up itself, so a K-split product may come as them (`fp8_gemm.pick`)."""
+        split = split and self.bias is None
         if isinstance(x, Fp8Rows):
             if x.group != (BLOCK if self.block else 0) or x.values.shape[-1] != self.in_features:
                 how = f"per {x.group} columns" if x.group else "per row"
                 raise ValueError(f"Fp8Linear: activations quantized {how} with width {x.values.shape[-1]} "
                                  f"given to {self.extra_repr()}")
             if self.block:
-                return self._block_scaled(x.values, x.scale, x.dtype, x.shape[0])
-            return self._scaled_product(x.values, x.scale, x.dtype)
+                return self._block_scaled(x.values, x.scale, x.dtype, x.shape[0], split)
+            return self._scaled_product(x.values, x.scale, x.dtype, split)
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
+        split = split and x.dim() == 2
         if self.block:
-            out = self._block_product(rows)
+            out = self._block_product(rows, split)
         else:
-            out = self._channel_product(rows)
-        return out.reshape(*shape[:-1], self.out_features)
+            out = self._channel_product(rows, split)
+        return out if isinstance(out, PartialSums) else out.reshape(*shape[:-1], self.out_features)
 
-    def _channel_product(self, rows: torch.Tensor) -> torch.Tensor:
+    def _channel_product(self, rows: torch.Tensor, split: bool) -> torch.Tensor | PartialSums:
         values, scale = quantize_per_row(rows)  # one Triton kernel on CUDA
-        return self._scaled_product(values, scale, rows.dtype)
+        return self._scaled_product(values, scale, rows.dtype, split)
 
-    def _scaled_product(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _triton_config(self, rows: int, values: torch.Tensor, split: bool) -> fp8_gemm.Config | None:
+        if not fp8_gemm.usable(values, self.weight):
+            return None
+        return fp8_gemm.pick(rows, self.out_features, self.in_features, self.block, split, values.device)
+
+    def _scaled_product(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, split: bool = False
+                        ) -> torch.Tensor | PartialSums:
+        config = self._triton_config(values.shape[0], values, split)
+        if config is not None:  # decode rows above the few-row kernels (see fp8_gemm)
+            return fp8_gemm.fp8_gemm(values, scale, self.weight, self.weight_scale, config, dtype, self.bias)
         # cuBLASLt takes a bias only in half precision; float32 runs (tests) add it after.
         fused_bias = self.bias is not None and dtype in (torch.bfloat16, torch.float16)
         out = torch._scaled_mm(values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.view(1, -1),
@@ -151,11 +167,16 @@ class Fp8Linear(nn.Module):
             out = out + self.bias
         return out
 
-    def _block_product(self, rows: torch.Tensor) -> torch.Tensor:
+    def _block_product(self, rows: torch.Tensor, split: bool) -> torch.Tensor | PartialSums:
         values, scale = quantize_per_group(rows, BLOCK, GEMM_ROW_MULTIPLE if rows.is_cuda else 1)  # one Triton kernel
-        return self._block_scaled(values, scale, rows.dtype, rows.shape[0])
+        return self._block_scaled(values, scale, rows.dtype, rows.shape[0], split)
 
-    def _block_scaled(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
+    def _block_scaled(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, count: int,
+                      split: bool = False) -> torch.Tensor | PartialSums:
+        config = self._triton_config(count, values, split)
+        if config is not None:
+            return fp8_gemm.fp8_gemm(values, scale, self.weight, self.weight_scale, config, dtype, self.bias,
+                                     group=BLOCK, rows=count)
         if values.is_cuda:
             out = F.scaled_mm(values, self.weight.t(), scale, F.ScalingType.BlockWise1x128, self.weight_scale.t(),
                               F.ScalingType.BlockWise128x128, output_dtype=dtype)[:count]

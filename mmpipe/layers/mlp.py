@@ -108,7 +108,10 @@ class GatedMLP(nn.Module):
             return gemv.linear_split(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
         gate_up = self.gate_up_proj(x)
         if self.silu:  # one kernel on CUDA, FP8 rows where the down projection would quantize its input
-            return self.down_proj(silu_mul(gate_up, fp8_input(down, gate_up, gated=True)))
+            act = silu_mul(gate_up, fp8_input(down, gate_up, gated=True))
+            if isinstance(down, Fp8Linear):  # the language model's consumer adds K-split partial sums
+                return down(act, split=self.few_row_kernels)
+            return down(act)
         gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

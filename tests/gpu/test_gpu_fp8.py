@@ -306,7 +306,8 @@ def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, wide,
                      for i in range(4)]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0, logprobs=5)
     forward, fed = Fp8Linear.forward, []
-    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: fed.append(type(x).__name__) or forward(self, x))
+    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x, **kw: fed.append(type(x).__name__) or
+                        forward(self, x, **kw))
     results = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
@@ -344,8 +345,8 @@ def test_fused_activation_quantization_in_decode_batches_above_the_few_row_kerne
     prompts = [f"item {i}: " + "tell me more " * (1 + i % 5) for i in range(37)]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
     forward, fed = Fp8Linear.forward, []
-    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x: fed.append((type(x).__name__, x.shape[0])) or
-                        forward(self, x))
+    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x, **kw: fed.append((type(x).__name__, x.shape[0])) or
+                        forward(self, x, **kw))
     results = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
@@ -361,3 +362,127 @@ def test_fused_activation_quantization_in_decode_batches_above_the_few_row_kerne
     monkeypatch.delenv("MMPIPE_FP8_FUSED_QUANT")
     settings.refresh()
     assert results["1"] == results["0"]
+
+
+# ---------------------------------------------------------------------------- the Triton FP8 GEMM
+
+@pytest.mark.parametrize("scales", ["channel", "block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [33, 64, 100, 256])
+@pytest.mark.parametrize("n,k,bias", [(2560, 2048, True), (2048, 11008, False), (200, 384, False)])
+def test_the_triton_fp8_gemm_equals_the_dequantized_product(rows, n, k, bias, dtype, scales):
+    """Every tile shape and K split `fp8_gemm.rule` uses, on partial row and column tiles, per-channel
+    and 128 x 128 block scales (uneven), with a bias: the product of the dequantized operands within
+    what Hopper's FP8 tensor cores keep of a 128-product sum (2^-10 of the sum of |products|; the
+    kernel adds each such sum to a float32 accumulator), plus one rounding of a bfloat16 output;
+    partial sums add up to it."""
+    from mmpipe.kernels import gemv
+    from mmpipe.kernels.fp8_gemm import Config, fp8_gemm
+
+    block = scales == "block"
+    weight, scale, dense = _fp8_weight(n, k, seed=rows + n, block=block)
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, k, generator=gen) * torch.logspace(-1, 1, rows).unsqueeze(1)).cuda().to(dtype)
+    if block:
+        values, x_scale = quantize_per_group(x, 128, 4)  # rows padded to 4, as the layers hand them over
+        x_dense = values[:rows].float() * x_scale[:rows].repeat_interleave(128, 1)[:, :k]
+    else:
+        values, x_scale = quantize_per_row(x)
+        x_dense = values.float() * x_scale
+    b = torch.randn(n, generator=gen).cuda().to(dtype) if bias else None
+    expected = torch.nn.functional.linear(x_dense, dense, None if b is None else b.float())
+    bound = 2 ** -10 * (x_dense.abs() @ dense.abs().t()) + 1e-6 * expected.abs().max()
+    if dtype == torch.bfloat16:
+        bound += 2 ** -8 * expected.abs()
+    configs = [Config(64, 64, 128, 4, 4, 1), Config(64, 64, 256, 4, 3, 1), Config(64, 128, 128, 4, 4, 1),
+               Config(64, 64, 128, 4, 4, 1, 2), Config(64, 128, 128, 4, 4, 1, 4)]
+    for config in configs:
+        if (config.split_k > 1 and bias) or (block and config.block_k != 128):
+            continue
+        out = fp8_gemm(values, x_scale, weight, scale, config, dtype, b, group=128 if block else 0, rows=rows)
+        if config.split_k > 1:
+            slice_k = -(-(-(-k // config.split_k)) // 128) * 128
+            assert isinstance(out, gemv.PartialSums) and out.sums.shape[0] == -(-k // slice_k)  # none empty
+            out = out.total()
+        assert out.shape == (rows, n) and out.dtype == dtype
+        excess = ((out.float() - expected).abs() / bound).max().item()
+        assert excess <= 1, f"{config}: error up to {excess:.2f} x the bound"
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_fp8_layers_take_the_triton_gemm_in_decode_steps_only(monkeypatch, block):
+    """An FP8 layer multiplies decode rows above the few-row kernels with the Triton GEMM where
+    `fp8_gemm.rule` says (K-split partial sums where the caller takes them; block-scaled: those
+    only), within bfloat16's rounding of cuBLASLt's product; prefill forwards
+    (`gemv.allowed(False)`), > 256 rows, or MMPIPE_FP8_TRITON_GEMM=0 keep cuBLASLt."""
+    from mmpipe import settings
+    from mmpipe.kernels import fp8_gemm, gemv
+
+    n, k = 2048, 11008
+    weight, scale, _ = _fp8_weight(n, k, seed=5, block=block)
+    layer = Fp8Linear(weight, scale if block else scale.reshape(-1, 1), None, block=block)
+    runs = []
+    original = fp8_gemm.fp8_gemm
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm", lambda *a, **kw: runs.append(a[4]) or original(*a, **kw))
+    x = torch.randn(48, k, device="cuda").bfloat16()
+
+    def product(split=False, rows=48, decode=True):
+        runs.clear()
+        with gemv.allowed(decode):
+            out = layer(x[:rows] if rows <= 48 else torch.randn(rows, k, device="cuda").bfloat16(), split=split)
+        return out, [config.split_k for config in runs]
+
+    whole, used = product()
+    assert used == ([] if block else [1])
+    split_out, used = product(split=True)
+    assert isinstance(split_out, gemv.PartialSums) and used == [4]
+    monkeypatch.setenv("MMPIPE_FP8_TRITON_GEMM", "0")
+    settings.refresh()
+    try:
+        cublas_out, used = product(split=True)
+    finally:
+        monkeypatch.delenv("MMPIPE_FP8_TRITON_GEMM")
+        settings.refresh()
+    assert used == [] and isinstance(cublas_out, torch.Tensor)
+    for out in (whole, split_out.total()):
+        torch.testing.assert_close(out.float(), cublas_out.float(), rtol=1e-2, atol=1e-2 * cublas_out.abs().max().item())
+    assert not torch.equal(split_out.total(), cublas_out)  # another kernel, another summation order
+    assert product(split=True, decode=False)[1] == [] and product(split=True, rows=300)[1] == []
+    assert product(split=True, rows=33)[1] == [4] and product(split=True, rows=100)[1] == [4]
+    assert (product(split=True, rows=200)[1] == []) == block  # block-scaled: <= 128 rows
+
+
+def test_decode_batches_on_the_triton_fp8_gemm_follow_cublas_and_graphs_replay_them(wide, monkeypatch):
+    """48 requests decoding together (bfloat16, `quantization="fp8"`): the decode steps' products run
+    on the Triton GEMM; eager and decode graphs give the same tokens and log-probabilities; the first
+    decode step's log-probabilities differ from a run on cuBLASLt by far less than FP8 differs from
+    bfloat16 (summation order, not quantization; on this small model they may not differ at all)."""
+    from mmpipe import settings
+    from mmpipe.kernels import fp8_gemm
+
+    prompts = [f"item {i}: " + "tell me more " * (1 + i % 5) for i in range(48)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
+    original, calls = fp8_gemm.fp8_gemm, []
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or original(*a, **kw))
+    results = {}
+    for flag, mode, quantization in (("1", "none", "fp8"), ("1", "full_decode_only", "fp8"), ("0", "none", "fp8"),
+                                     ("1", "none", None)):
+        monkeypatch.setenv("MMPIPE_FP8_TRITON_GEMM", flag)
+        settings.refresh()
+        calls.clear()
+        pipe = Pipeline.from_pretrained(wide, device="cuda", dtype="bfloat16", graph_mode=mode,
+                                        quantization=quantization, num_kv_pages=1024, max_running_requests=48)
+        outs = pipe.generate(prompts, sampling=params, progress=False)
+        results[(flag, mode, quantization)] = ([o.token_ids for o in outs], [o.logprobs for o in outs])
+        pipe.close()
+        if mode == "none" and quantization:
+            assert (48 in calls) == (flag == "1"), sorted(set(calls))
+    monkeypatch.delenv("MMPIPE_FP8_TRITON_GEMM")
+    settings.refresh()
+    assert results[("1", "none", "fp8")] == results[("1", "full_decode_only", "fp8")]
+
+    def gap(a, b):  # largest difference of the first decode step's log-probabilities of the same tokens
+        return max(abs(x[1][t] - y[1][t]) for x, y in zip(results[a][1], results[b][1]) for t in x[1].keys() & y[1].keys())
+    ours_vs_cublas = gap(("1", "none", "fp8"), ("0", "none", "fp8"))
+    fp8_vs_bf16 = gap(("0", "none", "fp8"), ("1", "none", None))
+    assert fp8_vs_bf16 > 0 and ours_vs_cublas < 0.5 * fp8_vs_bf16, (ours_vs_cublas, fp8_vs_bf16)
