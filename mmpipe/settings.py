@@ -12,7 +12,9 @@
 | `MMPIPE_FP8_TRITON_GEMM` | `fp8_triton_gemm` | on | `0`: FP8 products of 33-256 decode rows on cuBLASLt, not mmpipe's Triton FP8 GEMM |
 | `MMPIPE_CHECK_GRAPH_INPUTS` | `check_graph_inputs` | off | `1`: replays check their inputs' addresses |
 
-The switches are for debugging and A/B measurements; none changes results. They are read once,
+The switches are for debugging and A/B measurements; none changes what is computed, though
+`MMPIPE_GEMV` and `MMPIPE_FP8_TRITON_GEMM` choose other kernels for the same products (other
+summation orders, so other last bits). They are read once,
 at the first `current()`; `refresh()` reads them again (tests, or a process that changes its own
 environment). Flags accept `0`/`1`, `false`/`true`, `off`/`on`, `no`/`yes`; anything else is an
 error naming the variable.

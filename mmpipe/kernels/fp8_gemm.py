@@ -19,18 +19,18 @@ leaves most SMs idle on such products: on an H100 (3B shape, weights from memory
 64-row tiles, with K split into slices where the caller adds partial sums (o and down, into
 `add_rms_norm`) until there are about as many programs as SMs, take 4.3-6.4 us for o, 12.0-19.9
 for down and 6.8-8.0 for qkv (docs/bench/fp8_gemm_precision_h100.txt, 48-256 rows). Left to
-cuBLASLt: the wide gate_up product (22016 columns: programs enough, Triton no faster above 64
-rows), prefill and ViT products (> 256 rows, where cuBLASLt reaches 1.1-1.4 PFLOP/s and this
+cuBLASLt: wide products (gate_up, 22016 columns: programs enough, Triton no faster above 64
+rows; from 8192 columns on, so a tensor-parallel shard of it, never swept, stays there too), prefill and ViT products (> 256 rows, where cuBLASLt reaches 1.1-1.4 PFLOP/s and this
 kernel does not beat it, docs/bench/fp8_gemm_sweep_h100.txt), large products above 128 rows (7B
 down) and block-scaled products other than split ones up to 128 rows (the per-step scaling).
-Only on Hopper (where the sweep was measured), in decode steps (`gemv.kernels_allowed`: a prefill
-forward is compiled, and its eager form must compute the same bits), with
-`MMPIPE_FP8_TRITON_GEMM` on.
+Only on Hopper (where the sweep was measured), in the language model's decode steps
+(`gemv.in_decode_step`: a prefill forward is compiled, and its eager form must compute the same
+bits; the ViT was not swept at these sizes), with `MMPIPE_FP8_TRITON_GEMM` on.
 
 Accumulation: FP8 tensor cores add with fewer bits than float32; each 128-column step's sum goes
 into a float32 accumulator (`_PRECISE_EVERY`), as cuBLASLt's default and DeepSeek-V3's FP8 GEMMs
 do in their ways. Against accumulating a whole K loop in the tensor cores (Triton's default) that
-costs 0.1-1.6 us a product; promoting every 32 columns cost 2-7 us at 192-256 rows and lost to
+costs 0.1-1.8 us a product; promoting every 32 columns cost 2-7 us at 192-256 rows and lost to
 cuBLASLt there.
 """
 
@@ -57,7 +57,7 @@ _PRECISE_EVERY = 128
 MAX_ROWS = 256  # above this, cuBLASLt
 _PROGRAMS = 128  # about one program per SM (an H100 has 132)
 _MIN_SLICE = 512  # columns of K per slice, at least
-_WIDE_TILES = 256  # 64 x 64 output tiles from which cuBLASLt's kernel has programs enough (gate_up)
+_WIDE_TILES = 128  # 64-column tiles (8192 columns) from which cuBLASLt's kernel has programs enough (gate_up)
 _LARGE_PRODUCT = 32 << 20  # N x K above which cuBLASLt wins at 129-256 rows
 
 
@@ -93,24 +93,28 @@ def pick(rows: int, n: int, k: int, block: bool, split: bool, device: torch.devi
     (see the module docstring). `block`: 128 x 128 block-scaled weights; `split`: the caller takes
     `PartialSums`."""
     if (device.type != "cuda" or triton is None or not settings.current().fp8_triton_gemm
-            or not gemv.kernels_allowed() or not _hopper(device)):
+            or not gemv.in_decode_step() or not _hopper(device)):
         return None
     return rule(rows, n, k, block, split)
 
 
 def rule(rows: int, n: int, k: int, block: bool, split: bool) -> Config | None:
     """`pick`'s choice on a Hopper GPU in a decode step, fitted to the H100 sweep of the 3B and 7B
-    shapes (docs/bench/fp8_gemm_sweep_h100*.txt; module docstring). Products the caller takes as
-    partial sums (o, down) split K four ways up to 128 rows and two ways above while that keeps
-    about one program per SM; others (qkv) stay whole on 64 x 64 tiles."""
-    if not 0 < rows <= MAX_ROWS or cdiv(n, 64) >= _WIDE_TILES:  # gate_up: enough programs for cuBLASLt
+    shapes (docs/bench/fp8_gemm_sweep_decode_rows_h100.txt; module docstring). Products the caller
+    takes as partial sums (o, down) split K four ways up to 128 rows and two ways above while that
+    keeps about one program per SM; others (qkv) stay whole on 64 x 64 tiles. The choice depends
+    on the row count, so an eager decode step and the graph of its (padded) bucket compute the
+    same bits only where both fall on the same side of its bounds (64, 128 and, block-scaled, 128
+    rows), as the default decode buckets (48, 64, 80, ... 128, 144, ...) do; as with `gemv`'s
+    kernels, custom buckets may make a padded row differ in its last bits."""
+    if not 0 < rows <= MAX_ROWS or cdiv(n, 64) >= _WIDE_TILES:  # gate_up (and its shards): cuBLASLt
         return None
     if block:  # whole products lose to cuBLASLt (a scale per tile and step), split ones gain to 128 rows
         if not split or rows > 128:
             return None
         return Config(64, 64 if rows <= 64 else 128, 128, 4, 4, 1, _splits(4, k))
     if not split:
-        if rows > 128 and cdiv(rows, 64) * cdiv(n, 64) >= _WIDE_TILES:  # 7B qkv at 256 rows
+        if rows > 128 and cdiv(rows, 64) * cdiv(n, 64) >= 2 * _WIDE_TILES:  # 7B qkv at 256 rows
             return None
         return Config(64, 64, 256, 4, 3, 1) if rows <= 64 else Config(64, 64, 128, 4, 4, 1)
     if rows <= 64:
@@ -150,6 +154,16 @@ def fp8_gemm(values: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, we
         raise ValueError("fp8_gemm: operands it does not take (see fp8_gemm.usable)")
     m = values.shape[0] if rows is None else rows
     n, k = weight.shape
+    if group:  # per row and group: [>= rows, groups] with the rows adjacent; per 128 x 128 weight tile
+        ok = (scale.dim() == 2 and scale.shape[0] >= m and scale.shape[1] >= cdiv(k, group) and scale.stride(0) == 1
+              and weight_scale.dim() == 2 and weight_scale.shape[0] == cdiv(n, group)
+              and weight_scale.shape[1] >= cdiv(k, group) and weight_scale.stride(1) == 1)
+    else:  # per row [rows, 1] and per output channel [N] or [N, 1]
+        ok = (scale.shape[0] >= m and scale.numel() == scale.shape[0] and weight_scale.numel() == n
+              and weight_scale.is_contiguous())
+    if not ok or scale.dtype != torch.float32 or weight_scale.dtype != torch.float32 or m > values.shape[0]:
+        raise ValueError(f"fp8_gemm: float32 scales of shapes {tuple(scale.shape)} and {tuple(weight_scale.shape)} "
+                         f"do not fit {m} rows x {tuple(weight.shape)} {'per group' if group else 'per row'}")
     if group and (group != _SCALE_BLOCK or config.block_k != _SCALE_BLOCK):
         raise ValueError(f"fp8_gemm: block scales need group {_SCALE_BLOCK} and a BLOCK_K of {_SCALE_BLOCK}")
     if config.split_k > 1 and bias is not None:

@@ -76,25 +76,26 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def allowed(on: bool) -> Iterator[None]:
-    """Within this block (this thread), `usable` is False unless `on`. The language model turns the
-    kernels off for its prefill forwards: a short eager prefill must compute what the piecewise
-    prefill (compiled, cuBLAS) computes, bit for bit, since eager is every graph mode's oracle."""
-    previous = getattr(_local, "on", True)
-    _local.on = on
+    """Within this block (this thread), `usable` is False unless `on`, and `in_decode_step()` is
+    `on`. The language model enters it for every forward, `on` for decode steps: a short eager
+    prefill must compute what the piecewise prefill (compiled, cuBLAS) computes, bit for bit,
+    since eager is every graph mode's oracle."""
+    previous = getattr(_local, "on", True), getattr(_local, "decode", False)
+    _local.on = _local.decode = on
     try:
         yield
     finally:
-        _local.on = previous
+        _local.on, _local.decode = previous
 
 
 def enabled() -> bool:
-    return triton is not None and settings.current().gemv and kernels_allowed()
+    return triton is not None and settings.current().gemv and getattr(_local, "on", True)
 
 
-def kernels_allowed() -> bool:
-    """False inside `allowed(False)` (the language model's prefill forwards): decode-only kernels
-    (these, and `fp8_gemm`'s) stay off there."""
-    return getattr(_local, "on", True)
+def in_decode_step() -> bool:
+    """Whether this thread runs a language-model decode step (inside `allowed(True)`): where the
+    decode-only FP8 GEMM (`fp8_gemm.pick`) may run. Outside any `allowed` block (the ViT): False."""
+    return getattr(_local, "decode", False)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:

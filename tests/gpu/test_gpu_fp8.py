@@ -409,6 +409,11 @@ def test_the_triton_fp8_gemm_equals_the_dequantized_product(rows, n, k, bias, dt
         assert excess <= 1, f"{config}: error up to {excess:.2f} x the bound"
 
 
+_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                             reason="fp8_gemm.pick chooses the Triton GEMM on Hopper only (where it was swept)")
+
+
+@_HOPPER
 @pytest.mark.parametrize("block", [False, True])
 def test_fp8_layers_take_the_triton_gemm_in_decode_steps_only(monkeypatch, block):
     """An FP8 layer multiplies decode rows above the few-row kernels with the Triton GEMM where
@@ -446,21 +451,22 @@ def test_fp8_layers_take_the_triton_gemm_in_decode_steps_only(monkeypatch, block
     assert used == [] and isinstance(cublas_out, torch.Tensor)
     for out in (whole, split_out.total()):
         torch.testing.assert_close(out.float(), cublas_out.float(), rtol=1e-2, atol=1e-2 * cublas_out.abs().max().item())
-    assert not torch.equal(split_out.total(), cublas_out)  # another kernel, another summation order
     assert product(split=True, decode=False)[1] == [] and product(split=True, rows=300)[1] == []
     assert product(split=True, rows=33)[1] == [4] and product(split=True, rows=100)[1] == [4]
     assert (product(split=True, rows=200)[1] == []) == block  # block-scaled: <= 128 rows
 
 
+@_HOPPER
 def test_decode_batches_on_the_triton_fp8_gemm_follow_cublas_and_graphs_replay_them(wide, monkeypatch):
-    """48 requests decoding together (bfloat16, `quantization="fp8"`): the decode steps' products run
-    on the Triton GEMM; eager and decode graphs give the same tokens and log-probabilities; the first
+    """40 requests decoding together (bfloat16, `quantization="fp8"`; the graphs pad them to 48
+    rows): the decode steps' products run on the Triton GEMM; eager and decode graphs give the same
+    tokens and log-probabilities; the first
     decode step's log-probabilities differ from a run on cuBLASLt by far less than FP8 differs from
     bfloat16 (summation order, not quantization; on this small model they may not differ at all)."""
     from mmpipe import settings
     from mmpipe.kernels import fp8_gemm
 
-    prompts = [f"item {i}: " + "tell me more " * (1 + i % 5) for i in range(48)]
+    prompts = [f"item {i}: " + "tell me more " * (1 + i % 5) for i in range(40)]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
     original, calls = fp8_gemm.fp8_gemm, []
     monkeypatch.setattr(fp8_gemm, "fp8_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or original(*a, **kw))
@@ -476,7 +482,7 @@ def test_decode_batches_on_the_triton_fp8_gemm_follow_cublas_and_graphs_replay_t
         results[(flag, mode, quantization)] = ([o.token_ids for o in outs], [o.logprobs for o in outs])
         pipe.close()
         if mode == "none" and quantization:
-            assert (48 in calls) == (flag == "1"), sorted(set(calls))
+            assert (40 in calls) == (flag == "1"), sorted(set(calls))
     monkeypatch.delenv("MMPIPE_FP8_TRITON_GEMM")
     settings.refresh()
     assert results[("1", "none", "fp8")] == results[("1", "full_decode_only", "fp8")]

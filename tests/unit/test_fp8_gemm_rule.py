@@ -1,6 +1,7 @@
 """Where decode's FP8 products run (`mmpipe.kernels.fp8_gemm.rule`, the choice `pick` makes on a
 Hopper GPU in a decode step), checked on the CPU against the H100 sweep it encodes
-(docs/bench/fp8_gemm_sweep_h100.txt) and against what the kernel can take."""
+(docs/bench/fp8_gemm_sweep_decode_rows_h100.txt, docs/bench/fp8_gemm_precision_h100.txt) and
+against what the kernel can take."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ def test_every_choice_is_a_launchable_tiling(shapes, split, block):
 
 
 def test_the_sweep_choices():
-    """What the H100 sweep found (docs/bench/fp8_gemm_sweep_h100*.txt): o and down split K four
-    ways up to 128 rows, two ways above (3B o: 4.0-6.2 us against cuBLASLt's 8.2-8.7; down 11.6-18.8
-    against 28.2-28.4); qkv stays whole; gate_up (22016 columns) and the 7B down projection above
-    128 rows stay on cuBLASLt, as do 128 x 128 block-scaled products other than split ones up to
-    128 rows, and anything above 256 rows."""
+    """What the H100 sweeps found: o and down split K four ways up to 128 rows, two ways above (3B o:
+    4.3-6.4 us against cuBLASLt's 8.5-8.7, down 12.0-19.9 against 28.6-29.0, with the committed
+    kernel); qkv stays whole; gate_up (22016 columns; also a tensor-parallel half of it, 11008,
+    not swept) and the 7B down projection above 128 rows stay on cuBLASLt, as do 128 x 128
+    block-scaled products other than split ones up to 128 rows, and anything above 256 rows."""
     o, down, gate_up, qkv = (SHAPES_3B[name] for name in ("o", "down", "gate_up", "qkv"))
     assert rule(48, *o, False, True).split_k == 4 and rule(48, *o, False, True).block_n == 64
     assert rule(128, *down, False, True).split_k == 4 and rule(128, *down, False, True).block_n == 128
@@ -47,6 +48,7 @@ def test_the_sweep_choices():
     assert rule(48, *o, False, False).split_k == 1  # the caller takes no partial sums
     assert all(rule(rows, *gate_up, block, split) is None for rows in (33, 64, 256)
                for block in (False, True) for split in (False, True))
+    assert all(rule(rows, 11008, 2048, False, False) is None for rows in (33, 128))  # gate_up at TP 2
     assert rule(256, *qkv, False, False) is not None and rule(256, *SHAPES_7B["qkv"], False, False) is None
     assert rule(192, *SHAPES_7B["down"], False, True) is None and rule(128, *SHAPES_7B["down"], False, True)
     assert rule(257, *o, False, True) is None and rule(0, *o, False, True) is None
@@ -56,3 +58,17 @@ def test_the_sweep_choices():
 
 def test_pick_is_cublas_off_cuda():
     assert pick(48, 2048, 2048, False, True, torch.device("cpu")) is None
+
+
+def test_only_the_language_models_decode_steps_count_as_decode_steps():
+    """`pick`'s gate: the language model's forward enters `gemv.allowed(is decode)`; the ViT and
+    anything else outside such a block is no decode step (the Triton GEMM was not swept there)."""
+    from mmpipe.kernels import gemv
+
+    assert not gemv.in_decode_step()
+    with gemv.allowed(True):
+        assert gemv.in_decode_step()
+        with gemv.allowed(False):
+            assert not gemv.in_decode_step()
+        assert gemv.in_decode_step()
+    assert not gemv.in_decode_step()
