@@ -200,8 +200,6 @@ def _project(layer: nn.Module, x: torch.Tensor | Fp8Rows, split: bool = False) -
         if split and layer.bias is None:
             return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale)
         return gemv.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
-    if isinstance(x, Fp8Rows):
-        return layer(x)
     return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 
 

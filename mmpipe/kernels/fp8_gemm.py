@@ -92,7 +92,7 @@ def pick(rows: int, n: int, k: int, block: bool, split: bool, device: torch.devi
     """The configuration to multiply `rows` x K by an N x K FP8 weight with, or None for cuBLASLt
     (see the module docstring). `block`: 128 x 128 block-scaled weights; `split`: the caller takes
     `PartialSums`."""
-    if (device.type != "cuda" or triton is None or not settings.current().fp8_triton_gemm
+    if (rows > MAX_ROWS or device.type != "cuda" or triton is None or not settings.current().fp8_triton_gemm
             or not gemv.in_decode_step() or not _hopper(device)):
         return None
     return rule(rows, n, k, block, split)

@@ -150,9 +150,9 @@ class Fp8Linear(nn.Module):
         return self._scaled_product(values, scale, rows.dtype, split)
 
     def _triton_config(self, rows: int, values: torch.Tensor, split: bool) -> fp8_gemm.Config | None:
-        if not fp8_gemm.usable(values, self.weight):
-            return None
-        return fp8_gemm.pick(rows, self.out_features, self.in_features, self.block, split, values.device)
+        # `pick` first: a prefill's product (> 256 rows) is turned away by its first comparison
+        config = fp8_gemm.pick(rows, self.out_features, self.in_features, self.block, split, values.device)
+        return config if config is not None and fp8_gemm.usable(values, self.weight) else None
 
     def _scaled_product(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, split: bool = False
                         ) -> torch.Tensor | PartialSums:
