@@ -24,6 +24,8 @@ dtype exactly once, like cuBLAS (bias added in float32 first); only the summatio
 SiLU product is not a kernel of its own; the model uses it for one row only (with several, the
 computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per step at batch 32).
 
+Both kernels read their first weight tile before PDL's wait (see `mmpipe.kernels.pdl`).
+
 The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
 row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.
 `MMPIPE_GEMV=0` turns them off. Within the kernels a row's result does not depend on the other
@@ -281,6 +283,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     n, k = weight.shape
     has_bias = bias is not None
     on = pdl.enabled(x)
+    prefetch = on and settings.current().pdl_prefetch
     b = bias if has_bias else weight  # any pointer; never read
     mode = _scale_mode(weight, scale)
     fp8 = mode != 0
@@ -293,7 +296,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
         k_split = _k_split(rows, k, splits, fp8)
         launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0), stride_s,
                HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n, BLOCK_K=block_k,
-               PDL=on, num_warps=warps, launch_pdl=on)
+               PDL=on, PREFETCH=prefetch, num_warps=warps, launch_pdl=on)
         return
     # Stages: 3 for unsplit products (gate_up, 8 / 32 rows: 32.6 / 33.4 us against 32.8 / 34.5 with
     # 4, H100, docs/bench/swap_sweep_h100_7ba3d3d.txt; the same order in
@@ -304,7 +307,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     launch(_swap_kernel, (cdiv(n, _SWAP_BLOCK_N), splits), x, weight, b, s, out, rows, n, k, k_split, x.stride(0),
            weight.stride(0), stride_s, HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode,
            IEEE=x.dtype == torch.float32,
-           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, num_warps=4,
+           BLOCK_M=block_m, BLOCK_N=_SWAP_BLOCK_N, BLOCK_K=block_k, PDL=on, PREFETCH=prefetch, num_warps=4,
            num_stages=3 if splits == 1 else 4, launch_pdl=on)
 
 
@@ -325,29 +328,43 @@ if triton is not None:
         return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
+    def _row_tile(acc, w, x_ptr, s_ptr, k, K, rk, stride_s, GATED: tl.constexpr, SCALE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+        """`acc` plus one BLOCK_K-column tile's products: weight tile `w` times the input at k."""
+        k_mask = (k + rk) < K
+        xf = _input(x_ptr + k + rk, K, k_mask, GATED).to(tl.float32)
+        if SCALE == 2:  # BLOCK_N divides 128: the program's rows share their tiles' scales, so
+            # scaling the input row by its 128-column tile's scale is the same product
+            xf = xf * tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_s + (k + rk) // 128,
+                              mask=k_mask, other=0.0)
+        return acc + tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
+
+    @triton.jit
     def _row_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, N, K, K_SPLIT, stride_w, stride_s, HAS_BIAS: tl.constexpr,
                     PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        if not PREFETCH:
+            pdl_enter(PDL)
         split = tl.program_id(1)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
         k0 = split * K_SPLIT
+        k_end = tl.minimum(k0 + K_SPLIT, K)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + k0 + rk[None, :]
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
-            k_mask = (k + rk) < K
-            x = _input(x_ptr + k + rk, K, k_mask, GATED)
-            # weights are read once per step: keep them from evicting what is reused
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            xf = x.to(tl.float32)
-            if SCALE == 2:  # BLOCK_N divides 128: the program's rows share their tiles' scales, so
-                # scaling the input row by its 128-column tile's scale is the same product
-                xf = xf * tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_s + (k + rk) // 128,
-                                  mask=k_mask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
+        # The first tile is peeled from the loop: with PREFETCH it is read before waiting on the
+        # previous kernel (weights never change during a step), so its read overlaps that kernel.
+        # weights are read once per step: keep them from evicting what is reused
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
+        if PREFETCH:
+            pdl_enter(PDL)
+        acc = _row_tile(tl.zeros([BLOCK_N], dtype=tl.float32), w, x_ptr, s_ptr, k0, K, rk, stride_s, GATED, SCALE,
+                        BLOCK_N)
+        for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
             w_ptrs += BLOCK_K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & ((k + rk) < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc = _row_tile(acc, w, x_ptr, s_ptr, k, K, rk, stride_s, GATED, SCALE, BLOCK_N)
         if SCALE == 1:  # an FP8 weight's per-channel scales
             acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)
         if PARTIAL:
@@ -359,11 +376,29 @@ if triton is not None:
             tl.store(out_ptr + rn, out, mask=n_mask)
 
     @triton.jit
+    def _swap_tile(acc, w, x, s_ptr, k, stride_s, SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """`acc` plus one tile's product: weight tile `w` [BLOCK_N, BLOCK_K] times input tile `x`."""
+        if SCALE != 0:  # FP8 E4M3 widens exactly to the activations' dtype
+            w = w.to(x.dtype)
+        if SCALE == 2:  # the tile lies in one 128 x 128 block (BLOCK_N and BLOCK_K divide 128): scale its sum
+            s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_s + k // 128)
+            if IEEE:
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee") * s
+            else:
+                acc += tl.dot(w, tl.trans(x)) * s
+        elif IEEE:  # float32 weights: no TF32 rounding
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        return acc
+
+    @triton.jit
     def _swap_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_x, stride_w, stride_s,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr,
-                     IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
+                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        if not PREFETCH:
+            pdl_enter(PDL)
         split = tl.program_id(1)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -373,25 +408,20 @@ if triton is not None:
         k0 = split * K_SPLIT
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + k0 + rk[None, :]
         x_ptrs = x_ptr + rm[:, None] * stride_x + k0 + rk[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T: weight rows x input rows
-        for k in range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+        # The first tile is peeled: with PREFETCH its weights are read before the wait (see _row_kernel).
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+        if PREFETCH:
+            pdl_enter(PDL)
+        x = _input(x_ptrs, K, m_mask[:, None] & ((k0 + rk) < K)[None, :], GATED)
+        acc = _swap_tile(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), w, x, s_ptr, k0, stride_s, SCALE, IEEE,
+                         BLOCK_N)  # out^T: weight rows x input rows
+        for k in range(k0 + BLOCK_K, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
             k_mask = (k + rk) < K
             x = _input(x_ptrs, K, m_mask[:, None] & k_mask[None, :], GATED)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if SCALE != 0:  # FP8 E4M3 widens exactly to the activations' dtype
-                w = w.to(x.dtype)
-            if SCALE == 2:  # the tile lies in one 128 x 128 block (BLOCK_N and BLOCK_K divide 128): scale its sum
-                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_s + k // 128)
-                if IEEE:
-                    acc += tl.dot(w, tl.trans(x), input_precision="ieee") * s
-                else:
-                    acc += tl.dot(w, tl.trans(x)) * s
-            elif IEEE:  # float32 weights: no TF32 rounding
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+            acc = _swap_tile(acc, w, x, s_ptr, k, stride_s, SCALE, IEEE, BLOCK_N)
         if SCALE == 1:
             acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
         mask = n_mask[:, None] & m_mask[None, :]
