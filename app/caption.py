@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     if ray_only and not args.ray:
         print(f"mmpipe caption: {', '.join(ray_only)} need(s) --ray", file=sys.stderr)
         return 2
-    if args.ray and (args.gpus or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+    if args.ray and (args.gpus or launched()):
         print("mmpipe caption: --ray runs its own actors (--ray-actors); not with --gpus or a multi-process launcher",
               file=sys.stderr)
         return 2
@@ -451,9 +451,31 @@ def _summary(tally: Tally, seconds: float, sink: Sink, args: argparse.Namespace,
 # ---------------------------------------------------------------------- several processes
 
 
+@dataclasses.dataclass(frozen=True)
+class SingleProcess:
+    """The process state of a run that no launcher started: the one process is rank 0 of 1."""
+
+    num_processes: int = 1
+    process_index: int = 0
+    local_process_index: int = 0
+    is_main_process: bool = True
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def launched(environ: Any = os.environ) -> bool:
+    """Whether `accelerate launch` or `torchrun` started this process among others (WORLD_SIZE
+    other than 1; a value that is not a number is accelerate's to judge)."""
+    return environ.get("WORLD_SIZE", "1").strip() not in ("", "1")
+
+
 def _process_state(cpu: bool) -> Any:
     """Rank, world size and device from accelerate (set by `accelerate launch` or `torchrun`);
-    without CUDA (or with --device cpu) the processes meet over gloo on the CPU."""
+    without CUDA (or with --device cpu) the processes meet over gloo on the CPU. A run no
+    launcher started does not import accelerate (~0.15-0.3 s of start-up, boto3 among it)."""
+    if not launched():
+        return SingleProcess()
     import torch
     from accelerate import PartialState
 

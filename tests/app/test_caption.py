@@ -413,6 +413,28 @@ def test_usage_mistakes_of_the_bench_and_the_top_level_are_one_line(argv, messag
     assert code == 2 and len(lines) == 1 and message in lines[0], stderr
 
 
+@pytest.mark.parametrize("world_size", [None, "1"])
+def test_a_run_no_launcher_started_does_not_import_accelerate(world_size, tmp_path):
+    """accelerate (and boto3 through it) costs start-up; only a multi-process launch needs it."""
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    if world_size is not None:
+        env["WORLD_SIZE"] = world_size
+    script = ("import sys; from mmpipe.app.caption import main; "
+              f"code = main([{SAMPLE_DIR!r}, '--device', 'cpu', '--quiet', '--output', {str(tmp_path / 'c.jsonl')!r}]); "
+              "print('accelerate' in sys.modules, code)")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split() == ["False", "0"], proc.stderr[-2000:]
+    assert len(read_jsonl(tmp_path / "c.jsonl")) == 6
+
+
+def test_the_launcher_check_reads_world_size():
+    from mmpipe.app.caption import launched
+
+    assert not launched({}) and not launched({"WORLD_SIZE": "1"}) and not launched({"WORLD_SIZE": ""})
+    assert launched({"WORLD_SIZE": "2"}) and launched({"WORLD_SIZE": "8"})
+
+
 def test_a_closed_pipe_is_not_a_traceback(tmp_path):
     for i in range(12):
         shutil.copy(os.path.join(SAMPLE_DIR, f"scene_{i % 6}.png"), tmp_path / f"img{i:02d}.png")
