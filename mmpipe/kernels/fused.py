@@ -45,6 +45,16 @@ if triton is not None:
     from mmpipe.kernels.fp8_quant import quantize_row, quantize_row_groups
 
 
+# The FP8 SiLU product with a scale per row holds a row in registers (gate and up read once) up to
+# ONE_PASS_COLUMNS, for decode-sized batches (<= ONE_PASS_ROWS) or rows of <= ONE_PASS_ANY_ROWS;
+# else two passes, the second from cache. H100 (docs/bench/silu_quant_h100.md), two -> one pass:
+# 4096 x 3420 (ViT) 57.9 -> 46.4 us, 64 x 11008 8.6 -> 6.2, 256 x 11008 11.2 -> 10.0, but prefill's
+# 4096 x 11008 120 -> 133 (a 16-warp program per row), so that stays in two.
+ONE_PASS_COLUMNS = 16384
+ONE_PASS_ROWS = 256
+ONE_PASS_ANY_ROWS = 4096
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
 
@@ -191,6 +201,13 @@ def silu_mul(gate_up: torch.Tensor, fp8: int | None = None) -> torch.Tensor | Fp
     return out.view(*gate_up.shape[:-1], cols)
 
 
+def silu_quant_one_pass(rows: int, cols: int) -> bool:
+    """Whether the FP8 SiLU product with a scale per row holds each row in registers (see
+    ONE_PASS_COLUMNS) rather than reading it twice."""
+    block = next_power_of_2(cols)
+    return block <= ONE_PASS_COLUMNS and (rows <= ONE_PASS_ROWS or block <= ONE_PASS_ANY_ROWS)
+
+
 def _check_group(fp8: int | None) -> None:
     if fp8 is not None and (fp8 < 0 or fp8 & (fp8 - 1)):
         raise ValueError(f"fp8={fp8}: give None, 0 (one scale per row) or a power-of-two group width")
@@ -204,9 +221,15 @@ def _silu_mul_fp8(g2: torch.Tensor, rows: int, cols: int, group: int) -> Fp8Rows
         launch(_silu_mul_groups_kernel, (rows, cdiv(cols, group * tile)), g2, out.values, scale, scale_stride, cols,
                g2.stride(0), TINY, FP8_MAX, INV_FP8_MAX, GROUP=group, GROUPS=tile, PDL=on, num_warps=4, launch_pdl=on)
     elif rows and cols:
-        block = min(4096, next_power_of_2(cols))
+        one_pass = silu_quant_one_pass(rows, cols)
+        if one_pass:  # ~32 values a thread at most
+            block = next_power_of_2(cols)
+            warps = min(16, max(4, block // 512))
+        else:
+            block = 4096
+            warps = 8
         launch(_silu_mul_quant_kernel, (rows,), g2, out.values, scale, cols, g2.stride(0), TINY, FP8_MAX,
-               INV_FP8_MAX, BLOCK=block, PDL=on, num_warps=8 if block >= 2048 else 4, launch_pdl=on)
+               INV_FP8_MAX, BLOCK=block, ONE_PASS=one_pass, PDL=on, num_warps=warps, launch_pdl=on)
     elif rows and not group:
         scale.fill_(TINY * INV_FP8_MAX)
     return out
@@ -315,23 +338,29 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_quant_kernel(g_ptr, q_ptr, s_ptr, cols, stride_g, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr,
-                               PDL: tl.constexpr):
-        """One row per program: the row's largest |silu(gate) * up| in a first pass, then the
-        products again (their inputs now in cache) divided by the scale and stored as FP8."""
+                               ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+        """One row per program. ONE_PASS (BLOCK covers the row): the products stay in registers,
+        gate and up are read once. Else the row's largest |silu(gate) * up| in a first pass, then
+        the products again (their inputs now in cache) divided by the scale and stored as FP8."""
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, cols, BLOCK):
-            mask = start + offs < cols
-            amax = tl.maximum(amax, tl.abs(_silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)))
-        scale = tl.maximum(tl.max(amax, axis=0), tiny) * inv_fp8_max
-        tl.store(s_ptr + row, scale)
-        for start in range(0, cols, BLOCK):
-            mask = start + offs < cols
-            v = _silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max)
-            tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)
+        if ONE_PASS:
+            mask = offs < cols
+            quantize_row(q_ptr, s_ptr, row, cols, offs, mask, _silu_mul_act(g_ptr, row, stride_g, cols, offs, mask),
+                         tiny, fp8_max, inv_fp8_max)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, cols, BLOCK):
+                mask = start + offs < cols
+                amax = tl.maximum(amax, tl.abs(_silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)))
+            scale = tl.maximum(tl.max(amax, axis=0), tiny) * inv_fp8_max
+            tl.store(s_ptr + row, scale)
+            for start in range(0, cols, BLOCK):
+                mask = start + offs < cols
+                v = _silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max)
+                tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit
     def _silu_mul_groups_kernel(g_ptr, q_ptr, s_ptr, scale_stride, cols, stride_g, tiny, fp8_max, inv_fp8_max,

@@ -275,8 +275,9 @@ def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, de
 
 @pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 5000), (64, 11008), (130, 3456), (3, 4096)])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 5000), (64, 11008), (130, 3456), (3, 4096), (7, 18944)])
 def test_the_silu_product_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, rows, cols, group):
+    """Rows up to fused.ONE_PASS_COLUMNS in one pass, wider ones (18944, the 7B shape) in two."""
     from mmpipe.kernels.fused import silu_mul
 
     gate_up = _rows_of_magnitudes(rows, 2 * cols, dtype, rows * cols) * 3
