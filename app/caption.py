@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     if ray_only and not args.ray:
         print(f"mmpipe caption: {', '.join(ray_only)} need(s) --ray", file=sys.stderr)
         return 2
-    if args.ray and (args.gpus or launched()):
+    if args.ray and (args.gpus or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         print("mmpipe caption: --ray runs its own actors (--ray-actors); not with --gpus or a multi-process launcher",
               file=sys.stderr)
         return 2
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mmpipe caption: --gpus {args.gpus} is not a multiple of --tp {args.tp}", file=sys.stderr)
         return 2
     replicas = args.gpus // args.tp if args.gpus else 1
-    if replicas > 1 and "WORLD_SIZE" not in os.environ and "ACCELERATE_PROCESS_INDEX" not in os.environ:
+    if replicas > 1 and not under_launcher():
         return _launch_processes(replicas, args.gpus)
     try:
         _check(args)
@@ -464,17 +464,21 @@ class SingleProcess:
         pass
 
 
-def launched(environ: Any = os.environ) -> bool:
-    """Whether `accelerate launch` or `torchrun` started this process among others (WORLD_SIZE
-    other than 1; a value that is not a number is accelerate's to judge)."""
-    return environ.get("WORLD_SIZE", "1").strip() not in ("", "1")
+# What `accelerate launch`, `torchrun` and MPI launchers set (accelerate's PartialState reads these)
+_LAUNCHER_VARIABLES = ("WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_PROCESS_INDEX", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                       "MV2_COMM_WORLD_SIZE")
+
+
+def under_launcher(environ: Any = os.environ) -> bool:
+    """Whether a launcher started this process: any variable one sets is present."""
+    return any(str(environ.get(name, "")).strip() for name in _LAUNCHER_VARIABLES)
 
 
 def _process_state(cpu: bool) -> Any:
-    """Rank, world size and device from accelerate (set by `accelerate launch` or `torchrun`);
-    without CUDA (or with --device cpu) the processes meet over gloo on the CPU. A run no
-    launcher started does not import accelerate (~0.15-0.3 s of start-up, boto3 among it)."""
-    if not launched():
+    """Rank and world size: under a launcher, accelerate's (`accelerate launch`, `torchrun`,
+    MPI; without CUDA, or with --device cpu, the processes meet over gloo on the CPU); without
+    one, a single process, and accelerate is not imported (~0.15 s of start-up, boto3 among it)."""
+    if not under_launcher():
         return SingleProcess()
     import torch
     from accelerate import PartialState

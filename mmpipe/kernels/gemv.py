@@ -24,7 +24,8 @@ dtype exactly once, like cuBLAS (bias added in float32 first); only the summatio
 SiLU product is not a kernel of its own; the model uses it for one row only (with several, the
 computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per step at batch 32).
 
-Both kernels read their first weight tile before PDL's wait (see `mmpipe.kernels.pdl`).
+Both kernels take their first K step out of the loop and, with `MMPIPE_PDL_PREFETCH` on (the
+default), read its weight tile before PDL's wait (see `mmpipe.kernels.pdl`).
 
 The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
 row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.

@@ -10,17 +10,22 @@ scheduled in turn. The overlap is only in scheduling and ramp-up; the data order
 so results are bit-identical with PDL on or off.
 
 Kernels that read weights (the few-row products in `gemv`, the decode FP8 GEMM in `fp8_gemm`)
-load their first weight tile *before* `pdl_enter` (`PREFETCH`, `MMPIPE_PDL_PREFETCH`): weights
-never change during a step, so that read overlaps the previous kernel's end. H100, 3B shape,
-decode ms/step, prefetch off -> on in one process: FP8 batch 8 2.73 -> 2.67, batch 32 3.35 ->
-3.14, batch 1 1.91 -> 1.89; bfloat16 batch 32 3.47 -> 3.39 (docs/bench/pdl_prefetch_h100.md).
-Nothing a predecessor writes may be read before the wait (tests/unit/test_pdl.py fails when the
-one-row kernel reads its input early). Releasing the successor before waiting (a trigger-first
-order) was measured and rejected: batch 1 gained 1.5%, batch 8 lost 37%.
+take their first K step out of the loop and, with `PREFETCH` (`MMPIPE_PDL_PREFETCH`, on by
+default), load its weight tile *before* `pdl_enter`: weights never change during a step, so that
+read overlaps the previous kernel's end; with it off they call `pdl_enter` first, as every other
+kernel does. H100, 3B shape, decode ms/step, that switch off -> on in one process (both the peeled
+kernel; docs/bench/pdl_prefetch_h100.md): FP8 batch 8 2.73 -> 2.67, batch 32 3.36 -> 3.14, batch
+1 1.93 / 1.92 -> 1.91 / 1.89; bfloat16 batch 32 3.47 -> 3.39. Against the unpeeled kernels of
+eac0d5f it was not measured in one process (an older bfloat16 try found the peeling alone costly
+at batch 32: docs/bench/decode_experiments_h100.md). Nothing a predecessor writes may be
+read before the wait (tests/unit/test_pdl.py fails when the one-row kernel reads its input
+early). Releasing the successor before waiting (a trigger-first order) was measured and
+rejected: batch 1 gained 1.4%, batch 8 lost 37%.
 
 `enabled(tensor)`: PDL for launches on that tensor's device (compute capability >= 9.0, Triton
 with the griddepcontrol intrinsics, `MMPIPE_PDL` not "0"). Kernels take a `PDL: tl.constexpr`
-and call `pdl_enter(PDL)` first; launch sites pass `PDL=on, launch_pdl=on`.
+and call `pdl_enter(PDL)` before reading anything (the weight-reading ones after their first
+weight tile, see below); launch sites pass `PDL=on, launch_pdl=on`.
 """
 
 from __future__ import annotations

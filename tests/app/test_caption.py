@@ -413,12 +413,11 @@ def test_usage_mistakes_of_the_bench_and_the_top_level_are_one_line(argv, messag
     assert code == 2 and len(lines) == 1 and message in lines[0], stderr
 
 
-@pytest.mark.parametrize("world_size", [None, "1"])
-def test_a_run_no_launcher_started_does_not_import_accelerate(world_size, tmp_path):
-    """accelerate (and boto3 through it) costs start-up; only a multi-process launch needs it."""
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    if world_size is not None:
-        env["WORLD_SIZE"] = world_size
+def test_a_run_no_launcher_started_does_not_import_accelerate(tmp_path):
+    """accelerate (and boto3 through it) costs start-up; only a launched run needs it."""
+    from mmpipe.app.caption import _LAUNCHER_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
     script = ("import sys; from mmpipe.app.caption import main; "
               f"code = main([{SAMPLE_DIR!r}, '--device', 'cpu', '--quiet', '--output', {str(tmp_path / 'c.jsonl')!r}]); "
               "print('accelerate' in sys.modules, code)")
@@ -428,11 +427,16 @@ def test_a_run_no_launcher_started_does_not_import_accelerate(world_size, tmp_pa
     assert len(read_jsonl(tmp_path / "c.jsonl")) == 6
 
 
-def test_the_launcher_check_reads_world_size():
-    from mmpipe.app.caption import launched
+def test_every_launcher_is_recognised():
+    """torchrun and accelerate (WORLD_SIZE, LOCAL_RANK, ACCELERATE_PROCESS_INDEX) and MPI launchers
+    (PMI_SIZE, OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE): their processes must meet through
+    accelerate, or each would caption every image."""
+    from mmpipe.app.caption import under_launcher
 
-    assert not launched({}) and not launched({"WORLD_SIZE": "1"}) and not launched({"WORLD_SIZE": ""})
-    assert launched({"WORLD_SIZE": "2"}) and launched({"WORLD_SIZE": "8"})
+    assert not under_launcher({}) and not under_launcher({"WORLD_SIZE": "", "HOME": "/root"})
+    for name, value in (("WORLD_SIZE", "2"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("ACCELERATE_PROCESS_INDEX", "1"),
+                        ("PMI_SIZE", "2"), ("OMPI_COMM_WORLD_SIZE", "4"), ("MV2_COMM_WORLD_SIZE", "2")):
+        assert under_launcher({name: value}), name
 
 
 def test_a_closed_pipe_is_not_a_traceback(tmp_path):
@@ -894,3 +898,23 @@ def test_gpus_and_tp_make_replicas_of_tp_gpus(capsys):
     assert [replica_device(i, 1) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
     assert main([SAMPLE_DIR, "--gpus", "3", "--tp", "2", *CPU]) == 2
     assert "--gpus 3 is not a multiple of --tp 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE"])
+def test_gpus_starts_processes_unless_a_launcher_already_did(variable, monkeypatch, tmp_path):
+    """`--gpus 2` relaunches the command under accelerate, except in a process a launcher started
+    (each of those is one of the N already)."""
+    import mmpipe.app.caption as caption
+    from mmpipe.app.caption import _LAUNCHER_VARIABLES, SingleProcess
+
+    for name in _LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    started = []
+    monkeypatch.setattr(caption, "_launch_processes", lambda count, gpus: started.append(count) or 0)
+    monkeypatch.setattr(caption, "_process_state", lambda cpu: SingleProcess())  # no process group here
+    out = tmp_path / "c.jsonl"
+    assert main([SAMPLE_DIR, "--gpus", "2", "--output", str(out), *CPU]) == 0
+    assert started == [2] and not out.exists()
+    monkeypatch.setenv(variable, "2")
+    assert main([SAMPLE_DIR, "--gpus", "2", "--output", str(out), *CPU]) == 0
+    assert started == [2] and len(read_jsonl(out)) == 6
