@@ -6,7 +6,7 @@
 | `MMPIPE_CACHE_DIR` | `cache_dir` | `$XDG_CACHE_HOME/mmpipe`, else `~/.cache/mmpipe` | compile cache root |
 | `MMPIPE_GEMV` | `gemv` | on | `0`: decode's few-row products on cuBLAS instead of mmpipe's kernels |
 | `MMPIPE_PDL` | `pdl` | on | `0`: no programmatic dependent launch in the decode chain |
-| `MMPIPE_PDL_PREFETCH` | `pdl_prefetch` | on | `0`: decode's weight-reading kernels wait for the previous kernel before their first weight tile |
+| `MMPIPE_PDL_PREFETCH` | `pdl_prefetch` | on | `0`: decode's few-row products wait for the previous kernel before their first weight tile |
 | `MMPIPE_TRITON_DIRECT` | `triton_direct` | on | `0`: every Triton launch through Triton's own path |
 | `MMPIPE_PREFILL_PLANS` | `prefill_plans` | on | `0`: every prefill forward through dynamo's guards |
 | `MMPIPE_FP8_FUSED_QUANT` | `fp8_fused_quant` | on | `0`: FP8 products quantize their input themselves, not the norm or SiLU kernel before them |

@@ -187,7 +187,7 @@ def fp8_gemm(values: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, we
            SCALE=2 if group else 1, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
            EVEN_K=k % k_split == 0 and k_split % config.block_k == 0,
            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, PRECISE_EVERY=_PRECISE_EVERY,
-           PDL=on, PREFETCH=on and settings.current().pdl_prefetch,
+           PDL=on,
            num_warps=config.warps, num_stages=config.stages, launch_pdl=on)
     return PartialSums(out, out_dtype) if splits > 1 else out
 
@@ -195,38 +195,11 @@ def fp8_gemm(values: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, we
 if triton is not None:
 
     @triton.jit
-    def _load_tile(ptrs, k, K, rk, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
-        if EVEN_K:
-            if WEIGHT:  # read once per step: kept from evicting what is reused
-                return tl.load(ptrs, eviction_policy="evict_first")
-            return tl.load(ptrs)
-        k_mask = (k + rk) < K
-        if WEIGHT:
-            return tl.load(ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        return tl.load(ptrs, mask=k_mask[None, :], other=0.0)
-
-    @triton.jit
-    def _gemm_step(acc, a, b, sa_ptr, sb_ptr, k, am, bn, stride_sa, stride_sb, SCALE: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISE_EVERY: tl.constexpr):
-        """`acc` plus the product of one BLOCK_K step: activation tile `a` times weight tile `b`."""
-        if SCALE == 2:  # BLOCK_K == 128: this step lies in one column group and one weight tile column
-            sa = tl.load(sa_ptr + (k // BLOCK_K) * stride_sa + am)
-            sb = tl.load(sb_ptr + (bn // BLOCK_K) * stride_sb + k // BLOCK_K)
-            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]  # a fresh sum per step
-        elif PRECISE_EVERY > 0:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PRECISE_EVERY)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
-        return acc
-
-    @triton.jit
     def _fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, K, K_SPLIT, stride_a, stride_b,
                          stride_sa, stride_sb, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                          EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, PRECISE_EVERY: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr):
-        if not PREFETCH:
-            pdl_enter(PDL)
+                         GROUP_M: tl.constexpr, PRECISE_EVERY: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         grid_m = tl.cdiv(M, BLOCK_M)
@@ -246,20 +219,25 @@ if triton is not None:
         k0 = split * K_SPLIT
         a_ptrs = a_ptr + am[:, None].to(tl.int64) * stride_a + (k0 + rk)[None, :]
         b_ptrs = b_ptr + bn[:, None].to(tl.int64) * stride_b + (k0 + rk)[None, :]
-        # The first step is peeled: with PREFETCH its weight tile is read before waiting on the
-        # previous kernel (weights never change during a step), so that read overlaps its end.
-        b = _load_tile(b_ptrs, k0, K, rk, EVEN_K, True)
-        if PREFETCH:
-            pdl_enter(PDL)
-        a = _load_tile(a_ptrs, k0, K, rk, EVEN_K, False)
-        acc = _gemm_step(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a, b, sa_ptr, sb_ptr, k0, am, bn, stride_sa,
-                         stride_sb, SCALE, BLOCK_K, PRECISE_EVERY)
-        for k in range(k0 + BLOCK_K, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, eviction_policy="evict_first")
+            else:
+                k_mask = (k + rk) < K
+                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            if SCALE == 2:  # BLOCK_K == 128: this step lies in one column group and one weight tile column
+                sa = tl.load(sa_ptr + (k // BLOCK_K) * stride_sa + am)
+                sb = tl.load(sb_ptr + (bn // BLOCK_K) * stride_sb + k // BLOCK_K)
+                acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]  # a fresh sum per step
+            elif PRECISE_EVERY > 0:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PRECISE_EVERY)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-            a = _load_tile(a_ptrs, k, K, rk, EVEN_K, False)
-            b = _load_tile(b_ptrs, k, K, rk, EVEN_K, True)
-            acc = _gemm_step(acc, a, b, sa_ptr, sb_ptr, k, am, bn, stride_sa, stride_sb, SCALE, BLOCK_K, PRECISE_EVERY)
         if SCALE == 1:
             sa = tl.load(sa_ptr + am * stride_sa)
             sb = tl.load(sb_ptr + bn)

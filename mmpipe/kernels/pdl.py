@@ -9,8 +9,8 @@ the kernel reads or writes can race it), then `gdc_launch_dependents()` lets the
 scheduled in turn. The overlap is only in scheduling and ramp-up; the data order is unchanged,
 so results are bit-identical with PDL on or off.
 
-Kernels that read weights (the few-row products in `gemv`, the decode FP8 GEMM in `fp8_gemm`)
-take their first K step out of the loop and, with `PREFETCH` (`MMPIPE_PDL_PREFETCH`, on by
+The few-row products (`gemv`, 1-32 rows; the decode FP8 GEMM of 33-256 rows keeps its loop, see
+docs/bench/pdl_prefetch_h100.md) take their first K step out of the loop and, with `PREFETCH` (`MMPIPE_PDL_PREFETCH`, on by
 default), load its weight tile *before* `pdl_enter`: weights never change during a step, so that
 read overlaps the previous kernel's end; with it off they call `pdl_enter` first, as every other
 kernel does. H100, 3B shape, decode ms/step, that switch off -> on in one process (both the peeled
@@ -24,7 +24,7 @@ rejected: batch 1 gained 1.4%, batch 8 lost 37%.
 
 `enabled(tensor)`: PDL for launches on that tensor's device (compute capability >= 9.0, Triton
 with the griddepcontrol intrinsics, `MMPIPE_PDL` not "0"). Kernels take a `PDL: tl.constexpr`
-and call `pdl_enter(PDL)` before reading anything (the weight-reading ones after their first
+and call `pdl_enter(PDL)` before reading anything (the few-row products after their first
 weight tile, see below); launch sites pass `PDL=on, launch_pdl=on`.
 """
 
