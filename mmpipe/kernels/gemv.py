@@ -350,7 +350,7 @@ if triton is not None:
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
-        k0 = split * K_SPLIT
+        k0 = split * K_SPLIT  # < K: the launchers make no empty slice (the peeled tile assumes one)
         k_end = tl.minimum(k0 + K_SPLIT, K)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + k0 + rk[None, :]
         # The first tile is peeled from the loop: with PREFETCH it is read before waiting on the
