@@ -23,13 +23,12 @@ from typing import Any, Sequence
 
 import torch
 from mmpipe.language.attention import AttentionMetadata, TorchLMAttention
-from mmpipe.language.attention.op import attention  # also registers the mmpipe:: custom ops
+from mmpipe.language.attention.op import rope_attention  # also registers the mmpipe:: custom ops
 from torch import nn
 
 from mmpipe.errors import CheckpointError, UnsupportedModelError
 from mmpipe.kernels import gemv
 from mmpipe.kernels.fused import add_rms_norm
-from mmpipe.kernels.rope_kv import rope_qk_write_kv
 from mmpipe.layers.attention import AttentionBackend
 from mmpipe.layers.buffers import on_ambient_device
 from mmpipe.layers.context import get_forward_context
@@ -175,17 +174,17 @@ class Qwen2Attention(nn.Module):
         qkv = _project(self.qkv_proj, x)
         k_cache, v_cache = kv_cache
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-        v = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)[:, self.num_heads + self.num_kv_heads:]
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
         if torch.compiler.is_compiling():  # rotary + KV write stay in the pieces; attention is the split point
+            heads = self.num_heads + self.num_kv_heads
+            v = qkv.view(n, heads + self.num_kv_heads, self.head_dim)[:, heads:]
             q, k = torch.ops.mmpipe.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
                                                   self.num_kv_heads, self.head_dim, q_norm, k_norm, self.eps)
             torch.ops.mmpipe.lm_attention(q, k, v, out, self.layer)
-        else:  # a custom op's dispatch costs more host time than the kernels take
-            q, k, _ = rope_qk_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_heads,
-                                       self.num_kv_heads, self.head_dim, q_norm, k_norm, self.eps)
-            attention(q, k, v, out, self.layer, self.attention)
+        else:  # a custom op's dispatch costs more host time than the kernels take; decode: one kernel
+            rope_attention(qkv, cos, sin, kv_cache, slot_mapping, out, self.layer, self.attention, self.num_heads,
+                           self.num_kv_heads, self.head_dim, q_norm, k_norm, self.eps)
         return reduce_rows(self.tp, _project(self.o_proj, out.view(n, self.q_size), split=True))
 
 

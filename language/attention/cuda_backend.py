@@ -17,11 +17,17 @@ from __future__ import annotations
 import torch
 from mmpipe.language.attention.metadata import AttentionMetadata
 
-from mmpipe.kernels.decode_attention import decode_num_splits, paged_decode
+from mmpipe import settings
+from mmpipe.kernels.decode_attention import decode_num_splits, paged_decode, paged_decode_rope
 from mmpipe.kernels.extend_attention import paged_extend
 from mmpipe.layers.attention import flash_varlen, flash_varlen_available
 
 VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel
+# Decode buckets from which the rotary + KV write run inside the attention kernel. On an H100 (3B
+# shape) that was 1-5% faster per step at 8-256 rows, and 2-4% slower at one row, where all 128
+# programs (64 splits) rotate the same query heads before their short loop
+# (docs/bench/decode_rope_h100.md).
+ROPE_FUSED_FROM_ROWS = 2
 
 
 class CudaLMAttention:
@@ -64,6 +70,22 @@ class CudaLMAttention:
             paged_extend(q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.query_start_loc, out,
                          self.scale, meta.max_query_len)
         return out
+
+    def decode_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                    meta: AttentionMetadata, out: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                    num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> bool:
+        """A decode step's rotary, KV write and attention in one kernel (`paged_decode_rope`);
+        False (nothing done) where that does not apply: not a decode step, a batch bucket under
+        `ROPE_FUSED_FROM_ROWS`, or switched off (`MMPIPE_DECODE_ROPE_FUSED=0`). Chosen by the
+        bucket, so an eager step and its graph take the same path."""
+        rows = meta.split_rows or qkv.shape[0]
+        if not meta.is_decode or rows < ROPE_FUSED_FROM_ROWS or not settings.current().decode_rope_fused:
+            return False
+        k_cache, v_cache = cache
+        splits = decode_num_splits(rows, k_cache.shape[2], self._sms(qkv.device))
+        paged_decode_rope(qkv, cos, sin, slot_mapping, k_cache, v_cache, meta.page_table, meta.seq_lens, out,
+                          self.scale, splits, num_heads, q_norm, k_norm, eps)
+        return True
 
     def _sms(self, device: torch.device) -> int:
         index = device.index if device.index is not None else torch.cuda.current_device()

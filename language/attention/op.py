@@ -5,6 +5,8 @@
   row count; padded rows' slots point at the dummy page), so the piecewise prefill runner keeps it
   inside its captured pieces. As a custom op that declares the cache mutation, compilers keep the
   write in place.
+- `rope_attention`: both of the above for eager code, one kernel in a decode step where the backend
+  fuses them (`decode_rope`).
 - `attention` (`torch.ops.mmpipe.lm_attention`): attention of the new queries over the cache,
   into `out`, for the step's real tokens (`meta.num_tokens` rows; rows past them, the padding of a
   captured prefill size, are not attended). Metadata and the backend come from the forward
@@ -38,6 +40,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
         context.split_point(attend, q, k, v, out, layer)
         return
     (backend or context.attention).forward(q, k, v, context.attn_metadata, out, context.kv_caches[layer])
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   slot_mapping: torch.Tensor, out: torch.Tensor, layer: int, backend: Any, num_heads: int,
+                   num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                   eps: float) -> None:
+    """`rope_qk_write_kv` then `attention`, into `out` [T', H, D] (eager code: decode graphs,
+    eager forwards); a decode step on a backend that fuses the three (`decode_rope`, the CUDA
+    one) runs them as one kernel."""
+    context = get_forward_context()
+    backend = backend or context.attention
+    fused = getattr(backend, "decode_rope", None)
+    if context.split_point is None and fused is not None and fused(
+            qkv, cos, sin, slot_mapping, context.attn_metadata, out, kv_cache, num_heads, q_norm, k_norm, eps):
+        return
+    q, k, v = rope_qk_write_kv(qkv, cos, sin, *kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_norm,
+                               k_norm, eps)
+    attention(q, k, v, out, layer, backend)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:

@@ -11,6 +11,9 @@ Both keep the exact rounding order of the unfused model code and of transformers
 model dtype; it is the numerical oracle):
 `x * cos + rotate_half(x) * sin` with each product rounded to the dtype, then the sum rounded.
 
+`rope_heads` is the same arithmetic on whole head rows, for the decode attention kernel that
+rotates its own queries and new key (`decode_attention.paged_decode_rope`).
+
 The kernel: one program per token (all heads: for the 3B shape 16 q + 2 k + 2 v heads x 128, ~5 KB in and
 ~7 KB out), which keeps all its loads in flight at once; decode batches of 1-256 rows and prefill
 chunks of thousands of rows both give a grid of one program per row.
@@ -119,6 +122,35 @@ if triton is not None:
         y1 = _mul(w1, (a * r).to(dt).to(tl.float32), NO_FMA).to(dt)
         y2 = _mul(w2, (b * r).to(dt).to(tl.float32), NO_FMA).to(dt)
         return y1, y2
+
+
+    @triton.jit
+    def rope_heads(base, d, dmask, rows_mask, cos_row, sin_row, w_ptr, eps,
+                   DIM: tl.constexpr, QK_NORM: tl.constexpr, NO_FMA: tl.constexpr):
+        """Rotated heads [R, D_PAD] in the dtype, whole rows at once, for a kernel that consumes
+        them in that layout (the decode attention): head r's columns are `base[r] + d`. Element d
+        takes its rotate-half partner (d + DIM/2 or d - DIM/2) from a second load, so every value
+        is `_rotate`'s: the same products, negation and rounding, bit for bit. With QK_NORM each
+        head is first RMS-normalised as `_head_norm` does (its float32 sum over the whole row
+        at once, not over two halves: the statistic's last bits may differ, Qwen3 only)."""
+        half = DIM // 2
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        mask = rows_mask & dmask
+        x = tl.load(base + d, mask=mask, other=0.0)
+        xp = tl.load(base + partner, mask=mask, other=0.0)
+        dt = x.dtype
+        if QK_NORM:
+            a, p = x.to(tl.float32), xp.to(tl.float32)
+            r = tl.math.rsqrt(tl.sum(a * a, axis=1) / DIM + eps)[:, None]
+            w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+            x = _mul(w, (a * r).to(dt).to(tl.float32), NO_FMA).to(dt)
+            xp = _mul(wp, (p * r).to(dt).to(tl.float32), NO_FMA).to(dt)
+        main = _mul(x.to(tl.float32), cos_row, NO_FMA).to(dt)
+        xp = xp.to(tl.float32)
+        turned = _mul(tl.where(first, -xp, xp), sin_row, NO_FMA).to(dt)
+        return (main.to(tl.float32) + turned.to(tl.float32)).to(dt)
 
 
     @triton.jit

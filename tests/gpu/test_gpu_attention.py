@@ -490,3 +490,54 @@ def test_rope_with_qk_norm_matches_reference(dtype, heads, kv_heads, dim, rows):
             assert rel(ours, ref) <= 1e-6
         else:
             assert (ours != ref).float().mean().item() <= 1e-3 and rel(ours, ref) <= 1e-3
+
+
+# ---------------------------------------------------------------------------- rotary inside decode
+
+DECODE_ROPE_LENS = [1, 15, 16, 0, 17, 64, 65, 300, 4097]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim,page_size", ROPE_SHAPES + [(4, 2, 16, 16)])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_decode_with_rope_equals_rope_then_decode(dtype, heads, kv_heads, dim, page_size, num_splits):
+    """`paged_decode_rope` against `rope_qk_write_kv` + `paged_decode`: output and cache bit for bit
+    (page 0, the dummy page, takes the padding rows' writes in no fixed order)."""
+    from tests.unit.test_decode_rope import fused_and_unfused
+
+    poison_allocator()
+    fused, unfused = fused_and_unfused(DECODE_ROPE_LENS, heads, kv_heads, dim, dtype, page_size, num_splits, CUDA,
+                                       seed=dim + num_splits)
+    assert torch.isfinite(fused[0]).all()
+    assert torch.equal(fused[0], unfused[0])
+    assert torch.equal(fused[1][1:], unfused[1][1:]) and torch.equal(fused[2][1:], unfused[2][1:])
+
+
+@pytest.mark.parametrize("num_splits", [2, 7, 64])
+def test_decode_with_rope_orders_the_new_tokens_store_before_its_read(num_splits):
+    """Many rows whose newest position falls in a late split, repeated: the split holding it must
+    store the new K/V (its CTA barrier) before it reads them; a split that read the cache before
+    another program's store landed would attend to the old values and differ."""
+    from tests.unit.test_decode_rope import fused_and_unfused
+
+    lens = [64 * num_splits - 1, 64 * num_splits, 4096 + 63, 300, 1000] * 24
+    for seed in range(3):
+        fused, unfused = fused_and_unfused(lens, 16, 2, 128, torch.bfloat16, 16, num_splits, CUDA, seed=seed)
+        assert torch.equal(fused[0], unfused[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (16, 8, 128), (4, 2, 24)])
+def test_decode_with_rope_and_qk_norm(dtype, heads, kv_heads, dim):
+    """Qwen3's head norm inside the decode kernel: its float32 statistic sums in another order
+    than `rope_qk_write_kv`'s, so float32 within 1e-5, bfloat16 within a few ulp flips."""
+    from tests.unit.test_decode_rope import fused_and_unfused
+
+    fused, unfused = fused_and_unfused(DECODE_ROPE_LENS, heads, kv_heads, dim, dtype, 16, 7, CUDA, seed=dim,
+                                       qk_norm=True)
+    plain, _ = fused_and_unfused(DECODE_ROPE_LENS, heads, kv_heads, dim, dtype, 16, 7, CUDA, seed=dim)
+    assert rel(plain[0], fused[0]) > 0.05  # the norm acts
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(fused[0], unfused[0]) <= tol
+    for ours, ref in zip(fused[1:], unfused[1:]):
+        assert rel(ours[1:], ref[1:]) <= tol

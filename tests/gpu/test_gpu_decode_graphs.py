@@ -42,8 +42,8 @@ def knobs(n: int):
 def make(checkpoint: str, mode: str, **options) -> Pipeline:
     options.setdefault("decode_graph", GraphConfig(buckets=(1, 2, 4, 8)))
     options.setdefault("max_running_requests", 8)
-    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="float32", num_kv_pages=2048, graph_mode=mode,
-                                    **options)
+    options.setdefault("dtype", "float32")
+    return Pipeline.from_pretrained(checkpoint, device="cuda", num_kv_pages=2048, graph_mode=mode, **options)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +109,23 @@ def test_an_exact_bucket_is_bit_identical_to_eager(checkpoint, eager, mode):
         assert_same(ours, eager.chat(conversations(4), params), tol=0.0)
     assert pipe.stats()["decode"]["graph_runs"] > 0
     pipe.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotary_inside_decode_attention_changes_no_bit(checkpoint, switch, dtype):
+    """Decode with the rotary + KV write inside the attention kernel (the default) and in their
+    own kernel (`MMPIPE_DECODE_ROPE_FUSED=0`), eager and in graphs: in each mode the same tokens,
+    and logprobs to the bit in bfloat16. float32 within 1e-5: two float32 eager runs of the same
+    code, both unfused, differed by 1.2e-6 in a logprob (docs/bench/runs/decode_rope_f32_probe.py)."""
+    runs = {}
+    for fused in ("1", "0"):
+        switch("MMPIPE_DECODE_ROPE_FUSED", fused)
+        for mode in ("none", "full_decode_only"):
+            pipe = make(checkpoint, mode, dtype=dtype)
+            runs[fused, mode] = pipe.chat(conversations(5), greedy(5))
+            pipe.close()
+    for mode in ("none", "full_decode_only"):
+        assert_same(runs["1", mode], runs["0", mode], tol=0.0 if dtype == "bfloat16" else 1e-5)
 
 
 def test_padded_replay_leaves_other_sequences_kv_unchanged(checkpoint):
