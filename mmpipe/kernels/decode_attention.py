@@ -40,7 +40,7 @@ from mmpipe.kernels import pdl
 from mmpipe.kernels.attention_common import load_paged_kv, online_softmax_step
 from mmpipe.kernels.launch import launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
-from mmpipe.kernels.rope_kv import rope_heads
+from mmpipe.kernels.rope_kv import check_rope_inputs, rope_heads
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -196,19 +196,11 @@ def paged_decode_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     bits as the two kernels (output and cache), except that Qwen3's head-norm statistic sums in
     another order.
     `no_fma=False`: plain products, for the Triton interpreter only (see `rope_kv`)."""
-    batch = qkv.shape[0]
     heads, dim = out.shape[1], out.shape[2]
-    kv_heads = k_cache.shape[2]
-    if heads != num_heads or qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * dim or qkv.stride(1) != 1:
-        raise ValueError(f"qkv {tuple(qkv.shape)}: expected [B, {(num_heads + 2 * kv_heads) * dim}] with unit "
-                         f"column stride for {num_heads} + 2 x {kv_heads} heads of {dim}")
-    if dim % 2:
-        raise ValueError(f"head_dim={dim}: the rotate-half rotary embedding needs an even head dim")
-    if cos.shape[0] < batch or sin.shape[0] < batch or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("cos/sin: need [B, head_dim] rows with unit column stride")
-    if slot_mapping.shape[0] != batch:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {batch} rows")
-    norm = q_norm is not None and k_norm is not None
+    if heads != num_heads:
+        raise ValueError(f"out {tuple(out.shape)}: expected {num_heads} heads")
+    norm = check_rope_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, k_cache.shape[2], dim, q_norm,
+                             k_norm)
     _decode(qkv, heads, k_cache, v_cache, page_table, seq_lens, out, scale, num_splits,
             (cos, sin, slot_mapping, q_norm if norm else qkv, k_norm if norm else qkv, eps, norm, no_fma))
 

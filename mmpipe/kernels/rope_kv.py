@@ -207,13 +207,11 @@ if triton is not None:
         tl.store(vc_ptr + page * stride_vcp + offset * stride_vcs + g * stride_vch + d, v, mask=mask)
 
 
-def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                            head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                            eps: float = 1e-6, no_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel behind `mmpipe.kernels.rope_kv.rope_qk_write_kv` (same arguments and results).
-    `no_fma=False` replaces the inline-PTX products with plain ones, for the Triton interpreter
-    only (it has no inline asm, and numpy never contracts)."""
+def check_rope_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None) -> bool:
+    """The layouts the Triton kernels that rotate a fused qkv assume (here and in
+    `decode_attention.paged_decode_rope`), else ValueError; returns whether the heads are normed."""
     n = qkv.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
@@ -231,6 +229,19 @@ def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     norm = q_norm is not None and k_norm is not None
     if norm and (q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):  # type: ignore[union-attr]
         raise ValueError(f"q_norm / k_norm: expected [{head_dim}] weights")
+    return norm
+
+
+def rope_qk_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                            head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                            eps: float = 1e-6, no_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel behind `mmpipe.kernels.rope_kv.rope_qk_write_kv` (same arguments and results).
+    `no_fma=False` replaces the inline-PTX products with plain ones, for the Triton interpreter
+    only (it has no inline asm, and numpy never contracts)."""
+    n = qkv.shape[0]
+    norm = check_rope_inputs(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
+                             q_norm, k_norm)
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = qkv.view(n, num_heads + 2 * num_kv_heads, head_dim)[:, num_heads + num_kv_heads:]
