@@ -31,7 +31,8 @@ ROPE_FUSED_FROM_ROWS = 2
 
 
 class CudaLMAttention:
-    """New K/V are in the cache already (written with the rotary embedding)."""
+    """`forward`: the new K/V are in the cache already (written with the rotary embedding).
+    `decode_rope`: a decode step's rotary and K/V write inside the attention kernel."""
 
     name = "cuda"
     graph_safe = True

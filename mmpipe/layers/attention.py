@@ -4,7 +4,8 @@ A backend is chosen per device when the models are built and passed to them at c
 It computes attention only: the language model writes new K/V into its paged cache before the
 call (fused with the rotary embedding), so every backend sees the same cache contents and
 treats padded rows the same way (their K/V went to the reserved dummy page; their outputs are
-don't-care and sliced away by the caller).
+don't-care and sliced away by the caller). A backend may also offer `decode_rope`, the rotary,
+the K/V write and the attention of a decode step in one call (the CUDA one does).
 """
 
 from __future__ import annotations

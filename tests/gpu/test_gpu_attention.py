@@ -515,9 +515,9 @@ def test_decode_with_rope_equals_rope_then_decode(dtype, heads, kv_heads, dim, p
 
 @pytest.mark.parametrize("num_splits", [2, 7, 64])
 def test_decode_with_rope_orders_the_new_tokens_store_before_its_read(num_splits):
-    """Many rows whose newest position falls in a late split, repeated: the split holding it must
-    store the new K/V (its CTA barrier) before it reads them; a split that read the cache before
-    another program's store landed would attend to the old values and differ."""
+    """Many rows whose newest position falls in a late split, repeated: the split holding it
+    stores the new K/V and must see them in its own loop (the slots hold NaN before: a read before
+    the store landed would give NaN). The compiled order is checked in test_decode_rope.py."""
     from tests.unit.test_decode_rope import fused_and_unfused
 
     lens = [64 * num_splits - 1, 64 * num_splits, 4096 + 63, 300, 1000] * 24
@@ -537,7 +537,11 @@ def test_decode_with_rope_and_qk_norm(dtype, heads, kv_heads, dim):
                                        qk_norm=True)
     plain, _ = fused_and_unfused(DECODE_ROPE_LENS, heads, kv_heads, dim, dtype, 16, 7, CUDA, seed=dim)
     assert rel(plain[0], fused[0]) > 0.05  # the norm acts
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert rel(fused[0], unfused[0]) <= tol
-    for ours, ref in zip(fused[1:], unfused[1:]):
-        assert rel(ours[1:], ref[1:]) <= tol
+    assert torch.equal(fused[2][1:], unfused[2][1:])  # V is not normed: the same bits
+    new_k = fused[1][1:] != unfused[1][1:]
+    print(f"qk norm {dtype} {heads}/{kv_heads}x{dim}: out rel {rel(fused[0], unfused[0]):.2e}, "
+          f"k cache rel {rel(fused[1][1:], unfused[1][1:]):.2e}, flipped {int(new_k.sum())}")
+    if dtype == torch.float32:
+        assert rel(fused[0], unfused[0]) <= 1e-6 and rel(fused[1][1:], unfused[1][1:]) <= 1e-6
+    else:  # rare one-ulp flips of the normed values
+        assert rel(fused[0], unfused[0]) <= 2e-3 and new_k.float().mean().item() <= 1e-3

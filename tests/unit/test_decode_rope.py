@@ -2,8 +2,9 @@
 against the two kernels it replaces (`rope_qk_write_kv`, then `paged_decode`): the same output
 and cache bits. Here under the Triton interpreter (in a subprocess: TRITON_INTERPRET is read when
 a kernel is defined); on CUDA in tests/gpu/test_gpu_attention.py, with the same `fused_and_unfused`.
-The interpreter runs programs one after another, so only the GPU tests can catch a split reading
-the newest position before its writer stored it.
+The interpreter runs programs one after another, and a GPU race may not show, so the order of the
+writer's store and the loop's first K/V load is checked in the compiled sm_90 code (Triton's
+compiler, no GPU needed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 import textwrap
 
 import torch
+
+from mmpipe.kernels import triton
 
 from tests.helpers import run_under_triton_interpreter
 
@@ -35,6 +38,9 @@ def fused_and_unfused(lens, heads, kv_heads, dim, dtype, page_size, splits, devi
     last = (seq_lens.long() - 1).clamp(min=0)
     slots = table.long()[torch.arange(len(lens), device=device), last // page_size] * page_size + last % page_size
     slots = torch.where(seq_lens > 0, slots, last % page_size)  # padding rows: the dummy page
+    # NaN where the new K/V go: a split that read its newest position before the store would show it
+    kc.view(-1, kv_heads, dim)[slots] = float("nan")
+    vc.view(-1, kv_heads, dim)[slots] = float("nan")
     qkv = (torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=gen, device=device) * 2).to(dtype)
     cos = torch.randn(len(lens), dim, generator=gen, device=device).to(dtype)  # every column its own value
     sin = torch.randn(len(lens), dim, generator=gen, device=device).to(dtype)
@@ -129,3 +135,40 @@ def test_the_backend_fuses_decode_buckets_from_two_rows_unless_switched_off(monk
     switch("MMPIPE_DECODE_ROPE_FUSED", "0")
     assert not fused(8, 8)
     assert len(calls) == 2
+
+
+def test_compiled_code_orders_the_new_kv_store_before_the_loops_loads():
+    """In the sm_90 PTX of the fused kernel, a CTA barrier stands between the writer's K/V stores
+    and the first K/V load of the attention loop (an asynchronous copy once pipelined), so the
+    split that holds the newest position reads what it stored."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mmpipe.kernels import decode_attention
+
+    kernel = decode_attention._decode_split_kernel
+    pointers = {"table_ptr": "*i32", "lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                "slots_ptr": "*i64"}
+    constexprs = dict(NUM_SPLITS=4, DIRECT=False, PAGE_SIZE=16, GROUP=8, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128,
+                      BLOCK_N=64, PRECISION="tf32", PDL=True, ROPE=True, HEADS=16, KV_HEADS=2, QK_NORM=False,
+                      NO_FMA=True)
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*bf16")
+        else:
+            signature[name] = "fp32" if name in ("eps", "scale_log2") else "i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if name.endswith("_ptr") or name.startswith("stride")}  # as launches specialise them
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned),
+                              target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 2})
+    lines = compiled.asm["ptx"].splitlines()
+    loop_load = next(i for i, line in enumerate(lines) if "cp.async" in line)
+    stores = [i for i, line in enumerate(lines[:loop_load]) if "st.global" in line]
+    assert len(stores) == 2  # the new key and value
+    assert any("bar.sync" in line or "barrier.sync" in line for line in lines[stores[-1]:loop_load])
