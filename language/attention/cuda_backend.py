@@ -24,7 +24,7 @@ from mmpipe.layers.attention import flash_varlen, flash_varlen_available
 
 VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel
 # Decode buckets from which the rotary + KV write run inside the attention kernel. On an H100 (3B
-# shape) that was 1-5% faster per step at 8-256 rows, and 2-4% slower at one row, where all 128
+# shape) that was 0.6-5% faster per step at 2-256 rows, and 2-4% slower at one row, where all 128
 # programs (64 splits) rotate the same query heads before their short loop
 # (docs/bench/decode_rope_h100.md).
 ROPE_FUSED_FROM_ROWS = 2

@@ -10,12 +10,12 @@ Usage: python docs/bench/runs/pdl_prefetch_ab.py CKPT [BATCHES] [CONFIGS] [--pro
 import collections
 import os
 import sys
-import time
 
 import torch
 
-from mmpipe import Pipeline, SamplingParams, settings
+from mmpipe import Pipeline, settings
 from mmpipe.app.bench.main import copy_bandwidth
+from decode_switch_ab import decode_ms, generate, weight_floor_ms  # this folder is sys.path[0]
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 profile = int(sys.argv[sys.argv.index("--profile") + 1]) if "--profile" in sys.argv else 0
@@ -27,38 +27,15 @@ configs = (args[2] if len(args) > 2 else "fp8:0,fp8:1,bf16:0,bf16:1").split(",")
 bw = copy_bandwidth() * 1e9
 print(torch.cuda.get_device_name(), f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
 
-
-def prompts(b):
-    return [f"request {i}: hello there " * 4 for i in range(b)]
-
-
-def generate(pipe, b, n):
-    pipe.generate(prompts(b), sampling=SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0),
-                  progress=False)
-
-
-def timed(pipe, b, n):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    generate(pipe, b, n)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
 for config in configs:
     quant, prefetch = config.split(":")
     os.environ["MMPIPE_PDL_PREFETCH"] = prefetch
     settings.refresh()
     pipe = Pipeline.from_pretrained(ck, quantization=None if quant == "bf16" else quant, startup_progress=False)
-    lm = pipe.model.language
-    weight_bytes = sum(t.numel() * t.element_size() for t in (*lm.parameters(), *lm.buffers()))
-    if lm.lm_head is not None:  # an untied input embedding is gathered (B rows a step), not read whole
-        weight_bytes -= lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size()
+    floor = weight_floor_ms(pipe, bw)
     row = []
     for b in batches:
-        timed(pipe, b, 16), timed(pipe, b, 80)
-        ms = (min(timed(pipe, b, 80) for _ in range(3)) - min(timed(pipe, b, 16) for _ in range(3))) / 64 * 1e3
-        floor = weight_bytes / bw * 1e3
+        ms = decode_ms(pipe, b)
         share = f" ({floor / ms:.0%} of the {floor:.2f} ms floor)" if b == 1 else ""
         row.append(f"b{b} {ms:.3f}")
         print(f"{config:8s} decode batch {b:3d}: {ms:.3f} ms/step{share}", flush=True)
