@@ -186,12 +186,6 @@ class EngineConfig:
     # the previous step's prefill and decode, and the step's prefill waits for it on the device
     # (same results). None: on for CUDA; it needs CUDA, so the CPU ignores it (with a log line).
     vision_stream: bool | None = None
-    # Encode ahead: after launching a step and before reading the previous step's tokens, queue
-    # the ViT for images that the next steps will prefill (the oldest waiting requests, up to
-    # `max_vision_patches`) on the vision stream, into the encoder cache. The GPU then has vision
-    # work queued while the host plans the next step. None: on where the vision stream and
-    # overlapped scheduling are (one GPU); True also runs it in line on the CPU (tests).
-    encode_ahead: bool | None = None
     # Progress bars while graphs are captured at start-up (the log line is written either way).
     startup_progress: bool = True
     # Which parts of the language model run as CUDA graphs (GraphMode or its name); None:
@@ -250,7 +244,7 @@ class EngineConfig:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
         if self.image_decode not in IMAGE_DECODERS:
             raise InputError(f"EngineConfig.image_decode={self.image_decode!r}: use one of {', '.join(IMAGE_DECODERS)}")
-        for name in ("overlap_schedule", "vision_stream", "encode_ahead"):
+        for name in ("overlap_schedule", "vision_stream"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"EngineConfig.{name}={getattr(self, name)!r}: use True, False or None")
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2):

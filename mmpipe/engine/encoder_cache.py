@@ -2,9 +2,6 @@
 used first out, bounded in bytes. The same image in a multi-turn chat, or in many requests, is
 encoded once. Requests keep their own reference to embeddings they are still prefilling, so an
 eviction never takes data from under a running request; it only stops future reuse.
-
-Entries the engine encodes ahead of the step that needs them (`put(..., ahead=True)`) are not
-counted as a hit when that step takes them: `hits` counts only encodings saved.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ class EncoderCache:
         self.misses = 0
         self.evictions = 0
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._ahead: set[str] = set()  # encoded ahead, not yet taken
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -30,37 +26,26 @@ class EncoderCache:
     def __contains__(self, key: str) -> bool:  # a peek: no hit or miss is counted
         return key in self._entries
 
-    def saves_encoding(self, key: str) -> bool:
-        """Cached, and not an entry encoded ahead that its step has yet to take (a peek)."""
-        return key in self._entries and key not in self._ahead
-
     def get(self, key: str) -> torch.Tensor | None:
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
             return None
         self._entries.move_to_end(key)
-        if key in self._ahead:
-            self._ahead.discard(key)
-        else:
-            self.hits += 1
+        self.hits += 1
         return entry
 
-    def put(self, key: str, embeddings: torch.Tensor, ahead: bool = False) -> None:
+    def put(self, key: str, embeddings: torch.Tensor) -> None:
         size = embeddings.numel() * embeddings.element_size()
         if size > self.capacity or key in self._entries:
             return
         while self.used + size > self.capacity:
-            old_key, old = self._entries.popitem(last=False)
-            self._ahead.discard(old_key)
+            _, old = self._entries.popitem(last=False)
             self.used -= old.numel() * old.element_size()
             self.evictions += 1
         self._entries[key] = embeddings
         self.used += size
-        if ahead:
-            self._ahead.add(key)
 
     def clear(self) -> None:
         self._entries.clear()
-        self._ahead.clear()
         self.used = 0

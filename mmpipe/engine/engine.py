@@ -7,13 +7,6 @@ the prompt chunks and samples the requests whose prompt it completes; one decode
 graph with the sampler inside, where graphs are on) advances every decoding request by a token.
 The sampled tokens are copied to the host without waiting for the GPU.
 
-Encode ahead (`EngineConfig.encode_ahead`, on by default with the vision stream and overlap):
-once a step is launched, and before the previous step's tokens are read, the images of the
-requests next in line are encoded into the encoder cache on the vision stream, without the
-current stream waiting; the step that prefills them finds them cached and waits for that ViT work
-on the device. So the GPU has the next step's vision work queued while the host reads tokens and
-plans, instead of idling until the step's own images are packed and launched.
-
 Overlapped scheduling (`EngineConfig.overlap_schedule`, on by default on CUDA): `step()` plans
 and launches step N, then reads step N-1's tokens, so the host's work for one step (planning,
 metadata, launches, stop checks, detokenising) runs while the GPU executes the step before it.
@@ -28,8 +21,6 @@ around `add`, `abort` and `step` (the Pipeline does).
 
 from __future__ import annotations
 
-import itertools
-import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +28,13 @@ from typing import Any
 import torch
 
 from mmpipe.config import EngineConfig
-from mmpipe.engine.batch import ImageInput, PendingDecode
+from mmpipe.engine.batch import PendingDecode
 from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
 from mmpipe.engine.scheduler import Scheduler, StepPlan
 from mmpipe.errors import InputError
 from mmpipe.trace import phase
-
-log = logging.getLogger("mmpipe")
 
 
 @dataclass
@@ -66,12 +55,6 @@ class Engine:
         self.lock = threading.RLock()
         self.steps = 0
         self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runner.device.type == "cuda"
-        wanted = cfg.encode_ahead
-        if wanted is None:
-            wanted = self.overlap and runner.vision_stream is not None
-        self.encode_ahead = bool(wanted and runner.supports_encode_ahead and cfg.encoder_cache_bytes > 0)
-        if cfg.encode_ahead and not self.encode_ahead:
-            log.info("encode_ahead is off: it needs the encoder cache and a single-GPU runner")
         self._in_flight: LaunchedStep | None = None
 
     def add(self, request: Request) -> None:
@@ -103,8 +86,6 @@ class Engine:
         try:
             launched = self._launch(plan)
             self._in_flight = launched
-            if self.encode_ahead:
-                self._encode_ahead()
             finished = self._resolve(previous) if previous is not None else []
             if not self.overlap:
                 finished += self.drain()
@@ -186,39 +167,8 @@ class Engine:
         self.runner.release(finished)
         return finished
 
-    def _encode_ahead(self) -> None:
-        """Encode the uncached images of the requests next in line (those still prefilling, then
-        the waiting ones, in order) up to one step's vision budget, into the encoder cache, and
-        at most a quarter of the cache's bytes so they are not evicted before use. An image that
-        fails here is left to the step that needs it, which reports it."""
-        budget, room = self.cfg.max_vision_patches, self.cache.capacity // 4
-        chosen: dict[str, ImageInput] = {}
-        for request in itertools.chain(self.scheduler.running, self.scheduler.waiting):
-            for index, image in enumerate(request.images):
-                if (request.image_embeds[index] is not None or image.key in self.cache
-                        or image.key in chosen):
-                    continue
-                size = self.runner.embedding_bytes(image)
-                if image.num_patches > budget or size > room:
-                    break
-                chosen[image.key] = image
-                budget, room = budget - image.num_patches, room - size
-            else:
-                continue
-            break
-        if not chosen:
-            return
-        try:
-            encoded = self.runner.encode_ahead(list(chosen.values()))
-        except (InputError, torch.OutOfMemoryError, MemoryError) as exc:
-            log.debug("encoding ahead failed (left to the step that needs the images): %s", exc)
-            return
-        for key, embeds in zip(chosen, encoded):
-            self.cache.put(key, embeds, ahead=True)
-
     def _provide_images(self, plan: StepPlan) -> None:
         """Embeddings for the images this step's chunks need: cached ones, then encoded ones."""
-        self.runner.vision_ready()  # images encoded ahead: the device waits for their ViT work
         missing: list[tuple[Request, int]] = []
         for request, index in plan.images:
             cached = self.cache.get(request.images[index].key)

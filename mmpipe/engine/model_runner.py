@@ -37,7 +37,6 @@ class RunnerStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_host_seconds: float = 0.0  # host time per decode step up to the launch (sum)
-    images_encoded_ahead: int = 0  # of images_encoded: queued before the step that uses them
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -79,7 +78,6 @@ class ModelRunner:
             self.vit_runner.lockstep = True
         self._vision_stream_on = False
         self._vision_stream = self._make_vision_stream()
-        self._vision_ahead: torch.cuda.Event | None = None  # the end of ViT work queued by encode_ahead
         capacity = self.pages.capacity * self.page_size
         limit = cfg.max_model_len or lm.cfg.max_position_embeddings
         self.max_model_len = min(limit, capacity)
@@ -239,43 +237,9 @@ class ModelRunner:
         with torch.cuda.stream(side):
             results = self._encode_packs(images)
         main.wait_stream(side)
-        self._vision_ahead = None  # waited for with the rest of the vision stream
         for embeds in results:
             embeds.record_stream(main)
         return results
-
-    def embedding_bytes(self, image: ImageInput) -> int:
-        """The bytes of an image's embeddings (Qwen3-VL's deepstack levels included)."""
-        lm = self.model.language
-        return image.num_tokens * lm.hidden_size * (1 + getattr(lm, "deepstack_levels", 0)) * self.dtype.itemsize
-
-    supports_encode_ahead = True  # (the tensor-parallel runner's vision follows the step's commands)
-
-    @torch.inference_mode()
-    def encode_ahead(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """`encode_images` for a later step: the ViT work is queued on the vision stream and the
-        current stream does not wait for it here but in `vision_ready()`, which the engine calls
-        before a step reads any embeddings. Without the vision stream it runs in line."""
-        side = self.vision_stream
-        if side is None:
-            results = self._encode_packs(images)
-        else:
-            main = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(side):
-                results = self._encode_packs(images)
-                done = torch.cuda.Event()
-                done.record(side)
-            self._vision_ahead = done
-            for embeds in results:
-                embeds.record_stream(main)  # freed later: reused only after main's work queued by then
-        self.stats.images_encoded_ahead += len(results)
-        return results
-
-    def vision_ready(self) -> None:
-        """Make the current stream wait (on the device) for the ViT work `encode_ahead` queued."""
-        if self._vision_ahead is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._vision_ahead)
-            self._vision_ahead = None
 
     def capture_vision(self, grids: Sequence[tuple[int, int, int]]) -> int:
         """Capture the ViT graphs packs of images of these grids will use (see

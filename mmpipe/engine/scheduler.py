@@ -140,9 +140,7 @@ class Scheduler:
                 continue
             if (request, index) in plan.images:
                 continue
-            # An image encoded ahead for this step counts as the step's vision work, so a step takes
-            # one budget of new images, encoded ahead where the engine does.
-            cost = 0 if self.cache.saves_encoding(image.key) else image.num_patches
+            cost = 0 if image.key in self.cache else image.num_patches
             if cost > vision_budget[0] and vision_budget[0] < self.cfg.max_vision_patches:
                 end = first  # this image waits for the next step's vision batch
                 break

@@ -328,8 +328,6 @@ class TensorParallelRunner(ModelRunner):
                 "vit_parallel": self.cfg.vit_parallel, "vision_sharded": self.vision_sharded,
                 "images_encoded_by_workers": self.images_on_workers, "worker_vit_runs": dict(self.worker_vit_runs)}
 
-    supports_encode_ahead = False  # the workers' vision runs in the order of the step's commands
-
     def _encode_packs(self, images: Sequence[Any]) -> list[torch.Tensor]:
         """Data-parallel vision: rank r encodes share r, rank 0 gathers the embeddings in order.
         Tensor-parallel vision: every rank runs every pack on its shard of the tower."""
