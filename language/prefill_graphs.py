@@ -22,8 +22,8 @@ forward's exact kernels. With `inductor`, the forward is traced once by `torch.c
 (`mmpipe::lm_attention`) and each piece compiled, then captured the same way. A step of T tokens
 runs at the smallest schedule size >= T (bisection); rows past T are padding: their K/V go to the
 dummy page (the slots buffer holds the dummy slot past the step's rows), attention is not computed
-for them, their outputs are dropped. Above the largest size (2048 tokens by default, where graphs
-stop paying) the pieces run without graphs, at the step's exact size. A captured size is served
+for them, their outputs are dropped. Above the largest size (`max_prefill_tokens` by default) the
+pieces run without graphs, at the step's exact size. A captured size is served
 by its replay plan (`mmpipe.graphs.piecewise.ReplayPlan`): its pieces' graphs and the attention
 calls between them, in order.
 """
@@ -66,20 +66,28 @@ log = logging.getLogger("mmpipe")
 
 # Token counts whose pieces are captured at start-up. Chosen by measurement (H100, 3B shape,
 # bfloat16, one forward; `.gpu`-style probe in the issue-29 closing note): graphs save 20 ms of
-# host time per forward up to 1024 tokens and 7.5 ms at 2048, but only 1.4% at 4096 and nothing
-# at 8192, where the GPU work hides the host's. Each size costs ~37 graph captures at start-up
-# (~0.1 s), so sizes are spaced by at most a quarter above 256 (padding costs a step at most
-# ~25% there, less below, where a forward's time hardly depends on its length).
+# host time per forward up to 1024 tokens and 7.5 ms at 2048. Each size costs ~37 graph captures
+# at start-up (~0.1 s), so sizes are spaced by at most a quarter above 256 (padding costs a step at
+# most ~25% there, less below, where a forward's time hardly depends on its length).
 STARTUP_PREFILL_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
                          1792, 2048)
+# Above 2048, sizes every 512 tokens up to the step budget. A single forward of 4096-8192 tokens
+# hides the host's launches behind its GPU work (1.4% at 4096), but in a stream of steps (captioning
+# packs ~4100 prompt tokens per step) an eager forward's ~30 ms of host launches delays everything
+# queued after it. H100, 1024 448 px JPEG files, 64 new tokens, same process (2026-11-28,
+# docs/bench/caption_prefill_steps_h100.md): images/s bfloat16 133.9 -> 135.5, `fp8` 143.8 -> 151.6,
+# `fp8-all` 144-156 -> 161-162; start-up +0.5 s in a warm process (12 more sizes), graph memory
+# 254 -> 884 MiB (the 8192-token pieces' activations, which an eager step allocates anyway).
+LARGE_PREFILL_STEP = 512
 
 
 def default_prefill_schedule(max_tokens: int) -> list[int]:
-    """Token counts captured by default: `STARTUP_PREFILL_SIZES` up to `max_tokens`, which is added
-    as the last size when it is smaller than the largest (so every prefill of a small budget has a
-    graph). Above 2048 tokens a forward runs the compiled pieces without graphs, as fast there."""
+    """Token counts captured by default: `STARTUP_PREFILL_SIZES`, then every `LARGE_PREFILL_STEP`
+    tokens above 2048, up to `max_tokens`, which is added as the last size (so every prefill step,
+    at most `max_tokens` by the scheduler's budget, has a graph)."""
     sizes = [s for s in STARTUP_PREFILL_SIZES if s <= max_tokens]
-    if max_tokens < STARTUP_PREFILL_SIZES[-1] and (not sizes or sizes[-1] < max_tokens):
+    sizes += range(STARTUP_PREFILL_SIZES[-1] + LARGE_PREFILL_STEP, max_tokens + 1, LARGE_PREFILL_STEP)
+    if not sizes or sizes[-1] < max_tokens:
         sizes.append(max_tokens)
     return sizes
 

@@ -31,16 +31,22 @@ from tests.lm_helpers import CPU, LAYERS, extend_meta, make_runner, run, tiny_lm
 from tests.split_tape import TapeRecorder
 
 
-def test_default_schedule_stops_where_graphs_stop_paying_and_is_capped():
+def test_default_schedule_covers_every_step_up_to_the_budget():
+    """Every prefill step the scheduler can form (at most max_prefill_tokens) has a graph: the
+    start-up sizes to 2048, then every 512 tokens, the budget itself last."""
     sizes = default_prefill_schedule(8192)
-    assert sizes == list(STARTUP_PREFILL_SIZES) and sizes[-1] == 2048  # larger steps run without graphs
+    assert sizes[:len(STARTUP_PREFILL_SIZES)] == list(STARTUP_PREFILL_SIZES)
+    assert sizes[len(STARTUP_PREFILL_SIZES):] == list(range(2560, 8193, 512)) and len(sizes) == 32
     assert len(sizes) == len(set(sizes)) and sizes == sorted(sizes)
     # Padding above 256 tokens costs at most a quarter of a step.
     assert all(b <= a * 1.25 for a, b in zip(sizes, sizes[1:]) if a >= 256)
     assert default_prefill_schedule(100) == [8, 16, 32, 64, 96, 100]
     assert default_prefill_schedule(3) == [3]
-    assert default_prefill_schedule(2048) == sizes
-    assert [bucket_for(sizes, n) for n in (1, 8, 9, 257, 1025, 2048, 2049)] == [8, 8, 16, 320, 1280, 2048, None]
+    assert default_prefill_schedule(2048) == list(STARTUP_PREFILL_SIZES)
+    assert default_prefill_schedule(4000)[-4:] == [2560, 3072, 3584, 4000]
+    assert default_prefill_schedule(2600)[-3:] == [2048, 2560, 2600]
+    assert [bucket_for(sizes, n) for n in (1, 8, 9, 257, 1025, 2048, 2049, 4097, 8192, 8193)] == [
+        8, 8, 16, 320, 1280, 2048, 2560, 4608, 8192, None]
 
 
 def test_fine_schedule_follows_the_source_notes_and_is_capped():

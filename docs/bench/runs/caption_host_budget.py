@@ -3,8 +3,8 @@ each host phase (timers wrapped around the engine's and the pipeline's methods; 
 leave the throughput as it is), how long `read` waits for the GPU, and, in a separate pass, the
 GPU's busy fraction (CUDA-only profiler: the union of kernel intervals over the pass).
 Usage: python docs/bench/runs/caption_host_budget.py CKPT N CONFIGS [BUSY_N]  (PASSES=2 timed passes per configuration)
-  CONFIGS: comma-separated QUANT[:OPT[+OPT...]], QUANT bf16, fp8 or fp8-all; OPT inline
-  (EngineConfig.encode_ahead off; default: the engine's default), g8192 (prefill graphs also
+  CONFIGS: comma-separated QUANT[:OPT[+OPT...]], QUANT bf16, fp8 or fp8-all; OPT inline (bca8980 only:
+  EngineConfig.encode_ahead off), g8192 (prefill graphs also
   at 2560-8192 tokens in 512-token steps), p2048 (max_prefill_tokens=2048)"""
 import collections, functools, os, sys, tempfile, time, json
 import torch
@@ -119,7 +119,7 @@ for config in configs:
         cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
         st = pipe.stats()
         m = PASSES * n
-        print(f"{config} (encode_ahead {pipe.engine.encode_ahead}): "
+        print(f"{config} (encode_ahead {getattr(pipe.engine, 'encode_ahead', None)}): "
               f"{' / '.join(f'{n / w:.1f}' for w in walls)} images/s; process CPU {1e3 * cpu / m:.2f} ms/image, "
               f"main thread CPU {1e3 * thread / m:.2f} ms/image", flush=True)
         print("  main-thread wall ms/image:", {k: round(1e3 * v / m, 3) for k, v in seconds.most_common()})
