@@ -22,7 +22,7 @@ forward's exact kernels. With `inductor`, the forward is traced once by `torch.c
 (`mmpipe::lm_attention`) and each piece compiled, then captured the same way. A step of T tokens
 runs at the smallest schedule size >= T (bisection); rows past T are padding: their K/V go to the
 dummy page (the slots buffer holds the dummy slot past the step's rows), attention is not computed
-for them, their outputs are dropped. Above the largest size (`max_prefill_tokens` by default) the
+for them, their outputs are dropped. Above the largest size (`max_prefill_tokens`, at most 8192, by default) the
 pieces run without graphs, at the step's exact size. A captured size is served
 by its replay plan (`mmpipe.graphs.piecewise.ReplayPlan`): its pieces' graphs and the attention
 calls between them, in order.
@@ -79,16 +79,21 @@ STARTUP_PREFILL_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 6
 # `fp8-all` 144-156 -> 161-162; start-up +0.5 s in a warm process (12 more sizes), graph memory
 # 254 -> 884 MiB (the 8192-token pieces' activations, which an eager step allocates anyway).
 LARGE_PREFILL_STEP = 512
+# The largest size captured by default (the default step budget): a budget raised above it keeps
+# start-up and graph memory as at 8192 (each 512 tokens more is ~37 captures and the largest
+# size's activations are held by the pool); its larger steps run the pieces without graphs.
+LARGEST_DEFAULT_PREFILL_GRAPH = 8192
 
 
 def default_prefill_schedule(max_tokens: int) -> list[int]:
     """Token counts captured by default: `STARTUP_PREFILL_SIZES`, then every `LARGE_PREFILL_STEP`
-    tokens above 2048, up to `max_tokens`, which is added as the last size (so every prefill step,
-    at most `max_tokens` by the scheduler's budget, has a graph)."""
-    sizes = [s for s in STARTUP_PREFILL_SIZES if s <= max_tokens]
-    sizes += range(STARTUP_PREFILL_SIZES[-1] + LARGE_PREFILL_STEP, max_tokens + 1, LARGE_PREFILL_STEP)
-    if not sizes or sizes[-1] < max_tokens:
-        sizes.append(max_tokens)
+    tokens above 2048, up to `max_tokens` (at most `LARGEST_DEFAULT_PREFILL_GRAPH`), which is added
+    as the last size, so every prefill step of a budget up to 8192 tokens has a graph."""
+    top = min(max_tokens, LARGEST_DEFAULT_PREFILL_GRAPH)
+    sizes = [s for s in STARTUP_PREFILL_SIZES if s <= top]
+    sizes += range(STARTUP_PREFILL_SIZES[-1] + LARGE_PREFILL_STEP, top + 1, LARGE_PREFILL_STEP)
+    if not sizes or sizes[-1] < top:
+        sizes.append(top)
     return sizes
 
 

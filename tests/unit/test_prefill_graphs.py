@@ -32,8 +32,8 @@ from tests.split_tape import TapeRecorder
 
 
 def test_default_schedule_covers_every_step_up_to_the_budget():
-    """Every prefill step the scheduler can form (at most max_prefill_tokens) has a graph: the
-    start-up sizes to 2048, then every 512 tokens, the budget itself last."""
+    """Every prefill step the scheduler can form (at most max_prefill_tokens, up to 8192) has a
+    graph: the start-up sizes to 2048, then every 512 tokens, the budget itself last."""
     sizes = default_prefill_schedule(8192)
     assert sizes[:len(STARTUP_PREFILL_SIZES)] == list(STARTUP_PREFILL_SIZES)
     assert sizes[len(STARTUP_PREFILL_SIZES):] == list(range(2560, 8193, 512)) and len(sizes) == 32
@@ -45,6 +45,8 @@ def test_default_schedule_covers_every_step_up_to_the_budget():
     assert default_prefill_schedule(2048) == list(STARTUP_PREFILL_SIZES)
     assert default_prefill_schedule(4000)[-4:] == [2560, 3072, 3584, 4000]
     assert default_prefill_schedule(2600)[-3:] == [2048, 2560, 2600]
+    # A larger budget captures what 8192 does; its longer steps run without graphs.
+    assert default_prefill_schedule(32768) == sizes and default_prefill_schedule(8500) == sizes
     assert [bucket_for(sizes, n) for n in (1, 8, 9, 257, 1025, 2048, 2049, 4097, 8192, 8193)] == [
         8, 8, 16, 320, 1280, 2048, 2560, 4608, 8192, None]
 
