@@ -101,8 +101,8 @@ def fine_prefill_schedule(max_tokens: int) -> list[int]:
     """SGLang's schedule (the start-up default before issue 29; pass it as
     `GraphConfig(buckets=...)` to capture it): 4-32 step 4, 48-256 step 16, 288-512 step 32,
     576-1024 step 64, 1280-4096 step 256, then step 512; capped by `max_tokens`, which is added
-    as the last size. 58 sizes at 8192 tokens (2146 graphs on the 3B shape, ~6x the default's
-    start-up time)."""
+    as the last size. 58 sizes at 8192 tokens (2146 graphs on the 3B shape, 1.8x the default's
+    1184 captures)."""
     sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
              *range(1280, 4097, 256)]
     size = 4608

@@ -47,6 +47,10 @@ def test_default_schedule_covers_every_step_up_to_the_budget():
     assert default_prefill_schedule(2600)[-3:] == [2048, 2560, 2600]
     # A larger budget captures what 8192 does; its longer steps run without graphs.
     assert default_prefill_schedule(32768) == sizes and default_prefill_schedule(8500) == sizes
+    assert default_prefill_schedule(2300)[-2:] == [2048, 2300]
+    # A runner given no sizes takes this schedule for its budget.
+    assert make_runner(tiny_lm(), True, max_tokens=3000).schedule == default_prefill_schedule(3000)
+    assert make_runner(tiny_lm(), True, max_tokens=9000).schedule[-1] == 8192
     assert [bucket_for(sizes, n) for n in (1, 8, 9, 257, 1025, 2048, 2049, 4097, 8192, 8193)] == [
         8, 8, 16, 320, 1280, 2048, 2560, 4608, 8192, None]
 

@@ -5,7 +5,7 @@ GPU's busy fraction (CUDA-only profiler: the union of kernel intervals over the 
 Usage: python docs/bench/runs/caption_host_budget.py CKPT N CONFIGS [BUSY_N]  (PASSES=2 timed passes per configuration)
   CONFIGS: comma-separated QUANT[:OPT[+OPT...]], QUANT bf16, fp8 or fp8-all; OPT inline (bca8980 only:
   EngineConfig.encode_ahead off), g8192 (prefill graphs also
-  at 2560-8192 tokens in 512-token steps), p2048 (max_prefill_tokens=2048)"""
+  at 2560-8192 tokens in 512-token steps: the default since 8e30052), p2048 (max_prefill_tokens=2048)"""
 import collections, functools, os, sys, tempfile, time, json
 import torch
 from mmpipe import Pipeline, SamplingParams
@@ -93,7 +93,7 @@ def busy(pipe, count):
             total += e - s; end = e; last = name
         elif e > end:
             total += e - end; end = e; last = name
-    span = ks[-1][1] - ks[0][0]
+    span = end - ks[0][0]  # the latest end (streams overlap), not the last-starting kernel's
     big = [g for g in gaps if g > 50]
     top = "; ".join(f"{a} -> {b}: {v:.3f} s" for (a, b), v in after.most_common(5))
     return (f"GPU busy {total / span:.1%} of the kernels' span {span / 1e6:.2f} s (pass wall {wall:.2f} s, "

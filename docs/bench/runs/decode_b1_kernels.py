@@ -15,6 +15,7 @@ with Pipeline.from_pretrained(ck, device="cuda", dtype="bfloat16", startup_progr
     prompts = [f"request {i}: hello there " * 4 for i in range(b)]
     sp = SamplingParams(max_new_tokens=steps, ignore_eos=True, temperature=0.0)
     pipe.generate(prompts, sampling=sp, progress=False)
+    layers = pipe.model.language.num_layers
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         pipe.generate(prompts, sampling=sp, progress=False)
         torch.cuda.synchronize()
@@ -28,12 +29,15 @@ first = next(i for i, k in enumerate(ks) if "decode" in k[2])
 decode = ks[first:]
 per = collections.defaultdict(float)
 count = collections.Counter()
-gaps = [t1 - (t0 + d0) for (t0, d0, _), (t1, _, _) in zip(decode, decode[1:])]
+gaps = [max(0.0, t1 - (t0 + d0)) for (t0, d0, _), (t1, _, _) in zip(decode, decode[1:])]  # PDL overlaps: 0
 for t, d, nm in decode:
     per[nm[:70]] += d
     count[nm[:70]] += 1
 spans = [decode[-1][0] + decode[-1][1] - decode[0][0]]
-m = steps - 1
+# The steps counted from the trace: one decode attention split launch per layer and step.
+m = sum(1 for k in decode if k[2].startswith("_decode_split_kernel")) // layers
+if m != steps - 1:
+    print(f"note: {m} decode steps in the trace, {steps - 1} expected")
 print(f"{torch.cuda.get_device_name()} {quant} batch {b} PDL={os.environ.get('MMPIPE_PDL', '1')}: {m} steps, "
       f"span {spans[0] / m:.1f} us/step, kernels {sum(count.values()) / m:.0f}/step, "
       f"kernel sum {sum(per.values()) / m:.1f} us, gaps {sum(gaps) / m:.1f} us/step")
