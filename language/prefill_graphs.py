@@ -22,8 +22,8 @@ forward's exact kernels. With `inductor`, the forward is traced once by `torch.c
 (`mmpipe::lm_attention`) and each piece compiled, then captured the same way. A step of T tokens
 runs at the smallest schedule size >= T (bisection); rows past T are padding: their K/V go to the
 dummy page (the slots buffer holds the dummy slot past the step's rows), attention is not computed
-for them, their outputs are dropped. Above the largest size (`max_prefill_tokens`, at most 8192, by default) the
-pieces run without graphs, at the step's exact size. A captured size is served
+for them, their outputs are dropped. Above the largest size (by default `max_prefill_tokens`, at
+most 8192) the pieces run without graphs, at the step's exact size. A captured size is served
 by its replay plan (`mmpipe.graphs.piecewise.ReplayPlan`): its pieces' graphs and the attention
 calls between them, in order.
 """
@@ -75,9 +75,10 @@ STARTUP_PREFILL_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 6
 # hides the host's launches behind its GPU work (1.4% at 4096), but in a stream of steps (captioning
 # packs ~4100 prompt tokens per step) an eager forward's ~30 ms of host launches delays everything
 # queued after it. H100, 1024 448 px JPEG files, 64 new tokens, same process (2026-11-28,
-# docs/bench/caption_prefill_steps_h100.md): images/s bfloat16 133.9 -> 135.5, `fp8` 143.8 -> 151.6,
-# `fp8-all` 144-156 -> 161-162; start-up +0.5 s in a warm process (12 more sizes), graph memory
-# 254 -> 884 MiB (the 8192-token pieces' activations, which an eager step allocates anyway).
+# docs/bench/caption_prefill_steps_h100.md): images/s `fp8` 143.8 -> 151.6 (the clearest gain),
+# `fp8-all` 144-155 -> 161-162 (one earlier old-default pass reached 163.3), bfloat16 133.9 ->
+# 135.5 (inside the spread); start-up +0.5-0.6 s in a warm process (12 more sizes), graph memory
+# 254 -> 884 MiB (the 8192-token pieces' activations, held by the pool for the process's life).
 LARGE_PREFILL_STEP = 512
 # The largest size captured by default (the default step budget): a budget raised above it keeps
 # start-up and graph memory as at 8192 (each 512 tokens more is ~37 captures and the largest

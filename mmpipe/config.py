@@ -202,7 +202,8 @@ class EngineConfig:
     # Piecewise prefill graphs: the forward cut at its attention calls, each piece between them
     # captured at start for every token count of the schedule (default 20 sizes from 8 to 2048,
     # `language.prefill_graphs.STARTUP_PREFILL_SIZES`, then every 512 up to max_prefill_tokens
-    # or 8192, whichever is less: 32 sizes at 8192), largest first, in the pool the decode graphs use ("shared" only).
+    # or 8192, whichever is less: 32 sizes at 8192), largest first, in the pool the decode
+    # graphs use ("shared" only).
     prefill_graph: GraphConfig = GraphConfig()
     # Compiler of the prefill pieces: "eager" (captured straight from the eager forward, nothing
     # traced; fast start) or "inductor" (the forward traced by torch.compile and each piece
