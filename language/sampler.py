@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from mmpipe import settings
 from mmpipe.graphs.transfer import to_device
 from mmpipe.trace import phase
 
@@ -222,7 +223,9 @@ class HostTokens:
             self._ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
             self._lps = (torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True).copy_(lps, non_blocking=True)
                          if lps is not None else None)
-            self._event = torch.cuda.Event()
+            # A blocking event puts the waiting thread to sleep instead of spinning a whole core
+            # for the milliseconds a step runs (`MMPIPE_BLOCKING_SYNC`).
+            self._event = torch.cuda.Event(blocking=settings.current().blocking_sync)
             self._event.record()
         else:
             self._ids, self._lps = ids.clone(), lps.clone() if lps is not None else None

@@ -13,6 +13,7 @@
 | `MMPIPE_FP8_FUSED_QUANT` | `fp8_fused_quant` | on | `0`: FP8 products quantize their input themselves, not the norm or SiLU kernel before them |
 | `MMPIPE_FP8_TRITON_GEMM` | `fp8_triton_gemm` | on | `0`: FP8 products of 33-256 decode rows on cuBLASLt, not mmpipe's Triton FP8 GEMM |
 | `MMPIPE_CHECK_GRAPH_INPUTS` | `check_graph_inputs` | off | `1`: replays check their inputs' addresses |
+| `MMPIPE_BLOCKING_SYNC` | `blocking_sync` | on | `0`: the engine spins on a core while it waits for a step's tokens, instead of sleeping |
 
 The switches are for debugging and A/B measurements; none changes what is computed, though
 `MMPIPE_GEMV` and `MMPIPE_FP8_TRITON_GEMM` choose other kernels for the same products (other
@@ -48,6 +49,7 @@ class Settings:
     fp8_fused_quant: bool = True
     fp8_triton_gemm: bool = True
     check_graph_inputs: bool = False
+    blocking_sync: bool = True
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> "Settings":
@@ -67,6 +69,7 @@ class Settings:
             fp8_fused_quant=_flag(env, "MMPIPE_FP8_FUSED_QUANT", True),
             fp8_triton_gemm=_flag(env, "MMPIPE_FP8_TRITON_GEMM", True),
             check_graph_inputs=_flag(env, "MMPIPE_CHECK_GRAPH_INPUTS", False),
+            blocking_sync=_flag(env, "MMPIPE_BLOCKING_SYNC", True),
         )
 
 

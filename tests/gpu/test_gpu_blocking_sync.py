@@ -1,0 +1,48 @@
+"""Waiting for a step's tokens (`HostTokens.get`): with `MMPIPE_BLOCKING_SYNC` on (the default)
+the engine thread sleeps while the GPU works, with it off it spins a core; the tokens are the same."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mmpipe import settings
+from mmpipe.language.sampler import HostTokens, SampleResult
+
+pytestmark = pytest.mark.gpu
+
+
+def wait_behind_a_long_kernel(monkeypatch, flag: str) -> tuple[float, float, list[list[int]]]:
+    """Thread CPU seconds and wall seconds of `get()` for tokens queued behind ~0.3 s of GPU sleep."""
+    monkeypatch.setenv("MMPIPE_BLOCKING_SYNC", flag)
+    settings.refresh()
+    tokens = torch.arange(7, device="cuda") * 3
+
+    def one_round(cycles: int) -> tuple[float, float, list[list[int]]]:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        pending = HostTokens(SampleResult(tokens + 1, None, None, None), 5, logprobs=False)
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        ids, _ = pending.get()
+        return time.thread_time() - cpu0, time.perf_counter() - wall0, ids
+
+    try:
+        # The same round once untimed: the first HostTokens queued behind running work waited in
+        # its construction, spinning (once per process in docs/bench/runs/blocking_sync_probe.py,
+        # whatever the flag); later ones wait in `get` only.
+        one_round(100_000_000)
+        return one_round(600_000_000)  # ~0.3 s at ~2 GHz
+    finally:
+        monkeypatch.delenv("MMPIPE_BLOCKING_SYNC")
+        settings.refresh()
+
+
+def test_the_waiting_thread_sleeps_with_blocking_sync_and_spins_without(monkeypatch):
+    cpu_on, wall_on, ids_on = wait_behind_a_long_kernel(monkeypatch, "1")
+    cpu_off, wall_off, ids_off = wait_behind_a_long_kernel(monkeypatch, "0")
+    assert ids_on == ids_off == [[1], [4], [7], [10], [13]]
+    assert wall_on > 0.05 and wall_off > 0.05, (wall_on, wall_off)  # the wait really was behind the kernel
+    assert cpu_on < 0.2 * wall_on, (cpu_on, wall_on)
+    assert cpu_off > 0.6 * wall_off, (cpu_off, wall_off)
