@@ -16,8 +16,8 @@ piece between two of them (norms, projections, rotary + KV write, MLP, residuals
 CUDA graph for every size of the schedule, largest first, into the language model's shared pool.
 With the default piece compiler, `eager`, the pieces are captured straight from the eager forward
 (`mmpipe.graphs.split_capture`: the capture ends and resumes around each attention call): nothing
-is traced, so a start costs a warm-up and a capture forward per size, and a replay runs the eager
-forward's exact kernels. With `inductor`, the forward is traced once by `torch.compile` with
+is traced, so a start costs one warm-up forward (at the largest size) and a capture forward per
+size, and a replay runs the eager forward's exact kernels. With `inductor`, the forward is traced once by `torch.compile` with
 `mmpipe.graphs.piecewise.PiecewiseBackend` (token dimension dynamic), split at the attention op
 (`mmpipe::lm_attention`) and each piece compiled, then captured the same way. A step of T tokens
 runs at the smallest schedule size >= T (bisection); rows past T are padding: their K/V go to the
@@ -79,6 +79,8 @@ STARTUP_PREFILL_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 6
 # `fp8-all` 144-155 -> 161-162 (one earlier old-default pass reached 163.3), bfloat16 133.9 ->
 # 135.5 (inside the spread); start-up +0.5-0.6 s in a warm process (12 more sizes), graph memory
 # 254 -> 884 MiB (the 8192-token pieces' activations, held by the pool for the process's life).
+# Most of that start-up cost was the larger sizes' warm-up forwards; one warm-up per capture
+# session since (`PrefillRunner.capture`; docs/bench/startup_blocking_sync_h200.md).
 LARGE_PREFILL_STEP = 512
 # The largest size captured by default (the default step budget): a budget raised above it keeps
 # start-up and graph memory as at 8192 (each 512 tokens more is ~37 captures and the largest
@@ -172,6 +174,8 @@ class PrefillRunner(GraphRunner):
         self.schedule = self.sizes
         self.uploader = PackedUploader(device)  # each step's inputs, in one host-to-device copy
         self.compiled_runs = 0  # compiled forwards without a graph (above the schedule, a failed size)
+        self._warm = False  # this capture_all has run a warm-up forward: later sizes capture without one
+        self.warmup_retries = 0  # sizes whose capture without a warm-up failed and was redone
         self.padded_tokens = 0  # rows added to reach schedule sizes
         self.state = PiecewiseState(self.cache)
         self.backend: PiecewiseBackend | None = None
@@ -324,11 +328,13 @@ class PrefillRunner(GraphRunner):
         if self.split is not None:
             self.split.drop()
         self.state.memory = self.cache.memory.open()
+        self._warm = False
         try:
             super().capture_all(self.startup_keys(), progress)
         finally:
             self.state.memory = None
             self.state.size = None
+            self._warm = False
 
     def startup_keys(self) -> list[Any]:
         """The schedule `capture_all` captures, largest first (none without piecewise graphs)."""
@@ -347,12 +353,23 @@ class PrefillRunner(GraphRunner):
 
     def capture(self, size: Any, quiet: bool = False) -> bool:
         """A warm-up forward at `size` (compiling on the first call), then one in which every piece
-        captures its graph into the shared capture memory."""
+        captures its graph into the shared capture memory.
+
+        Pieces captured from the eager forward (`split`) warm up once per `capture_all`, at its
+        first (largest) size: the others are captured straight away, and only a size whose capture
+        fails (a kernel first loaded inside it, say) is warmed up and captured again. The warm-ups
+        were ~1 s of a start-up on the 3B shape: an eager forward per size, run on the GPU."""
         assert self.cache is not None
         memory = self.state.memory
+        if self.split is not None and self._warm:
+            self.state.memory = memory if memory is not None else self.cache.memory.open()
+            if self._dummy_forward(size, capture=True, last_try=False):
+                return True
+            self.warmup_retries += 1
         self._dummy_forward(size, capture=False)
         self.state.memory = memory if memory is not None else self.cache.memory.open()
         self._dummy_forward(size, capture=True)
+        self._warm = True
         return self.lookup(size) is not None
 
     def startup_note(self) -> str:
@@ -364,8 +381,9 @@ class PrefillRunner(GraphRunner):
                 f"{b.stats.compile_seconds:.1f} s, {b.stats.compilations} compiled, {b.stats.compile_cache_loads} "
                 "loaded from cache)")
 
-    def _dummy_forward(self, size: int, capture: bool, graphs: bool = True) -> None:
-        """A forward of `size` tokens of one fresh sequence whose K/V go to the dummy page."""
+    def _dummy_forward(self, size: int, capture: bool, graphs: bool = True, last_try: bool = True) -> bool:
+        """A forward of `size` tokens of one fresh sequence whose K/V go to the dummy page; with
+        `capture` and split pieces, whether the capture succeeded (`last_try`: see `SplitGraphs`)."""
         page = self.kv.page_size
         device = self.device
         meta = AttentionMetadata(
@@ -381,11 +399,10 @@ class PrefillRunner(GraphRunner):
                 with on_capture_stream(device):
                     if capture and self.split is not None and graphs:
                         assert self.state.memory is not None
-                        self.split.capture(size, lambda: self._forward_rows(size), context, self.state.memory,
-                                           f"prefill {size} tokens")
-                    else:
-                        self._forward_rows(size)
-                return
+                        return self.split.capture(size, lambda: self._forward_rows(size), context,
+                                                  self.state.memory, f"prefill {size} tokens", last_try)
+                    self._forward_rows(size)
+                return True
             self.state.size = size if self.cache is not None and graphs else None
             self.state.capturing = capture
             try:
@@ -393,6 +410,7 @@ class PrefillRunner(GraphRunner):
                     self._run_compiled(size)
             finally:
                 self.state.capturing = False
+        return True
 
     # ------------------------------------------------------------------ stats, teardown
 
@@ -405,7 +423,8 @@ class PrefillRunner(GraphRunner):
                                "replay_plans": len(plans), "plan_runs": sum(plan.runs for plan in plans.values()),
                                "failed_sizes": self.failed_sizes()}
         if self.split is not None:
-            out.update(pieces=self.split.pieces, split_points=max(0, self.split.pieces - 1))
+            out.update(pieces=self.split.pieces, split_points=max(0, self.split.pieces - 1),
+                       warmup_retries=self.warmup_retries)
         if self.backend is not None:
             out.update(self.backend.stats.as_dict())
         return out

@@ -100,10 +100,11 @@ class SplitGraphs:
         return None if plan is None else plan.run()
 
     def capture(self, key: Hashable, forward: Callable[[], Any], context: Any, memory: CaptureMemory,
-                label: str) -> bool:
+                label: str, last_try: bool = True) -> bool:
         """Run `forward` (on the capture stream, its inputs in static buffers) with its pieces
         captured into `memory` and `context.split_point` installed; False (one warning, `key`
-        marked failed in the cache) if any piece cannot be captured."""
+        marked failed in the cache) if any piece cannot be captured. With `last_try=False` a
+        failure only discards what was captured (the caller tries again, e.g. after a warm-up)."""
         if key in self.cache.failed:
             return False
         recorder, cache = self.recorder, self.cache
@@ -146,6 +147,12 @@ class SplitGraphs:
                 recorder.abort(handle)
             for entry in entries:
                 cache.discard(entry.key)
+            if not last_try:
+                log.debug("%s graph capture for %s failed (%s: %s); trying again", cache.name, label,
+                          type(exc).__name__, exc)
+                if on_cuda:
+                    torch.cuda.synchronize(cache.device)
+                return False
             if cache.strict:
                 raise RuntimeError(f"{cache.name} graph capture for {label} failed in lockstep with other ranks "
                                    f"({type(exc).__name__}: {exc})") from exc

@@ -291,6 +291,42 @@ def test_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_pi
     assert graphs.compiled_runs == 1 and graphs.counts.graph_runs == 0
 
 
+def test_split_capture_warms_up_once_and_again_only_for_a_size_that_failed(simulated_piece_graphs, monkeypatch):
+    """Start-up runs one eager warm-up forward (at the largest size); the other sizes are captured
+    straight away. A size whose capture fails without a warm-up (here 16, once) is warmed up and
+    captured again: it gets its graphs, equal to the plain forward, and is not marked failed."""
+    lm = tiny_lm()
+    warmups, failures = [], []
+    real_dummy, real_begin = PrefillRunner._dummy_forward, TapeRecorder.begin
+    current = [None]
+
+    def dummy_forward(self, size, capture, graphs=True, last_try=True):
+        current[0] = size
+        if not capture:
+            warmups.append(size)
+        return real_dummy(self, size, capture, graphs, last_try)
+
+    def begin(self, memory):
+        if current[0] == 16 and not failures:
+            failures.append(16)
+            raise RuntimeError("simulated: a kernel first loaded inside the capture")
+        return real_begin(self, memory)
+
+    monkeypatch.setattr(PrefillRunner, "_dummy_forward", dummy_forward)
+    monkeypatch.setattr(TapeRecorder, "begin", begin)
+    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
+                           True, GraphConfig(buckets=(8, 16, 32)), memory=NoMemory())
+    graphs.capture_all(progress=False)
+    assert failures == [16] and warmups == [32, 16]
+    assert graphs.failed_sizes() == [] and graphs.stats()["capture_failures"] == 0
+    assert graphs.stats()["detail"]["warmup_retries"] == 1
+    assert sorted(graphs.split.plans) == [8, 16, 32] and len(graphs.cache.graphs) == 3 * (LAYERS + 1)
+    plain = make_runner(lm, piecewise=False)
+    for seed, n in enumerate((5, 12, 30)):
+        torch.testing.assert_close(run(graphs, [(0, n)], seed), run(plain, [(0, n)], seed), rtol=1e-5, atol=1e-5)
+    assert graphs.counts.graph_runs == 3
+
+
 def test_traced_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_piece_graphs, monkeypatch):
     lm = tiny_lm()
     order = []
