@@ -5,10 +5,12 @@ GPU's busy fraction (CUDA-only profiler: the union of kernel intervals over the 
 Usage: python docs/bench/runs/caption_host_budget.py CKPT N CONFIGS [BUSY_N]  (PASSES=2 timed passes per configuration)
   CONFIGS: comma-separated QUANT[:OPT[+OPT...]], QUANT bf16, fp8 or fp8-all; OPT inline (bca8980 only:
   EngineConfig.encode_ahead off), g8192 (prefill graphs also
-  at 2560-8192 tokens in 512-token steps: the default since 8e30052), p2048 (max_prefill_tokens=2048)"""
+  at 2560-8192 tokens in 512-token steps: the default since 8e30052), p2048 (max_prefill_tokens=2048),
+  spin (MMPIPE_BLOCKING_SYNC=0: the engine spins while it waits for a step's tokens).
+  BUSY_N=0 skips the traced pass; KERNELS=K prints the traced pass's K longest kernels (GPU ms per image)."""
 import collections, functools, os, sys, tempfile, time, json
 import torch
-from mmpipe import Pipeline, SamplingParams
+from mmpipe import Pipeline, SamplingParams, settings
 from mmpipe.app.bench.caption import write_jpegs
 from mmpipe.engine import batch, engine, model_runner, processor, scheduler
 from mmpipe.config import GraphConfig
@@ -93,12 +95,16 @@ def busy(pipe, count):
             total += e - s; end = e; last = name
         elif e > end:
             total += e - end; end = e; last = name
+    per_kernel = collections.Counter()
+    for s, e, name in ks:
+        per_kernel[name[:90]] += (e - s) / 1e3 / count  # ms per image
+    kernels = "".join(f"\n    {v:7.3f} ms/image  {k}" for k, v in per_kernel.most_common(int(os.environ.get("KERNELS", "0"))))
     span = end - ks[0][0]  # the latest end (streams overlap), not the last-starting kernel's
     big = [g for g in gaps if g > 50]
     top = "; ".join(f"{a} -> {b}: {v:.3f} s" for (a, b), v in after.most_common(5))
     return (f"GPU busy {total / span:.1%} of the kernels' span {span / 1e6:.2f} s (pass wall {wall:.2f} s, "
             f"traced); gaps > 50 us: {len(big)} summing {sum(big) / 1e6:.3f} s; all gaps {sum(gaps) / 1e6:.3f} s"
-            f"\n  longest gaps by kernels around them: {top}")
+            f"\n  longest gaps by kernels around them: {top}" + kernels)
 
 
 for config in configs:
@@ -109,6 +115,8 @@ for config in configs:
         options["prefill_graph"] = GraphConfig(buckets=STARTUP_PREFILL_SIZES + tuple(range(2560, 8193, 512)))
     if "p2048" in opts:
         options["max_prefill_tokens"] = 2048
+    os.environ["MMPIPE_BLOCKING_SYNC"] = "0" if "spin" in opts else "1"
+    settings.refresh()
     with Pipeline.from_pretrained(ck, device="cuda", dtype="bfloat16", startup_progress=False,
                                   quantization=None if quant == "bf16" else quant, **options) as pipe:
         stream(pipe, min(64, n))
@@ -125,9 +133,11 @@ for config in configs:
         print("  main-thread wall ms/image:", {k: round(1e3 * v / m, 3) for k, v in seconds.most_common()})
         print("  calls:", dict(calls))
         r = st["runner"]
-        print("  prefill graphs:", {k: st["prefill"][k] for k in ("graphs", "graph_runs", "eager_runs") if k in st["prefill"]})
+        print("  prefill graphs:", {k: st["prefill"][k] for k in ("graphs", "graph_runs", "eager_runs") if k in st["prefill"]},
+              "warm-up retries", st["prefill"].get("detail", {}).get("warmup_retries"))
         print("  runner:", {k: r[k] for k in r if not isinstance(r[k], dict)})
-        print("  " + busy(pipe, busy_n), flush=True)
+        if busy_n:
+            print("  " + busy(pipe, busy_n), flush=True)
         spy = os.environ.get("SPY")  # a py-spy binary: one more pass sampled, raw stacks to SPY_OUT
         if spy:
             import subprocess
