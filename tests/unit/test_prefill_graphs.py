@@ -239,9 +239,7 @@ def test_split_capture_holds_the_split_points_and_output_of_the_pieces(simulated
     from mmpipe.language.attention.op import attend
 
     lm = tiny_lm()
-    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
-                           True, GraphConfig(buckets=(8, 16)), memory=NoMemory())
-    graphs.capture_all(progress=False)
+    graphs = captured_split_runner(lm, (8, 16))
     assert graphs.backend is None and graphs.compiled is None  # nothing traced
     for size in (8, 16):
         steps = graphs.split.plans[size].steps
@@ -254,6 +252,14 @@ def test_split_capture_holds_the_split_points_and_output_of_the_pieces(simulated
         pieces = [args[0] for fn, args in steps if fn is not attend]
         assert [graphs.cache.graphs[(size, i)] for i in range(LAYERS + 1)] == pieces
     assert graphs.startup_note().startswith(f" x {LAYERS + 1} pieces")
+
+
+def captured_split_runner(lm, schedule) -> PrefillRunner:
+    """A runner whose pieces are captured from the eager forward, every schedule size captured."""
+    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
+                           True, GraphConfig(buckets=schedule), memory=NoMemory())
+    graphs.capture_all(progress=False)
+    return graphs
 
 
 def test_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_piece_graphs, monkeypatch):
@@ -278,9 +284,7 @@ def test_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_pi
 
     monkeypatch.setattr(TapeRecorder, "begin", begin)
     monkeypatch.setattr(PrefillRunner, "_forward_rows", forward_rows)
-    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
-                           True, GraphConfig(buckets=(8, 16, 32)), memory=NoMemory())
-    graphs.capture_all(progress=False)
+    graphs = captured_split_runner(lm, (8, 16, 32))
     sizes_in_order = [s for i, s in enumerate(order) if i == 0 or order[i - 1] != s]
     assert sizes_in_order == [32, 16, 8]
     assert graphs.failed_sizes() == [16] and graphs.stats()["detail"]["failed_sizes"] == [16]
@@ -314,9 +318,7 @@ def test_split_capture_warms_up_once_and_again_only_for_a_size_that_failed(simul
 
     monkeypatch.setattr(PrefillRunner, "_dummy_forward", dummy_forward)
     monkeypatch.setattr(TapeRecorder, "begin", begin)
-    graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
-                           True, GraphConfig(buckets=(8, 16, 32)), memory=NoMemory())
-    graphs.capture_all(progress=False)
+    graphs = captured_split_runner(lm, (8, 16, 32))
     assert failures == [16] and warmups == [32, 16]
     assert graphs.failed_sizes() == [] and graphs.stats()["capture_failures"] == 0
     assert graphs.stats()["detail"]["warmup_retries"] == 1
