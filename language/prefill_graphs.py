@@ -17,9 +17,10 @@ CUDA graph for every size of the schedule, largest first, into the language mode
 With the default piece compiler, `eager`, the pieces are captured straight from the eager forward
 (`mmpipe.graphs.split_capture`: the capture ends and resumes around each attention call): nothing
 is traced, so a start costs one warm-up forward (at the largest size) and a capture forward per
-size, and a replay runs the eager forward's exact kernels. With `inductor`, the forward is traced once by `torch.compile` with
-`mmpipe.graphs.piecewise.PiecewiseBackend` (token dimension dynamic), split at the attention op
-(`mmpipe::lm_attention`) and each piece compiled, then captured the same way. A step of T tokens
+size, and a replay runs the eager forward's exact kernels. With `inductor`, the forward is traced
+once by `torch.compile` with `mmpipe.graphs.piecewise.PiecewiseBackend` (token dimension dynamic),
+split at the attention op (`mmpipe::lm_attention`) and each piece compiled, then captured the same
+way (a warm-up per size). A step of T tokens
 runs at the smallest schedule size >= T (bisection); rows past T are padding: their K/V go to the
 dummy page (the slots buffer holds the dummy slot past the step's rows), attention is not computed
 for them, their outputs are dropped. Above the largest size (by default `max_prefill_tokens`, at

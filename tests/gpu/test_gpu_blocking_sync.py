@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
+from mmpipe.language.sampler import HostTokens, SampleResult
 
 from mmpipe import settings
-from mmpipe.language.sampler import HostTokens, SampleResult
 
 pytestmark = pytest.mark.gpu
 

@@ -325,7 +325,8 @@ def test_split_capture_warms_up_once_and_again_only_for_a_size_that_failed(simul
     assert sorted(graphs.split.plans) == [8, 16, 32] and len(graphs.cache.graphs) == 3 * (LAYERS + 1)
     plain = make_runner(lm, piecewise=False)
     for seed, n in enumerate((5, 12, 30)):
-        torch.testing.assert_close(run(graphs, [(0, n)], seed), run(plain, [(0, n)], seed), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run(graphs, [(0, n)], seed), run(plain, [(0, n)], seed),
+                                   rtol=1e-5, atol=1e-5)
     assert graphs.counts.graph_runs == 3
 
 
