@@ -353,16 +353,18 @@ class PrefillRunner(GraphRunner):
             self.state.cache = saved
 
     def capture(self, size: Any, quiet: bool = False) -> bool:
-        """A warm-up forward at `size` (compiling on the first call), then one in which every piece
-        captures its graph into the shared capture memory.
+        """A warm-up forward at `size` (compiling on the first call) where one is needed, then one
+        in which every piece captures its graph into the shared capture memory.
 
         Pieces captured from the eager forward (`split`) warm up once per `capture_all`, at its
         first (largest) size: the others are captured straight away, and only a size whose capture
         fails (a kernel first loaded inside it, say) is warmed up and captured again. The warm-ups
-        were ~1 s of a start-up on the 3B shape: an eager forward per size, run on the GPU."""
+        were ~1 s of a start-up on the 3B shape: an eager forward per size, run on the GPU. In
+        lockstep (tensor parallelism) every size still warms up: a rank's retry would run an eager
+        forward, with its collectives, that the other ranks do not."""
         assert self.cache is not None
         memory = self.state.memory
-        if self.split is not None and self._warm:
+        if self.split is not None and self._warm and not self.lockstep:
             self.state.memory = memory if memory is not None else self.cache.memory.open()
             if self._dummy_forward(size, capture=True, last_try=False):
                 return True

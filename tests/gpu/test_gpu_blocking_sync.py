@@ -9,15 +9,12 @@ import pytest
 import torch
 from mmpipe.language.sampler import HostTokens, SampleResult
 
-from mmpipe import settings
-
 pytestmark = pytest.mark.gpu
 
 
-def wait_behind_a_long_kernel(monkeypatch, flag: str) -> tuple[float, float, list[list[int]]]:
+def wait_behind_a_long_kernel(switch, flag: str) -> tuple[float, float, list[list[int]]]:
     """Thread CPU seconds and wall seconds of `get()` for tokens queued behind ~0.3 s of GPU sleep."""
-    monkeypatch.setenv("MMPIPE_BLOCKING_SYNC", flag)
-    settings.refresh()
+    switch("MMPIPE_BLOCKING_SYNC", flag)
     tokens = torch.arange(7, device="cuda") * 3
 
     def one_round(cycles: int) -> tuple[float, float, list[list[int]]]:
@@ -28,20 +25,16 @@ def wait_behind_a_long_kernel(monkeypatch, flag: str) -> tuple[float, float, lis
         ids, _ = pending.get()
         return time.thread_time() - cpu0, time.perf_counter() - wall0, ids
 
-    try:
-        # The same round once untimed: the first HostTokens queued behind running work waited in
-        # its construction, spinning (once per process in docs/bench/runs/blocking_sync_probe.py,
-        # whatever the flag); later ones wait in `get` only.
-        one_round(100_000_000)
-        return one_round(600_000_000)  # ~0.3 s at ~2 GHz
-    finally:
-        monkeypatch.delenv("MMPIPE_BLOCKING_SYNC")
-        settings.refresh()
+    # The same round once untimed: the first such round in a process waited before `get`,
+    # spinning (docs/bench/runs/blocking_sync_probe.py; most likely the first launch of the
+    # `tokens + 1` kernel, loaded while the GPU sleeps); later ones wait in `get` only.
+    one_round(100_000_000)
+    return one_round(600_000_000)  # ~0.3 s at ~2 GHz
 
 
-def test_the_waiting_thread_sleeps_with_blocking_sync_and_spins_without(monkeypatch):
-    cpu_on, wall_on, ids_on = wait_behind_a_long_kernel(monkeypatch, "1")
-    cpu_off, wall_off, ids_off = wait_behind_a_long_kernel(monkeypatch, "0")
+def test_the_waiting_thread_sleeps_with_blocking_sync_and_spins_without(switch):
+    cpu_on, wall_on, ids_on = wait_behind_a_long_kernel(switch, "1")
+    cpu_off, wall_off, ids_off = wait_behind_a_long_kernel(switch, "0")
     assert ids_on == ids_off == [[1], [4], [7], [10], [13]]
     assert wall_on > 0.05 and wall_off > 0.05, (wall_on, wall_off)  # the wait really was behind the kernel
     assert cpu_on < 0.2 * wall_on, (cpu_on, wall_on)

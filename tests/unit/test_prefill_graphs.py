@@ -254,10 +254,11 @@ def test_split_capture_holds_the_split_points_and_output_of_the_pieces(simulated
     assert graphs.startup_note().startswith(f" x {LAYERS + 1} pieces")
 
 
-def captured_split_runner(lm, schedule) -> PrefillRunner:
+def captured_split_runner(lm, schedule, lockstep: bool = False) -> PrefillRunner:
     """A runner whose pieces are captured from the eager forward, every schedule size captured."""
     graphs = PrefillRunner(lm, KVCache(LAYERS, 24, 8, lm.num_kv_heads, lm.head_dim, torch.float32, CPU), CPU, 64,
                            True, GraphConfig(buckets=schedule), memory=NoMemory())
+    graphs.lockstep = lockstep
     graphs.capture_all(progress=False)
     return graphs
 
@@ -266,28 +267,30 @@ def test_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_pi
     """A piece that cannot be captured (the second piece of size 16) fails its whole size, which
     then runs without graphs; its pieces captured before the failure are destroyed."""
     lm = tiny_lm()
-    order = []
-    real = TapeRecorder.begin
+    order = []  # the size of every piece capture begun
+    real_begin, real_dummy = TapeRecorder.begin, PrefillRunner._dummy_forward
+    current = [None, 0]  # the size being captured, pieces begun in this capture
+
+    def dummy_forward(self, size, capture, graphs=True, last_try=True):
+        current[:] = [size, 0]
+        return real_dummy(self, size, capture, graphs, last_try)
 
     def begin(self, memory):
-        order.append(graphs_size[0])
-        if graphs_size[0] == 16 and len(order) > 1 and order[-2] == 16:  # the second piece of size 16
+        order.append(current[0])
+        current[1] += 1
+        if current[0] == 16 and current[1] == 2:  # the second piece of size 16
             raise torch.cuda.OutOfMemoryError("simulated")
-        return real(self, memory)
-
-    graphs_size = [None]
-    real_forward = PrefillRunner._forward_rows
-
-    def forward_rows(self, size):
-        graphs_size[0] = size
-        return real_forward(self, size)
+        return real_begin(self, memory)
 
     monkeypatch.setattr(TapeRecorder, "begin", begin)
-    monkeypatch.setattr(PrefillRunner, "_forward_rows", forward_rows)
+    monkeypatch.setattr(PrefillRunner, "_dummy_forward", dummy_forward)
     graphs = captured_split_runner(lm, (8, 16, 32))
     sizes_in_order = [s for i, s in enumerate(order) if i == 0 or order[i - 1] != s]
     assert sizes_in_order == [32, 16, 8]
     assert graphs.failed_sizes() == [16] and graphs.stats()["detail"]["failed_sizes"] == [16]
+    # Without a warm-up it failed at piece 1 (piece 0 discarded), then again after one: one failure.
+    assert order.count(16) == 4
+    assert graphs.stats()["capture_failures"] == 1 and graphs.stats()["detail"]["warmup_retries"] == 1
     assert not any(key[0] == 16 for key in graphs.cache.graphs)  # piece 0 of size 16 destroyed
     assert len(graphs.cache.graphs) == 2 * (LAYERS + 1)
     plain = make_runner(lm, piecewise=False)
@@ -328,6 +331,23 @@ def test_split_capture_warms_up_once_and_again_only_for_a_size_that_failed(simul
         torch.testing.assert_close(run(graphs, [(0, n)], seed), run(plain, [(0, n)], seed),
                                    rtol=1e-5, atol=1e-5)
     assert graphs.counts.graph_runs == 3
+
+
+def test_in_lockstep_every_size_warms_up(simulated_piece_graphs, monkeypatch):
+    """Tensor parallelism: no capture without a warm-up (a rank's retry would run collectives the
+    other ranks do not)."""
+    warmups = []
+    real_dummy = PrefillRunner._dummy_forward
+
+    def dummy_forward(self, size, capture, graphs=True, last_try=True):
+        if not capture:
+            warmups.append(size)
+        assert last_try, "a capture that may fail quietly in lockstep"
+        return real_dummy(self, size, capture, graphs, last_try)
+
+    monkeypatch.setattr(PrefillRunner, "_dummy_forward", dummy_forward)
+    graphs = captured_split_runner(tiny_lm(), (8, 16, 32), lockstep=True)
+    assert warmups == [32, 16, 8] and sorted(graphs.split.plans) == [8, 16, 32]
 
 
 def test_traced_capture_runs_largest_first_and_a_failed_size_runs_compiled(simulated_piece_graphs, monkeypatch):
