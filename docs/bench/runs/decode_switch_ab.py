@@ -8,7 +8,7 @@ Usage: python docs/bench/runs/decode_switch_ab.py CKPT BATCHES CONFIG [CONFIG ..
   CONFIG: QUANT[:VAR=VALUE[+VAR=VALUE...]], QUANT bf16 | fp8 | fp8-all,
   e.g. fp8:MMPIPE_DECODE_ROPE_FUSED=0
 (Each configuration captures its own decode graphs, so switches read at capture time apply.)
-`generate`, `decode_ms` and `weight_floor_ms` also serve pdl_prefetch_ab.py."""
+`generate` and `batch_timings` also serve pdl_prefetch_ab.py."""
 import os
 import sys
 import time
@@ -48,6 +48,13 @@ def weight_floor_ms(pipe: Pipeline, bandwidth: float) -> float:
     return weight_bytes / bandwidth * 1e3
 
 
+def batch_timings(ck: str, quant: str, batches: list[int],
+                  bandwidth: float) -> tuple[Pipeline, float, list[float]]:
+    """A Pipeline of `quant` (bf16, fp8, fp8-all), its weight floor (ms) and decode ms/step per batch."""
+    pipe = Pipeline.from_pretrained(ck, quantization=None if quant == "bf16" else quant, startup_progress=False)
+    return pipe, weight_floor_ms(pipe, bandwidth), [decode_ms(pipe, b) for b in batches]
+
+
 def main() -> None:
     from mmpipe.app.bench.main import copy_bandwidth
 
@@ -62,12 +69,9 @@ def main() -> None:
             saved[name] = os.environ.get(name)
             os.environ[name] = value
         settings.refresh()
-        pipe = Pipeline.from_pretrained(ck, quantization=None if quant == "bf16" else quant, startup_progress=False)
-        floor = weight_floor_ms(pipe, bw)
-        row = []
-        for b in batches:
-            ms = decode_ms(pipe, b)
-            row.append(f"b{b} {ms:.3f}" + (f" ({floor / ms:.0%} of {floor:.2f})" if b == 1 else ""))
+        pipe, floor, times = batch_timings(ck, quant, batches, bw)
+        row = [f"b{b} {ms:.3f}" + (f" ({floor / ms:.0%} of {floor:.2f})" if b == 1 else "")
+               for b, ms in zip(batches, times)]
         print(f"{config:40s} " + " | ".join(row), flush=True)
         pipe.close()
         torch.cuda.empty_cache()

@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from mmpipe import Pipeline, settings
+from mmpipe import settings
 from mmpipe.app.bench.main import copy_bandwidth
-from decode_switch_ab import decode_ms, generate, weight_floor_ms  # this folder is sys.path[0]
+from decode_switch_ab import batch_timings, generate  # this folder is sys.path[0]
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 profile = int(sys.argv[sys.argv.index("--profile") + 1]) if "--profile" in sys.argv else 0
@@ -31,11 +31,9 @@ for config in configs:
     quant, prefetch = config.split(":")
     os.environ["MMPIPE_PDL_PREFETCH"] = prefetch
     settings.refresh()
-    pipe = Pipeline.from_pretrained(ck, quantization=None if quant == "bf16" else quant, startup_progress=False)
-    floor = weight_floor_ms(pipe, bw)
+    pipe, floor, times = batch_timings(ck, quant, batches, bw)
     row = []
-    for b in batches:
-        ms = decode_ms(pipe, b)
+    for b, ms in zip(batches, times):
         share = f" ({floor / ms:.0%} of the {floor:.2f} ms floor)" if b == 1 else ""
         row.append(f"b{b} {ms:.3f}")
         print(f"{config:8s} decode batch {b:3d}: {ms:.3f} ms/step{share}", flush=True)
