@@ -4,8 +4,14 @@ columns of a row (`quantize_per_group`, for block-scaled FP8 weights: one scale 
 128-column group). The PyTorch references are six kernels and two float32 copies of the
 activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before an FP8 product on CUDA
 whose input comes unquantized.
-Both scale by the float32 reciprocal of 448 and divide the values with IEEE rounding, so they
-agree bit for bit.
+Both scale by the float32 reciprocal of 448 and multiply the values by the scale's float32
+reciprocal (each IEEE-rounded), so they agree bit for bit, on the CPU too. Multiplying, not dividing
+each value: an IEEE division is a dozen instructions on the GPU, and these kernels are as much
+issue-bound as memory-bound (a 1280-column norm writing FP8 rows took 62.6 us dividing, 38.2
+multiplying, H200; docs/bench/norm_silu_h200.md). The values differ from division's in the last
+float32 bit at most, which rounding to FP8's three mantissa bits almost never sees.
+A row up to ONE_PASS_COLUMNS wide is held in registers and read once (`row_layout`); wider rows
+are read twice, the second time from cache.
 
 `Fp8Rows` carries activations already quantized, per row or per row and 128-column group: the
 kernels that make a product's input (`mmpipe.kernels.fused.add_rms_norm`, `silu_mul`) can
@@ -28,6 +34,8 @@ TINY = 1e-12  # an all-zero row keeps a finite scale (its values quantize to zer
 # Scales are the row maximum times the float32 reciprocal of 448 (an exact product on every device;
 # PyTorch's CUDA division by a number is that product, its CPU division is not).
 INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32))
+# Rows up to this many columns are quantized from registers in one pass (see row_layout).
+ONE_PASS_COLUMNS = 16384
 # Group-quantized activations come with their rows padded to this: cuBLASLt's block-scaled GEMM
 # takes only row counts that are multiples of 4 (H100, torch 2.11).
 GEMM_ROW_MULTIPLE = 4
@@ -84,7 +92,7 @@ def empty_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device, g
 
 def quantize_per_row_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=TINY) * INV_FP8_MAX
-    values = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    values = (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scale
 
 
@@ -96,12 +104,26 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.empty(rows, cols, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and cols:
-        block = min(4096, next_power_of_2(cols))
+        one_pass, block, warps = row_layout(cols)
         launch(_quantize_rows_kernel, (rows,), x, values, scale, cols, x.stride(0), TINY, FP8_MAX, INV_FP8_MAX,
-               BLOCK=block, num_warps=8 if block >= 2048 else 4)
+               BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     elif rows:
         scale.fill_(TINY / FP8_MAX)
     return values, scale
+
+
+def row_layout(cols: int, values_per_thread: int = 16) -> tuple[bool, int, int]:
+    """(one pass, BLOCK, warps) of a kernel quantizing rows of `cols` values with a scale per row,
+    a program per row: up to ONE_PASS_COLUMNS the row is held in registers, `values_per_thread`
+    values a thread (more where 32 warps do not reach); wider rows go in two passes of 4096
+    columns. Measured on an H200 (docs/bench/norm_silu_h200.md): the quantizer at 16 values a
+    thread, 19.9 us for 16384 x 1280 against 26.3 at 8; the SiLU product, which holds gate and up,
+    at 8: 108.8 us for 16384 x 3420 against 123.1 at 16 and 156.2 in two passes; for 4096 x 11008
+    one pass 71.6 us against 88.7 in two."""
+    block = next_power_of_2(cols)
+    if block <= ONE_PASS_COLUMNS:
+        return True, block, min(32, max(4, block // (32 * values_per_thread)))
+    return False, 4096, 8
 
 
 def quantize_per_group_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +133,7 @@ def quantize_per_group_reference(x: torch.Tensor, group: int) -> tuple[torch.Ten
     padded[:, :cols] = x
     tiles = padded.view(rows, groups, group)
     scale = tiles.abs().amax(dim=-1).clamp(min=TINY) * INV_FP8_MAX  # [rows, groups]
-    values = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, -1)[:, :cols]
+    values = (tiles * (1.0 / scale[..., None])).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, -1)[:, :cols]
     return values.contiguous(), _column_major(scale)
 
 
@@ -155,6 +177,11 @@ def group_tile(cols: int, group: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def reciprocal_rn(x):
+        """1 / x in float32 with IEEE rounding (as PyTorch's `1.0 / x`)."""
+        return tl.math.div_rn(tl.zeros_like(x) + 1.0, x)
+
+    @triton.jit
     def quantize_row(q_ptr, s_ptr, row, cols, offs, mask, values, tiny, fp8_max, inv_fp8_max):
         """Store one row held whole in registers (`values` at columns `offs`, already rounded to
         the activations' dtype) as FP8 at q_ptr + row * cols and its scale at s_ptr + row:
@@ -162,7 +189,7 @@ if triton is not None:
         v = tl.where(mask, values.to(tl.float32), 0.0)
         scale = tl.maximum(tl.max(tl.abs(v), axis=0), tiny) * inv_fp8_max
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max)
+        q = tl.minimum(tl.maximum(v * reciprocal_rn(scale), -fp8_max), fp8_max)
         tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit
@@ -176,7 +203,7 @@ if triton is not None:
         v = tl.where(mask, values.to(tl.float32), 0.0)
         scale = tl.maximum(tl.max(tl.abs(v), axis=1), tiny) * inv_fp8_max  # [groups]
         tl.store(s_ptr + gi * scale_stride + row, scale, mask=gi * GROUP < cols)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -fp8_max), fp8_max)
+        q = tl.minimum(tl.maximum(v * reciprocal_rn(scale)[:, None], -fp8_max), fp8_max)
         tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit
@@ -189,18 +216,27 @@ if triton is not None:
         quantize_row_groups(q_ptr, s_ptr, scale_stride, row, cols, gi, x, tiny, fp8_max, inv_fp8_max, GROUP)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr,
+                              ONE_PASS: tl.constexpr):
+        """One row per program. ONE_PASS (BLOCK covers the row): read once, held in registers. Else
+        the row's largest magnitude in a first pass, then the row again (now in cache)."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, cols, BLOCK):
-            mask = start + offs < cols
-            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), tiny) * inv_fp8_max
-        tl.store(s_ptr + row, scale)
-        for start in range(0, cols, BLOCK):
-            mask = start + offs < cols
-            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-            tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)
+        if ONE_PASS:
+            mask = offs < cols
+            x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+            quantize_row(q_ptr, s_ptr, row, cols, offs, mask, x, tiny, fp8_max, inv_fp8_max)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, cols, BLOCK):
+                mask = start + offs < cols
+                x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0), tiny) * inv_fp8_max
+            tl.store(s_ptr + row, scale)
+            inv = reciprocal_rn(scale)
+            for start in range(0, cols, BLOCK):
+                mask = start + offs < cols
+                x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(x * inv, -fp8_max), fp8_max)
+                tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)

@@ -19,7 +19,7 @@ its input (`mmpipe.layers.fp8.fp8_input`): 0 for one scale per row, 128 for one 
 then writes the output as FP8 with its scales (`Fp8Rows`), bit for bit `quantize_per_row` /
 `quantize_per_group` of the output it would have written, instead of writing it in the model's
 dtype for the quantizer to read again. With one scale per row the SiLU product reads its row once,
-held in registers, or twice where that measured faster (`silu_quant_one_pass`).
+held in registers, up to `fp8_quant.ONE_PASS_COLUMNS` columns, else twice (`fp8_quant.row_layout`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from mmpipe.kernels.fp8_quant import (
     Fp8Rows,
     empty_rows,
     group_tile,
+    row_layout,
     rows_of,
 )
 from mmpipe.kernels.gemv import PartialSums
@@ -43,17 +44,7 @@ from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
 
 if triton is not None:
-    from mmpipe.kernels.fp8_quant import quantize_row, quantize_row_groups
-
-
-# The FP8 SiLU product with a scale per row holds a row in registers (gate and up read once) up to
-# ONE_PASS_COLUMNS, for decode-sized batches (<= ONE_PASS_ROWS) or rows of <= ONE_PASS_ANY_ROWS;
-# else two passes, the second from cache. H100 (docs/bench/silu_quant_h100.md), two -> one pass:
-# 4096 x 3420 (ViT) 57.9 -> 46.4 us, 64 x 11008 8.6 -> 6.2, 256 x 11008 11.2 -> 10.0, but prefill's
-# 4096 x 11008 120 -> 133 (a 16-warp program per row), so that stays in two.
-ONE_PASS_COLUMNS = 16384
-ONE_PASS_ROWS = 256
-ONE_PASS_ANY_ROWS = 4096
+    from mmpipe.kernels.fp8_quant import quantize_row, quantize_row_groups, reciprocal_rn
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -202,13 +193,6 @@ def silu_mul(gate_up: torch.Tensor, fp8: int | None = None) -> torch.Tensor | Fp
     return out.view(*gate_up.shape[:-1], cols)
 
 
-def silu_quant_one_pass(rows: int, cols: int) -> bool:
-    """Whether the FP8 SiLU product with a scale per row holds each row in registers (see
-    ONE_PASS_COLUMNS) rather than reading it twice."""
-    block = next_power_of_2(cols)
-    return block <= ONE_PASS_COLUMNS and (rows <= ONE_PASS_ROWS or block <= ONE_PASS_ANY_ROWS)
-
-
 def _check_group(fp8: int | None) -> None:
     if fp8 is not None and (fp8 < 0 or fp8 & (fp8 - 1)):
         raise ValueError(f"fp8={fp8}: give None, 0 (one scale per row) or a power-of-two group width")
@@ -222,13 +206,7 @@ def _silu_mul_fp8(g2: torch.Tensor, rows: int, cols: int, group: int) -> Fp8Rows
         launch(_silu_mul_groups_kernel, (rows, cdiv(cols, group * tile)), g2, out.values, scale, scale_stride, cols,
                g2.stride(0), TINY, FP8_MAX, INV_FP8_MAX, GROUP=group, GROUPS=tile, PDL=on, num_warps=4, launch_pdl=on)
     elif rows and cols:
-        one_pass = silu_quant_one_pass(rows, cols)
-        if one_pass:  # ~32 values a thread at most
-            block = next_power_of_2(cols)
-            warps = min(16, max(4, block // 512))
-        else:
-            block = 4096
-            warps = 8
+        one_pass, block, warps = row_layout(cols, values_per_thread=8)  # gate and up both held
         launch(_silu_mul_quant_kernel, (rows,), g2, out.values, scale, cols, g2.stride(0), TINY, FP8_MAX,
                INV_FP8_MAX, BLOCK=block, ONE_PASS=one_pass, PDL=on, num_warps=warps, launch_pdl=on)
     elif rows and not group:
@@ -322,20 +300,17 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < cols
-        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
-        u = tl.load(g_ptr + row * stride_g + cols + offs, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu, rounded like F.silu's output
-        out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-        tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+        out = _silu_mul_act(g_ptr, row, stride_g, cols, offs, mask)
+        tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_act(g_ptr, row, stride_g, cols, offs, mask):
+        """silu(gate) * up at columns `offs` of a row, rounded as F.silu(gate) * up rounds, in float32."""
         g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
         u = tl.load(g_ptr + row * stride_g + cols + offs, mask=mask, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)  # as _silu_mul_kernel rounds
+        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
 
     @triton.jit
     def _silu_mul_quant_kernel(g_ptr, q_ptr, s_ptr, cols, stride_g, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr,
@@ -357,10 +332,11 @@ if triton is not None:
                 amax = tl.maximum(amax, tl.abs(_silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)))
             scale = tl.maximum(tl.max(amax, axis=0), tiny) * inv_fp8_max
             tl.store(s_ptr + row, scale)
+            inv = reciprocal_rn(scale)
             for start in range(0, cols, BLOCK):
                 mask = start + offs < cols
                 v = _silu_mul_act(g_ptr, row, stride_g, cols, start + offs, mask)
-                q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max)
+                q = tl.minimum(tl.maximum(v * inv, -fp8_max), fp8_max)
                 tl.store(q_ptr + row * cols + start + offs, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit

@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 64), (7, 2048), (33, 5000), (128, 11008)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 2048), (33, 5000), (128, 11008), (5, 18944)])
 def test_the_quantizer_kernel_equals_pytorch_bit_for_bit(shape, dtype):
+    """One pass up to fp8_quant.ONE_PASS_COLUMNS, two for the 7B's 18944 columns."""
     gen = torch.Generator(device="cuda").manual_seed(shape[1])
     x = (torch.randn(shape, device="cuda", generator=gen) *
          torch.logspace(-3, 3, shape[0], device="cuda").unsqueeze(1)).to(dtype)
@@ -277,7 +278,7 @@ def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, de
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,cols", [(1, 64), (5, 5000), (64, 11008), (130, 3456), (3, 4096), (7, 18944)])
 def test_the_silu_product_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, rows, cols, group):
-    """Rows up to fused.ONE_PASS_COLUMNS in one pass, wider ones (18944, the 7B shape) in two."""
+    """Rows up to fp8_quant.ONE_PASS_COLUMNS in one pass, wider ones (18944, the 7B shape) in two."""
     from mmpipe.kernels.fused import silu_mul
 
     gate_up = _rows_of_magnitudes(rows, 2 * cols, dtype, rows * cols) * 3
