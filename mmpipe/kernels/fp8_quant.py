@@ -1,5 +1,5 @@
 """FP8 E4M3 quantization of activations in one kernel, per row (per token: each row's largest
-magnitude, its scale (that / 448) and the row divided by it, rounded to FP8) or per group of 128
+magnitude, its scale (that / 448) and the row times the scale's reciprocal, rounded to FP8) or per group of 128
 columns of a row (`quantize_per_group`, for block-scaled FP8 weights: one scale per row and
 128-column group). The PyTorch references are six kernels and two float32 copies of the
 activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before an FP8 product on CUDA
@@ -7,11 +7,12 @@ whose input comes unquantized.
 Both scale by the float32 reciprocal of 448 and multiply the values by the scale's float32
 reciprocal (each IEEE-rounded), so they agree bit for bit, on the CPU too. Multiplying, not dividing
 each value: an IEEE division is a dozen instructions on the GPU, and these kernels are as much
-issue-bound as memory-bound (a 1280-column norm writing FP8 rows took 62.6 us dividing, 38.2
+issue-bound as memory-bound (a 1280-column norm writing FP8 rows took 62.7 us dividing, 38.2
 multiplying, H200; docs/bench/norm_silu_h200.md). The values differ from division's in the last
 float32 bit at most, which rounding to FP8's three mantissa bits almost never sees.
-A row up to ONE_PASS_COLUMNS wide is held in registers and read once (`row_layout`); wider rows
-are read twice, the second time from cache.
+The quantizer and the SiLU product hold a row up to ONE_PASS_COLUMNS wide in registers and
+read it once (`row_layout`); wider rows are read twice, the second time from cache. (Weights
+quantized at load per output channel go through `quantize_per_row` too.)
 
 `Fp8Rows` carries activations already quantized, per row or per row and 128-column group: the
 kernels that make a product's input (`mmpipe.kernels.fused.add_rms_norm`, `silu_mul`) can
@@ -108,7 +109,7 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         launch(_quantize_rows_kernel, (rows,), x, values, scale, cols, x.stride(0), TINY, FP8_MAX, INV_FP8_MAX,
                BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     elif rows:
-        scale.fill_(TINY / FP8_MAX)
+        scale.fill_(TINY * INV_FP8_MAX)
     return values, scale
 
 

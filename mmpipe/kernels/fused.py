@@ -317,7 +317,7 @@ if triton is not None:
                                ONE_PASS: tl.constexpr, PDL: tl.constexpr):
         """One row per program. ONE_PASS (BLOCK covers the row): the products stay in registers,
         gate and up are read once. Else the row's largest |silu(gate) * up| in a first pass, then
-        the products again (their inputs now in cache) divided by the scale and stored as FP8."""
+        the products again (their inputs now in cache) times the scale's reciprocal, as FP8."""
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)

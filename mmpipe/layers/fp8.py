@@ -6,8 +6,9 @@ through mmpipe's Triton FP8 GEMM instead, where it is faster (`mmpipe.kernels.fp
 with `split=True` possibly as K-split `PartialSums` for the caller to add up.
 
 The arithmetic, for x [M, K] and W [N, K]:
-    w_scale[n] = max_k |W[n, k]| / 448,   Wq = fp8(W / w_scale)
-    x_scale[m] = max_k |x[m, k]| / 448,   xq = fp8(x / x_scale)
+    w_scale[n] = max_k |W[n, k]| / 448,   Wq = fp8(W * (1 / w_scale))
+    x_scale[m] = max_k |x[m, k]| / 448,   xq = fp8(x * (1 / x_scale))
+(each reciprocal IEEE-rounded in float32, as `mmpipe.kernels.fp8_quant` computes it.)
     y[m, n]    = x_scale[m] * w_scale[n] * sum_k xq[m, k] * Wq[n, k]  (+ bias[n])
 Everything is shaped by the rows only (no host sync), so it runs inside the CUDA graphs as is.
 Decode steps of up to `gemv.MAX_ROWS` rows take another path, chosen by the model's call sites

@@ -40,6 +40,9 @@ def test_the_quantizer_kernel_equals_pytorch_bit_for_bit(shape, dtype):
     ref_values, ref_scale = quantize_per_row_reference(x)
     assert torch.equal(scale, ref_scale)
     assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    cpu_values, cpu_scale = quantize_per_row_reference(x.cpu())  # the CPU's arithmetic is the same
+    assert torch.equal(cpu_scale.cuda(), scale) and torch.equal(cpu_values.view(torch.uint8).cuda(),
+                                                                values.view(torch.uint8))
 
 
 def test_an_fp8_layer_on_cuda_equals_its_arithmetic():
@@ -152,6 +155,9 @@ def test_the_group_quantizer_kernel_equals_pytorch_bit_for_bit(shape, dtype):
     assert scale.shape == ref_scale.shape == (shape[0], -(-shape[1] // 128)) and scale.stride(0) == 1
     assert torch.equal(scale, ref_scale)
     assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    cpu_values, cpu_scale = quantize_per_group_reference(x.cpu(), 128)  # the CPU's arithmetic is the same
+    assert torch.equal(cpu_scale.cuda(), scale) and torch.equal(cpu_values.view(torch.uint8).cuda(),
+                                                                values.view(torch.uint8))
     padded_values, padded_scale = quantize_per_group(x, row_multiple=4)  # cuBLASLt's row multiple
     rows = -(-shape[0] // 4) * 4
     assert padded_values.shape[0] == padded_scale.shape[0] == rows and padded_scale.stride(0) == 1

@@ -1,5 +1,8 @@
 # Norm / FP8 SiLU-product layouts and the quantizers' reciprocal (issue 31): kernel sweep on this
 # tree and the old one (.old = HEAD before the change), the kernels' GPU tests.
+# (It ran an uncommitted tree: a 2-D norm / SiLU kernel with rows per program and a version of
+# norm_silu_sweep.py that swept those layouts and wrote the fastest to $OUT/layouts.json. Neither
+# was kept; the committed sweep takes no argument. Raw output: norm_silu_rows_per_program_h200_call1.txt.)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
 nvidia-smi --query-gpu=name --format=csv,noheader

@@ -1,4 +1,6 @@
-"""The FP8 SiLU product with a per-row scale in one pass (the row held in registers) against two
+"""(Runs on trees up to f933188: 6262030 replaced fused.ONE_PASS_COLUMNS by fp8_quant.row_layout;
+norm_silu_sweep.py sweeps the layouts since.)
+The FP8 SiLU product with a per-row scale in one pass (the row held in registers) against two
 passes (ONE_PASS_COLUMNS = 0): GPU microseconds per call at captioning's shapes (Triton's
 do_bench_cudagraph, median), with the plain SiLU product beside them and the two outputs
 checked equal bit for bit; then captioning throughput with each (one process, a Pipeline per
