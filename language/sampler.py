@@ -271,11 +271,7 @@ def sample(logits: torch.Tensor, t: SamplerTensors | None, variant: SamplerVaria
     if t is None and variant.needs_tensors:
         raise ValueError(f"sample: {variant} needs SamplerTensors")
     vocab = logits.shape[-1]
-    k = min(variant.logprobs, vocab)
-    # Plain greedy rows take the argmax of the logits as they come: the same index as of their
-    # exact float32 widening (ties go to the first either way), without a [B, V] float32 copy.
-    widen = variant.penalty or variant.ban or variant.random or k > 0
-    raw = logits.float() if widen else logits
+    raw = logits.float()
     x, owned = raw, raw is not logits  # `owned`: x is our own copy, safe to modify in place
     if variant.penalty:
         if t.seen is None:
@@ -294,6 +290,7 @@ def sample(logits: torch.Tensor, t: SamplerTensors | None, variant: SamplerVaria
         # anything else is greedy, in any variant.
         tokens = torch.where(t.temperature > 0, _sample_random(x, t, variant), greedy)
 
+    k = min(variant.logprobs, vocab)
     if k <= 0:
         return SampleResult(tokens, None, None, None)
     logprobs = torch.log_softmax(raw, dim=-1)

@@ -303,25 +303,6 @@ def test_greedy_only_variants_run_argmax_and_only_what_is_asked():
         assert not {"sort", "softmax", "cumsum", "log", "log_"} & set(big_ops(variant))
     assert {"sort", "softmax", "cumsum"} <= set(big_ops(EVERYTHING))  # (the check sees these functions)
 
-    half = x.to(torch.bfloat16)  # the model's dtype: greedy rows make no float32 copy of [B, V]
-    with Ops(half.shape) as ops:
-        tokens = sample(half, t, SamplerVariant()).tokens
-    assert [name for name in ops.names if name != "__get__"] == ["argmax"]
-    assert torch.equal(tokens, half.float().argmax(-1))
-    with Ops(half.shape) as ops:
-        sample(half, t, SamplerVariant(logprobs=4))
-    assert "float" in ops.names  # log-probabilities of the widened logits
-
-
-def test_greedy_argmax_of_bfloat16_logits_takes_the_first_of_tied_maxima():
-    x = torch.zeros(3, 64, dtype=torch.bfloat16)
-    x[0, [5, 9]] = 1.0  # an exact tie
-    x[1, [3, 40]] = torch.tensor([1.0, 1.0 + 2 ** -9]).to(torch.bfloat16)  # rounds to a tie in bfloat16
-    x[2, 7], x[2, 8] = 2.0, 2.015625  # one bfloat16 step apart (2 ** -6 at 2): no tie
-    tokens = sample(x, None, SamplerVariant()).tokens
-    assert tokens.tolist() == [5, 3, 8]
-    assert torch.equal(tokens, x.float().argmax(-1))
-
 
 # ---------------------------------------------------------------- each knob's effect on the distribution
 

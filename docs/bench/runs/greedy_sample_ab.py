@@ -1,7 +1,8 @@
 """GPU microseconds of greedy sampling from bfloat16 logits (a 151936-token vocabulary, the 3B
 shape's): the sampler's argmax of the logits as they come against the argmax of a float32 copy
 (what it ran before), Triton's do_bench_cudagraph, median; the chosen tokens checked equal.
-Usage: python docs/bench/runs/greedy_sample_ab.py"""
+Runs on 56f66ca only (the sampler change was reverted: the model hands the sampler float32 logits,
+see docs/bench/norm_silu_h200.md). Usage: python docs/bench/runs/greedy_sample_ab.py"""
 import torch
 from triton.testing import do_bench_cudagraph
 
