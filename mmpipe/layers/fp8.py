@@ -8,8 +8,8 @@ with `split=True` possibly as K-split `PartialSums` for the caller to add up.
 The arithmetic, for x [M, K] and W [N, K]:
     w_scale[n] = max_k |W[n, k]| / 448,   Wq = fp8(W * (1 / w_scale))
     x_scale[m] = max_k |x[m, k]| / 448,   xq = fp8(x * (1 / x_scale))
-(each reciprocal IEEE-rounded in float32, as `mmpipe.kernels.fp8_quant` computes it.)
     y[m, n]    = x_scale[m] * w_scale[n] * sum_k xq[m, k] * Wq[n, k]  (+ bias[n])
+(each reciprocal IEEE-rounded in float32, as `mmpipe.kernels.fp8_quant` computes it).
 Everything is shaped by the rows only (no host sync), so it runs inside the CUDA graphs as is.
 Decode steps of up to `gemv.MAX_ROWS` rows take another path, chosen by the model's call sites
 (`language/qwen2.py`, `layers/mlp.py`): the few-row kernels read the FP8 weight, widen it in
