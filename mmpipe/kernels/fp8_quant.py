@@ -1,6 +1,6 @@
 """FP8 E4M3 quantization of activations in one kernel, per row (per token: each row's largest
-magnitude, its scale (that / 448) and the row times the scale's reciprocal, rounded to FP8) or per group of 128
-columns of a row (`quantize_per_group`, for block-scaled FP8 weights: one scale per row and
+magnitude, its scale (that / 448) and the row times the scale's reciprocal, rounded to FP8) or per
+group of 128 columns of a row (`quantize_per_group`, for block-scaled FP8 weights: one scale per row and
 128-column group). The PyTorch references are six kernels and two float32 copies of the
 activations; these are what `mmpipe.layers.fp8.Fp8Linear` runs before an FP8 product on CUDA
 whose input comes unquantized.
@@ -217,8 +217,8 @@ if triton is not None:
         quantize_row_groups(q_ptr, s_ptr, scale_stride, row, cols, gi, x, tiny, fp8_max, inv_fp8_max, GROUP)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, tiny, fp8_max, inv_fp8_max, BLOCK: tl.constexpr,
-                              ONE_PASS: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, tiny, fp8_max, inv_fp8_max,
+                              BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         """One row per program. ONE_PASS (BLOCK covers the row): read once, held in registers. Else
         the row's largest magnitude in a first pass, then the row again (now in cache)."""
         row = tl.program_id(0).to(tl.int64)

@@ -67,12 +67,14 @@ LAYOUTS = {3420: [(True, 4096, 8), (True, 4096, 16), (True, 4096, 32), (False, 4
 for rows, cols in [(16384, 3420), (4096, 3420), (4096, 11008), (256, 11008), (64, 11008)]:
     g = torch.randn(rows, 2 * cols, device=CUDA, dtype=torch.bfloat16) * 3
     at_copy = rows * cols * (2 + 2 + 1) / copy_gbps / 1e3
-    line = (f"silu {rows:5d} x {cols:5d}: at copy rate {at_copy:6.1f} us, FP8 {us(lambda: fused.silu_mul(g, fp8=0)):6.1f}, "
-            f"plain {us(lambda: fused.silu_mul(g)):6.1f}")
+    fp8_us, plain_us = us(lambda: fused.silu_mul(g, fp8=0)), us(lambda: fused.silu_mul(g))
+    line = (f"silu {rows:5d} x {cols:5d}: at copy rate {at_copy:6.1f} us, FP8 {fp8_us:6.1f}, "
+            f"plain {plain_us:6.1f}")
     print(sweep(line, lambda: fused.silu_mul(g, fp8=0), LAYOUTS[cols], 8), flush=True)
 
 for rows, cols in [(16384, 1280), (4096, 2048), (64, 2048)]:
     x = torch.randn(rows, cols, device=CUDA, dtype=torch.bfloat16)
     at_copy = rows * cols * 3 / copy_gbps / 1e3
-    line = f"quantize_per_row {rows:5d} x {cols:4d}: at copy rate {at_copy:6.1f} us, {us(lambda: fp8_quant.quantize_per_row(x)):6.1f}"
+    took = us(lambda: fp8_quant.quantize_per_row(x))
+    line = f"quantize_per_row {rows:5d} x {cols:4d}: at copy rate {at_copy:6.1f} us, {took:6.1f}"
     print(sweep(line, lambda: fp8_quant.quantize_per_row(x), LAYOUTS[cols], 16), flush=True)
