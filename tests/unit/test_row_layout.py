@@ -7,6 +7,7 @@ wider than a row held in registers."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mmpipe.kernels.fp8_quant import row_layout
 
@@ -21,3 +22,17 @@ from mmpipe.kernels.fp8_quant import row_layout
 ])
 def test_rows_are_held_in_registers_up_to_16384_columns(cols, per_thread, layout):
     assert row_layout(cols, per_thread) == layout
+
+
+def test_the_silu_product_launches_at_8_values_a_thread(monkeypatch):
+    """The launch the FP8 SiLU product takes on CUDA (the kernel call intercepted, so it runs on the
+    CPU): its program holds gate and up, at 8 values a thread (the quantizer takes the default 16)."""
+    from mmpipe.kernels import fused
+
+    launches = []
+    monkeypatch.setattr(fused, "_use_triton", lambda t: True)
+    monkeypatch.setattr(fused, "launch", lambda kernel, grid, *a, **k: launches.append((kernel, grid, k)))
+    monkeypatch.setattr(fused, "_silu_mul_quant_kernel", "silu", raising=False)
+    fused.silu_mul(torch.randn(5, 2 * 3420), fp8=0)
+    [(kernel, grid, kw)] = launches
+    assert (kernel, grid, kw["BLOCK"], kw["ONE_PASS"], kw["num_warps"]) == ("silu", (5,), 4096, True, 16)
