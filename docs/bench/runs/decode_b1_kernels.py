@@ -22,7 +22,10 @@ with Pipeline.from_pretrained(ck, device="cuda", dtype="bfloat16", startup_progr
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(os.path.join(tmp, "t.json"))
         ev = json.load(open(os.path.join(tmp, "t.json")))["traceEvents"]
-ks = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in ev if e.get("ph") == "X" and e.get("cat") == "kernel")
+# Row kernels (the one-row products) are told apart by their grid: qkv, o, gate_up, down, LM head.
+ks = sorted((float(e["ts"]), float(e["dur"]),
+             e["name"] + (f" grid {e['args'].get('grid')}" if e["name"].startswith("_row_kernel") else ""))
+            for e in ev if e.get("ph") == "X" and e.get("cat") == "kernel")
 # The decode steps: every kernel from the first decode attention kernel on (the prefill's attention
 # is another kernel), over the run's steps - 1 decode steps (the first token comes from the prefill).
 first = next(i for i, k in enumerate(ks) if "decode" in k[2])
