@@ -8,6 +8,7 @@
 | `MMPIPE_PDL` | `pdl` | on | `0`: no programmatic dependent launch in the decode chain |
 | `MMPIPE_PDL_PREFETCH` | `pdl_prefetch` | on | `0`: decode's few-row products wait for the previous kernel before their first weight tile |
 | `MMPIPE_DECODE_ROPE_FUSED` | `decode_rope_fused` | on | `0`: decode's rotary + KV write in its own kernel, not inside the attention kernel |
+| `MMPIPE_DECODE_NORM_FUSED` | `decode_norm_fused` | on | `0`: a one-row decode step's residual add + RMSNorm in its own kernel, not in the last program of the product before it |
 | `MMPIPE_TRITON_DIRECT` | `triton_direct` | on | `0`: every Triton launch through Triton's own path |
 | `MMPIPE_PREFILL_PLANS` | `prefill_plans` | on | `0`: every prefill forward through dynamo's guards |
 | `MMPIPE_FP8_FUSED_QUANT` | `fp8_fused_quant` | on | `0`: FP8 products quantize their input themselves, not the norm or SiLU kernel before them |
@@ -44,6 +45,7 @@ class Settings:
     pdl: bool = True
     pdl_prefetch: bool = True
     decode_rope_fused: bool = True
+    decode_norm_fused: bool = True
     triton_direct: bool = True
     prefill_plans: bool = True
     fp8_fused_quant: bool = True
@@ -64,6 +66,7 @@ class Settings:
             pdl=_flag(env, "MMPIPE_PDL", True),
             pdl_prefetch=_flag(env, "MMPIPE_PDL_PREFETCH", True),
             decode_rope_fused=_flag(env, "MMPIPE_DECODE_ROPE_FUSED", True),
+            decode_norm_fused=_flag(env, "MMPIPE_DECODE_NORM_FUSED", True),
             triton_direct=_flag(env, "MMPIPE_TRITON_DIRECT", True),
             prefill_plans=_flag(env, "MMPIPE_PREFILL_PLANS", True),
             fp8_fused_quant=_flag(env, "MMPIPE_FP8_FUSED_QUANT", True),

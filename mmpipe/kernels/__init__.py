@@ -9,6 +9,8 @@
 - `fp8_gemm`: an FP8 GEMM (per-channel or 128 x 128 block scales, K-split partial sums) for
   decode's 33-256-row products, where it beats cuBLASLt (`rule`).
 - `fused`: residual add + RMSNorm (adding those partial sums up), rotary of a fused qkv, SiLU product.
+- `rms_norm_row`: the residual add + RMSNorm of one row, shared by `fused`'s norm kernel and
+  `gemv`'s one-row products that norm in their last program.
 - `rope_kv`: the language model's rotary embedding of q and k fused with the paged KV-cache write.
 - `decode_attention`, `extend_attention`, `attention_common`: paged attention of the language model.
 - `window_attention`: attention within short segments (the ViT's windows).

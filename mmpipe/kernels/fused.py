@@ -7,7 +7,8 @@ on CUDA and keeps the reference's rounding order exactly (float32 math, rounding
 dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
 
 - `add_rms_norm(x, delta, w, eps)`: residual = x + delta (rounded), out = w * norm(residual);
-  delta may be a product left as K-split partial sums (`gemv.PartialSums`), added up here.
+  delta may be a product left as K-split partial sums (`gemv.PartialSums`), added up here, or,
+  for one row, by the product's last program (`PartialSums.add_rms_norm_in_product`).
 - `add_layer_norm(x, delta, w, b, eps)`: the same with LayerNorm (weight and bias), for the
   LayerNorm vision blocks of Qwen2-VL and Qwen3-VL.
 - `rotary_qk(qkv, cos, sin, heads)`: q and k of a fused qkv rotated (rotate-half form), contiguous.
@@ -45,6 +46,7 @@ from mmpipe.kernels.pdl import pdl_enter
 
 if triton is not None:
     from mmpipe.kernels.fp8_quant import quantize_row, quantize_row_groups, reciprocal_rn
+    from mmpipe.kernels.rms_norm_row import add_rms_norm_row
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -92,6 +94,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | PartialSums | None, weig
         if fp8 is None:
             return residual, normed_ref
         return residual, rows_of(normed_ref.reshape(-1, cols), fp8, GEMM_ROW_MULTIPLE)
+    if isinstance(delta, PartialSums) and fp8 is None:  # a pending one-row product may do it all
+        done = delta.add_rms_norm_in_product(x, weight, eps)
+        if done is not None:
+            return done
     if fp8 is not None and (x.dtype == torch.float32 or cols < fp8):
         # A float32 row's sum of squares may be reduced in another order once the kernel also
         # writes FP8 (Triton lays the row out for the 1-byte stores): last-bit differences, so
@@ -225,24 +231,8 @@ if triton is not None:
                              PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < cols
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        if HAS_DELTA:
-            if SPLITS > 0:  # float32 partial sums of a K-split product: add in order, round once
-                acc = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
-                for split in tl.static_range(1, SPLITS):
-                    acc += tl.load(d_ptr + split * stride_split + row * stride_d + offs, mask=mask, other=0.0)
-                d = acc.to(x.dtype)
-            else:
-                d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # the residual, rounded as stored
-            tl.store(res_ptr + row * stride_x + offs, x, mask=mask)
-        h = x.to(tl.float32)
-        var = tl.sum(h * h, axis=0) / cols
-        normed = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        offs, mask, out = add_rms_norm_row(x_ptr, d_ptr, w_ptr, res_ptr, row, cols, stride_x, stride_d, stride_split,
+                                           eps, HAS_DELTA, SPLITS, BLOCK, False)
         if QUANT == 1:  # FP8 rows [rows, cols] with a scale per row, as quantize_per_row of `out`
             quantize_row(out_ptr, s_ptr, row, cols, offs, mask, out, tiny, fp8_max, inv_fp8_max)
         elif QUANT == 2:  # a scale per row and GROUP columns, as quantize_per_group of `out`

@@ -27,6 +27,16 @@ computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per st
 Both kernels take their first K step out of the loop and, with `MMPIPE_PDL_PREFETCH` on (the
 default), read its weight tile before PDL's wait (see `mmpipe.kernels.pdl`).
 
+A one-row split product of an FP8 weight (o and down at batch 1) comes *pending*
+(`PartialSums`): not launched until read. Its usual reader, the residual add + RMSNorm after
+it, launches it with that work in the product's last program (`add_rms_norm_in_product`): each
+program stores its slice, counts its arrival on a device counter, and the last to arrive adds
+the slices to the residual and norms the row (the norm kernel's code, `rms_norm_row`), then
+resets the counter. One kernel fewer per add: 72 per step on the 3B shape, batch 1 1.67 -> 1.59
+ms/step on an H200 (docs/bench/norm_tail_h200.md). Where it measured slower it is not used: rows
+wider than 2048 (the 7B shape, 7%), and bfloat16 weights, where only down splits (1%).
+`MMPIPE_DECODE_NORM_FUSED=0` keeps the norm kernel; the bits are the same either way.
+
 The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
 row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.
 `MMPIPE_GEMV=0` turns them off. Within the kernels a row's result does not depend on the other
@@ -41,7 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +60,9 @@ from mmpipe import settings
 from mmpipe.kernels import pdl, tl, triton
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
+
+if triton is not None:
+    from mmpipe.kernels.rms_norm_row import add_rms_norm_row
 
 __all__ = ["MAX_ROWS", "PartialSums", "fp8_gated_linear_split", "fp8_linear", "fp8_linear_split", "fp8_usable",
            "gated_linear_split", "kernel_linear", "linear", "linear_split", "usable"]
@@ -60,18 +73,91 @@ _MIN_PROGRAMS = 256  # ~2 per SM on an H100: below this, K is split (linear_spli
 _SWAP_BLOCK_N = 64  # weight rows per program of the several-row kernel (the MMA's M side)
 
 
-class PartialSums(NamedTuple):
+class PartialSums:
     """A product left as `sums.shape[0]` float32 partial sums over slices of K; its value is their
-    sum in index order, rounded to `dtype` (`total()`)."""
+    sum in index order, rounded to `dtype` (`total()`).
 
-    sums: torch.Tensor  # [splits, rows, out_features] float32
-    dtype: torch.dtype
+    The one-row FP8 products of this module come *pending*: launched when first read (`sums`), unless
+    the reader is the residual add + RMSNorm after them (`fused.add_rms_norm`), which launches them
+    through `add_rms_norm_in_product` with that add and norm done by the product's last program:
+    one kernel fewer per add (see the module docstring)."""
+
+    __slots__ = ("_pending", "_sums", "dtype")
+
+    def __init__(self, sums: torch.Tensor, dtype: torch.dtype,
+                 pending: Callable[[_NormTail | None], None] | None = None) -> None:
+        self._sums = sums  # [splits, rows, out_features] float32
+        self.dtype = dtype
+        self._pending = pending  # launches the product into `_sums` (with the tail, if given)
+
+    @property
+    def sums(self) -> torch.Tensor:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending(None)
+        return self._sums
 
     def total(self) -> torch.Tensor:
         acc = self.sums[0]
         for part in self.sums[1:]:  # the order the kernels' consumers add them in
             acc = acc + part
         return acc.to(self.dtype)
+
+    def add_rms_norm_in_product(self, x: torch.Tensor, weight: torch.Tensor, eps: float
+                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + self, rms_norm(x + self) * weight), computed by the last program of the pending
+        one-row product to finish, bit for bit as the norm kernel of `fused.add_rms_norm` computes
+        them (both lay rows of up to `_TAIL_MAX_COLUMNS` out on 4 warps). None where this does not
+        apply (launched already, switched off, wider rows, other shapes, or no counter while a
+        graph is being captured): the caller adds `sums` itself."""
+        cols = self._sums.shape[-1]
+        if (self._pending is None or not settings.current().decode_norm_fused or self._sums.shape[1] != 1
+                or x.shape != (1, cols) or x.dtype != self.dtype or not x.is_contiguous()
+                or weight.shape != (cols,) or weight.dtype != x.dtype or not weight.is_contiguous()
+                or x.device != self._sums.device or weight.device != x.device
+                or next_power_of_2(cols) > _TAIL_MAX_COLUMNS):
+            return None
+        counter = _arrival_counter(x.device)
+        if counter is None:
+            return None
+        residual, normed = torch.empty_like(x), torch.empty_like(x)
+        pending, self._pending = self._pending, None
+        pending(_NormTail(x, weight, eps, residual, normed, counter))
+        return residual, normed
+
+
+class _NormTail(NamedTuple):
+    """What the last program of a one-row K-split product adds and norms (`_row_kernel`'s TAIL)."""
+
+    x: torch.Tensor  # the residual [1, N] the product is added to
+    weight: torch.Tensor  # the RMSNorm's [N]
+    eps: float
+    residual: torch.Tensor  # out: x + product, rounded
+    normed: torch.Tensor  # out: rms_norm(residual) * weight
+    counter: torch.Tensor  # int32 [1], zero between launches: the programs that have arrived
+
+
+# The last program holds the row in registers (BLOCK = next power of 2) on the product's 4 warps.
+# Up to 2048 columns (the 3B shape) that is the norm kernel's layout, and batch 1 gained; at the 7B
+# shape's 3584 batch 1 measured 7% slower (H200, docs/bench/norm_tail_h200.md), so wider rows keep
+# the norm kernel.
+_TAIL_MAX_COLUMNS = 2048
+_counters: dict[str, torch.Tensor] = {}
+
+
+def _arrival_counter(device: torch.device) -> torch.Tensor | None:
+    """The device's arrival counter of the one-row tails. Their launches run one after another: a
+    decode step's products are on one stream, and each waits for the kernel before it (PDL's wait
+    included) before it counts, so one counter serves all; the last program sets it back to 0.
+    Made outside graph capture only (a capture's warm-up runs first); None inside one without it."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _counters[key]
 
 
 _local = threading.local()
@@ -232,6 +318,9 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: to
         _run(x, weight, None, out, 1, gated, scale)
         return out
     sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    if rows == 1 and fp8:  # pending: its reader may have the last program add it to the residual and norm it
+        # (FP8 weights only: with bfloat16 ones, where only down is split, batch 1 measured 1% slower)
+        return PartialSums(sums, x.dtype, lambda tail: _run(x, weight, None, sums, splits, gated, scale, tail))
     _run(x, weight, None, sums, splits, gated, scale)
     return PartialSums(sums, x.dtype)
 
@@ -277,9 +366,10 @@ def _k_split(rows: int, k: int, splits: int, fp8: bool = False) -> int:
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int,
-         gated: bool = False, scale: torch.Tensor | None = None) -> None:
+         gated: bool = False, scale: torch.Tensor | None = None, tail: _NormTail | None = None) -> None:
     """Fill `out`: [rows, N] rounded (splits == 1) or [splits, rows, N] float32 partial sums.
-    `scale`: float32 per-output-channel scales of an FP8 weight."""
+    `scale`: float32 per-output-channel scales of an FP8 weight. `tail` (one row, split): its last
+    program also adds the sums to `tail.x` and norms the result (`PartialSums.add_rms_norm_in_product`)."""
     rows = x.shape[0]
     n, k = weight.shape
     has_bias = bias is not None
@@ -295,8 +385,14 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
         # 8 x 512 when split (more, shorter programs).
         block_n, block_k, warps = _config(rows, k, splits, fp8)
         k_split = _k_split(rows, k, splits, fp8)
+        if tail is not None:
+            t = (tail.x, tail.weight, tail.residual, tail.normed, tail.counter, tail.eps)
+        else:
+            t = (out,) * 5 + (0.0,)  # (pointers never read)
         launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0), stride_s,
-               HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n, BLOCK_K=block_k,
+               *t, HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n, BLOCK_K=block_k,
+               TAIL=tail is not None, SPLITS=splits if tail is not None else 0,
+               ROW_BLOCK=next_power_of_2(n) if tail is not None else 16,
                PDL=on, PREFETCH=prefetch, num_warps=warps, launch_pdl=on)
         return
     # Stages: 3 for unsplit products (gate_up, 8 / 32 rows: 32.6 / 33.4 us against 32.8 / 34.5 with
@@ -341,9 +437,11 @@ if triton is not None:
         return acc + tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
 
     @triton.jit
-    def _row_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, N, K, K_SPLIT, stride_w, stride_s, HAS_BIAS: tl.constexpr,
+    def _row_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, N, K, K_SPLIT, stride_w, stride_s,
+                    res_ptr, nw_ptr, res_out_ptr, normed_ptr, count_ptr, eps, HAS_BIAS: tl.constexpr,
                     PARTIAL: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    BLOCK_K: tl.constexpr, TAIL: tl.constexpr, SPLITS: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                    PDL: tl.constexpr, PREFETCH: tl.constexpr):
         if not PREFETCH:
             pdl_enter(PDL)
         split = tl.program_id(1)
@@ -370,6 +468,13 @@ if triton is not None:
             acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)
         if PARTIAL:
             tl.store(out_ptr + split * N + rn, acc, mask=n_mask)
+            if TAIL:  # the last program to arrive adds all the sums to the residual and norms it
+                tl.debug_barrier()  # every thread's sums stored before the arrival below releases them
+                if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * SPLITS - 1:
+                    offs, mask, normed = add_rms_norm_row(res_ptr, out_ptr, nw_ptr, res_out_ptr, 0, N, 0, N, N, eps,
+                                                          True, SPLITS, ROW_BLOCK, True)
+                    tl.store(normed_ptr + offs, normed, mask=mask)
+                    tl.store(count_ptr, 0)  # for the next tail, which starts after this kernel ends
         else:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)

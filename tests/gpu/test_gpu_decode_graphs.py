@@ -128,6 +128,41 @@ def test_rotary_inside_decode_attention_changes_no_bit(checkpoint, switch, dtype
         assert_same(runs["1", mode], runs["0", mode], tol=0.0 if dtype == "bfloat16" else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_norm_in_the_one_row_products_changes_no_bit(checkpoint_factory, switch, monkeypatch, dtype):
+    """FP8 one-row steps add the K-split down product (K 4096) to the residual and norm it in the
+    product's last program (the default) or in the norm kernel (`MMPIPE_DECODE_NORM_FUSED=0`),
+    eager and in graphs: in each mode the same tokens, and logprobs to the bit in bfloat16 (hidden
+    128: both lay the row out alike); float32 within 1e-5, as two float32 runs of one code may
+    differ (see test_rotary_inside_decode_attention_changes_no_bit). The batch shrinks to one row."""
+    from mmpipe.kernels.gemv import PartialSums
+    from mmpipe.layers.fp8 import fp8_available
+
+    if not fp8_available(torch.device("cuda")):
+        pytest.skip("FP8 weights need compute capability 8.9+")
+    checkpoint = checkpoint_factory(text={"intermediate_size": 4096})
+    tails = []
+    tail = PartialSums.add_rms_norm_in_product
+
+    def recorded(self, *args):
+        done = tail(self, *args)
+        tails.append(done is not None)
+        return done
+
+    monkeypatch.setattr(PartialSums, "add_rms_norm_in_product", recorded)
+    runs = {}
+    for fused in ("1", "0"):
+        switch("MMPIPE_DECODE_NORM_FUSED", fused)
+        tails.clear()
+        for mode in ("none", "full_decode_only"):
+            pipe = make(checkpoint, mode, dtype=dtype, quantization="fp8")
+            runs[fused, mode] = pipe.chat(conversations(5), greedy(5))
+            pipe.close()
+        assert any(tails) == (fused == "1")  # the tail ran (and only where switched on)
+    for mode in ("none", "full_decode_only"):
+        assert_same(runs["1", mode], runs["0", mode], tol=0.0 if dtype == "bfloat16" else 1e-5)
+
+
 def test_padded_replay_leaves_other_sequences_kv_unchanged(checkpoint):
     pipe = make(checkpoint, "full_decode_only", overlap_schedule=False)  # each step's K/V inspected before the next launch
     torch.manual_seed(0)

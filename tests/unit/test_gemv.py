@@ -145,6 +145,119 @@ def test_fused_norm_consumes_partial_sums_bit_exactly() -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+# (N, K, gated) of one-row FP8 products split over K: o, down and its gated form on the 3B shape,
+# a narrow product of 8 slices; 7B's gated down (hidden 3584) is too wide for the tail.
+TAIL_CASES = [(2048, 2048, False), (2048, 11008, False), (2048, 2 * 11008, True), (96, 8192, False)]
+
+
+def _tail_operands(n: int, k: int, gated: bool, dtype: torch.dtype, seed: int = 0):
+    """x, residual, norm weight and the pending FP8 product of x (per-channel scales)."""
+    from mmpipe.kernels.fp8_quant import quantize_per_row
+
+    g = torch.Generator(device="cuda").manual_seed(n + k + seed)
+    x = (torch.randn(1, k, device="cuda", generator=g) * (3 if gated else 1)).to(dtype)
+    w8, scale = quantize_per_row(torch.randn(n, k // 2 if gated else k, device="cuda", generator=g) / 16)
+    residual = (torch.randn(1, n, device="cuda", generator=g) * 4).to(dtype)
+    norm_w = (torch.rand(n, device="cuda", generator=g) + 0.5).to(dtype)
+    product = gemv.fp8_gated_linear_split if gated else gemv.fp8_linear_split
+    return x, residual, norm_w, lambda: product(x, w8, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.gpu
+def test_one_row_product_adds_and_norms_in_its_last_program(dtype: torch.dtype) -> None:
+    """A one-row K-split FP8 product comes pending; `add_rms_norm` launches it with the residual add
+    and the norm done by its last program. The same bits as the norm kernel adding the same partial
+    sums, the same partial sums, the arrival counter back at zero, and 30 launches in a row
+    (programs arriving in another order each time) all alike. Rows wider than 2048, products that
+    do not split, and bfloat16 weights keep the norm kernel."""
+    from mmpipe.layers.fp8 import fp8_available
+
+    if not fp8_available(torch.device("cuda")):
+        pytest.skip("FP8 weights need compute capability 8.9+")
+    for n, k, gated in TAIL_CASES:
+        _, residual, norm_w, product = _tail_operands(n, k, gated, dtype)
+        plain = product()
+        assert isinstance(plain, PartialSums) and plain.sums.shape[0] > 1  # `sums` launched it, no tail
+        assert plain.add_rms_norm_in_product(residual, norm_w, 1e-6) is None  # launched already
+        want = add_rms_norm(residual, plain.total(), norm_w, 1e-6)
+        for _ in range(30):
+            pending = product()
+            got = add_rms_norm(residual, pending, norm_w, 1e-6)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (n, k, gated)
+            assert torch.equal(pending.sums, plain.sums)
+            assert gemv._counters["cuda:0"].item() == 0
+        assert not torch.equal(got[1], residual)  # (the norm was applied: not the residual passed through)
+    _, residual, norm_w, product = _tail_operands(3584, 2 * 18944, True, dtype)
+    assert product().add_rms_norm_in_product(residual, norm_w, 1e-6) is None  # 7B's hidden: the norm kernel
+    x, w, _ = _operands(1, 2048, 11008, dtype, seed=1)
+    assert gemv.linear_split(x, w)._pending is None  # bfloat16 weights: launched at once
+    x8 = _tail_operands(2048, 512, False, dtype)[3]()
+    assert isinstance(x8, torch.Tensor)  # K too short to split: a tensor, no partial sums
+
+
+@pytest.mark.gpu
+def test_one_row_tail_replays_in_a_cuda_graph_and_falls_back_where_it_cannot(switch, monkeypatch) -> None:
+    """Two chained adds captured in one graph, replayed on new inputs: the eager results each time
+    (the counter is reset inside the graph). Switched off, or captured before any counter exists,
+    the separate norm kernel runs: the same bits (hidden 2048)."""
+    from mmpipe.kernels.fp8_quant import quantize_per_row
+    from mmpipe.layers.fp8 import fp8_available
+
+    if not fp8_available(torch.device("cuda")):
+        pytest.skip("FP8 weights need compute capability 8.9+")
+    x, residual, norm_w, first = _tail_operands(2048, 4096, False, torch.bfloat16)
+    w2, s2 = quantize_per_row(torch.randn(2048, 2048, device="cuda") / 16)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        r1, h1 = add_rms_norm(residual, first(), norm_w, 1e-6)
+        return add_rms_norm(r1, gemv.fp8_linear_split(h1, w2, s2), norm_w, 1e-6)
+
+    calls = []  # whether each add ran in the product's last program
+    tail = PartialSums.add_rms_norm_in_product
+
+    def recorded(self: PartialSums, *args):
+        done = tail(self, *args)
+        calls.append(done is not None)
+        return done
+
+    monkeypatch.setattr(PartialSums, "add_rms_norm_in_product", recorded)
+    step()
+    assert calls == [True, True]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert calls[-2:] == [True, True]
+    for seed in range(4):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(x.dtype))
+        residual.copy_((torch.randn(residual.shape, device="cuda", generator=g) * 4).to(x.dtype))
+        graph.replay()
+        want = step()
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), seed
+    assert gemv._counters["cuda:0"].item() == 0
+
+    switch("MMPIPE_DECODE_NORM_FUSED", "0")
+    calls.clear()
+    off = step()
+    assert calls == [False, False] and torch.equal(off[0], want[0]) and torch.equal(off[1], want[1])
+    switch("MMPIPE_DECODE_NORM_FUSED", "1")
+    monkeypatch.setattr(gemv, "_counters", {})
+    calls.clear()
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph2, stream=stream):
+        out2 = step()
+    assert calls == [False, False] and gemv._counters == {}  # none made inside a capture
+    graph2.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out2[0], want[0]) and torch.equal(out2[1], want[1])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 32])
 @pytest.mark.gpu
 @pytest.mark.gpu
