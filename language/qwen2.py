@@ -192,12 +192,13 @@ def _project(layer: nn.Module, x: torch.Tensor | Fp8Rows, split: bool = False) -
     """A projection through `gemv` (few-row kernels for decode, K-split partial sums where `split`);
     an FP8 layer (`quantization="fp8"`) through gemv's FP8 kernels for decode rows, else itself
     (its FP8 product, K-split too where `split`; `Fp8Rows`, input the norm before it quantized, go
-    there too)."""
+    there too). A split one-row FP8 product may come pending (`gemv.PartialSums`): the decoder
+    layer hands it to `add_rms_norm` next, which launches it with the add and norm inside."""
     if isinstance(layer, Fp8Linear):
         if isinstance(x, Fp8Rows) or not gemv.fp8_usable(x, layer.weight):
             return layer(x, split=split)
         if split and layer.bias is None:
-            return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale)
+            return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale, defer=True)
         return gemv.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
     return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 

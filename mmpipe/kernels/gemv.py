@@ -27,12 +27,12 @@ computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per st
 Both kernels take their first K step out of the loop and, with `MMPIPE_PDL_PREFETCH` on (the
 default), read its weight tile before PDL's wait (see `mmpipe.kernels.pdl`).
 
-A one-row split product of an FP8 weight (o and down at batch 1) comes *pending*
-(`PartialSums`): not launched until read. Its usual reader, the residual add + RMSNorm after
+A one-row split product of an FP8 weight (o and down at batch 1) comes *pending* where the
+model asks (`defer=True`; `PartialSums`): not launched until read. Its usual reader, the residual add + RMSNorm after
 it, launches it with that work in the product's last program (`add_rms_norm_in_product`): each
 program stores its slice, counts its arrival on a device counter, and the last to arrive adds
 the slices to the residual and norms the row (the norm kernel's code, `rms_norm_row`), then
-resets the counter. One kernel fewer per add: 72 per step on the 3B shape, batch 1 1.67 -> 1.59
+resets the counter. One kernel fewer per add: 72 per step on the 3B shape, batch 1 1.67 -> 1.60
 ms/step on an H200 (docs/bench/norm_tail_h200.md). Where it measured slower it is not used: rows
 wider than 2048 (the 7B shape, 7%), and bfloat16 weights, where only down splits (1%).
 `MMPIPE_DECODE_NORM_FUSED=0` keeps the norm kernel; the bits are the same either way.
@@ -77,10 +77,12 @@ class PartialSums:
     """A product left as `sums.shape[0]` float32 partial sums over slices of K; its value is their
     sum in index order, rounded to `dtype` (`total()`).
 
-    The one-row FP8 products of this module come *pending*: launched when first read (`sums`), unless
-    the reader is the residual add + RMSNorm after them (`fused.add_rms_norm`), which launches them
-    through `add_rms_norm_in_product` with that add and norm done by the product's last program:
-    one kernel fewer per add (see the module docstring)."""
+    A one-row FP8 product asked for with `defer=True` comes *pending*: launched when first read
+    (`sums`), unless the reader is the residual add + RMSNorm after it (`fused.add_rms_norm`), which
+    launches it through `add_rms_norm_in_product` with that add and norm done by the product's last
+    program: one kernel fewer per add (see the module docstring). The launch goes to the stream
+    current when it is read, with the input as it is then: the model hands the product straight to
+    its add."""
 
     __slots__ = ("_pending", "_sums", "dtype")
 
@@ -93,8 +95,8 @@ class PartialSums:
     @property
     def sums(self) -> torch.Tensor:
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending(None)
+            self._pending(None)
+            self._pending = None  # (after the launch: one that raised leaves it pending, not unwritten)
         return self._sums
 
     def total(self) -> torch.Tensor:
@@ -121,8 +123,8 @@ class PartialSums:
         if counter is None:
             return None
         residual, normed = torch.empty_like(x), torch.empty_like(x)
-        pending, self._pending = self._pending, None
-        pending(_NormTail(x, weight, eps, residual, normed, counter))
+        self._pending(_NormTail(x, weight, eps, residual, normed, counter))
+        self._pending = None
         return residual, normed
 
 
@@ -142,17 +144,20 @@ class _NormTail(NamedTuple):
 # shape's 3584 batch 1 measured 7% slower (H200, docs/bench/norm_tail_h200.md), so wider rows keep
 # the norm kernel.
 _TAIL_MAX_COLUMNS = 2048
-_counters: dict[str, torch.Tensor] = {}
+_counters: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def _arrival_counter(device: torch.device) -> torch.Tensor | None:
-    """The device's arrival counter of the one-row tails. Their launches run one after another: a
-    decode step's products are on one stream, and each waits for the kernel before it (PDL's wait
-    included) before it counts, so one counter serves all; the last program sets it back to 0.
-    Made outside graph capture only (a capture's warm-up runs first); None inside one without it."""
+    """The arrival counter of the one-row tails on the current stream of `device`. Launches on one
+    stream run one after another (each counts only after PDL's wait for the kernel before it), so
+    one counter serves them all; the last program sets it back to 0. A stream of its own keeps
+    tails of two streams from counting on one counter; a captured graph keeps its capture
+    stream's (`graphs.capture` uses one per device), so two pipelines' graphs replayed at once on
+    one GPU would share it. Made outside graph capture only (a capture's warm-up runs first, on the
+    capture stream); None inside one without it."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     if key not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
@@ -251,17 +256,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     return out
 
 
-def fp8_linear_split(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | PartialSums:
-    """`fp8_linear` without bias, or its `PartialSums` where splitting K keeps more SMs reading."""
+def fp8_linear_split(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, defer: bool = False
+                     ) -> torch.Tensor | PartialSums:
+    """`fp8_linear` without bias, or its `PartialSums` where splitting K keeps more SMs reading.
+    `defer`: a one-row split product may come pending, for `fused.add_rms_norm` to launch with the
+    add and norm in its last program; the caller hands it to that add next, on the same stream,
+    with `x` unchanged until then (see `PartialSums`)."""
     _check_fp8(x, weight, scale, None)
-    return _split_product(x, weight, gated=False, scale=scale)
+    return _split_product(x, weight, gated=False, scale=scale, defer=defer)
 
 
-def fp8_gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+def fp8_gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, defer: bool = False
                            ) -> torch.Tensor | PartialSums:
-    """`gated_linear_split` for an FP8 weight."""
+    """`gated_linear_split` for an FP8 weight (`defer` as for `fp8_linear_split`)."""
     _check_fp8(gate_up, weight, scale, None, gated=True)
-    return _split_product(gate_up, weight, gated=True, scale=scale)
+    return _split_product(gate_up, weight, gated=True, scale=scale, defer=defer)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -305,8 +314,8 @@ def gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     return _split_product(gate_up, weight, gated=True)
 
 
-def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None = None
-                   ) -> torch.Tensor | PartialSums:
+def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None = None,
+                   defer: bool = False) -> torch.Tensor | PartialSums:
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     fp8 = scale is not None
     splits = _splits(rows, n, k, fp8)
@@ -318,7 +327,7 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: to
         _run(x, weight, None, out, 1, gated, scale)
         return out
     sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
-    if rows == 1 and fp8:  # pending: its reader may have the last program add it to the residual and norm it
+    if defer and rows == 1 and fp8:  # pending: its reader may have the last program add and norm it
         # (FP8 weights only: with bfloat16 ones, where only down is split, batch 1 measured 1% slower)
         return PartialSums(sums, x.dtype, lambda tail: _run(x, weight, None, sums, splits, gated, scale, tail))
     _run(x, weight, None, sums, splits, gated, scale)
@@ -469,12 +478,15 @@ if triton is not None:
         if PARTIAL:
             tl.store(out_ptr + split * N + rn, acc, mask=n_mask)
             if TAIL:  # the last program to arrive adds all the sums to the residual and norms it
-                tl.debug_barrier()  # every thread's sums stored before the arrival below releases them
+                # Every thread's sums stored before the arrival releases them; the other side,
+                # Triton hands the scalar atomic's result to all threads through shared memory
+                # after a barrier, which orders their reads after its acquire.
+                tl.debug_barrier()
                 if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * SPLITS - 1:
                     offs, mask, normed = add_rms_norm_row(res_ptr, out_ptr, nw_ptr, res_out_ptr, 0, N, 0, N, N, eps,
                                                           True, SPLITS, ROW_BLOCK, True)
                     tl.store(normed_ptr + offs, normed, mask=mask)
-                    tl.store(count_ptr, 0)  # for the next tail, which starts after this kernel ends
+                    tl.store(count_ptr, 0)  # the next tail counts only after PDL's wait for this kernel
         else:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)

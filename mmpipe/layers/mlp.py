@@ -66,7 +66,8 @@ class GatedMLP(nn.Module):
 
     With `few_row_kernels` (the language model's), products of up to `gemv.MAX_ROWS` rows run on
     the decode kernels of `mmpipe.kernels.gemv` and the result may be `gemv.PartialSums` (for
-    `add_rms_norm` to add up).
+    `add_rms_norm` to add up; one row with FP8 weights: pending, for that add to launch, so the
+    caller hands it there next).
 
     After loading, `pad_width()` widens the intermediate dimension to a multiple of
     `KERNEL_ALIGN` with zeros: padded gate/up rows (and biases) are zero, so their activations
@@ -94,8 +95,8 @@ class GatedMLP(nn.Module):
             # FP8 weights (`quantization="fp8"`), decode rows: the same kernels reading FP8.
             gate_up = gemv.fp8_linear(x, up.weight, up.weight_scale, up.bias)
             if x.shape[0] == 1 and gemv.fp8_usable(gate_up, down.weight, gated=True):
-                return gemv.fp8_gated_linear_split(gate_up, down.weight, down.weight_scale)
-            return gemv.fp8_linear_split(silu_mul(gate_up), down.weight, down.weight_scale)
+                return gemv.fp8_gated_linear_split(gate_up, down.weight, down.weight_scale, defer=True)
+            return gemv.fp8_linear_split(silu_mul(gate_up), down.weight, down.weight_scale, defer=True)
         if (few_rows and isinstance(down, nn.Linear)
                 and gemv.usable(x, self.gate_up_proj.weight)):
             gate_up = gemv.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)

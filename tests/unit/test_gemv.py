@@ -48,6 +48,44 @@ def test_add_rms_norm_adds_partial_sums_like_their_total() -> None:
     assert torch.equal(normed, rms_norm_reference(expected, w, 1e-6))
 
 
+def test_the_model_defers_exactly_the_products_add_rms_norm_reads(monkeypatch) -> None:
+    """o (the split projection) and the MLP's down ask for pending products (`defer=True`), which
+    the decoder layer hands to `add_rms_norm`; qkv and gate_up do not. On the CPU, with the FP8
+    few-row kernels replaced by stubs that record how they are called."""
+    from mmpipe.language import qwen2
+
+    from mmpipe.layers.fp8 import Fp8Linear
+    from mmpipe.layers.mlp import GatedMLP
+
+    calls = []
+
+    def split(name: str):
+        def product(x, weight, scale, defer=False):
+            calls.append((name, defer))
+            return torch.zeros(x.shape[0], weight.shape[0])
+        return product
+
+    def linear(x, weight, scale, bias=None):
+        calls.append(("linear", None))
+        return torch.zeros(x.shape[0], weight.shape[0])
+
+    monkeypatch.setattr(gemv, "fp8_usable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(gemv, "fp8_linear_split", split("split"))
+    monkeypatch.setattr(gemv, "fp8_gated_linear_split", split("gated"))
+    monkeypatch.setattr(gemv, "fp8_linear", linear)
+
+    def fp8(n: int, k: int) -> Fp8Linear:
+        return Fp8Linear(torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.ones(n), None)
+
+    x = torch.randn(1, 32)
+    qwen2._project(fp8(16, 32), x, split=True)  # o
+    qwen2._project(fp8(16, 32), x)  # qkv
+    mlp = GatedMLP(32, 64, "silu", bias=False, few_row_kernels=True)
+    mlp.gate_up_proj, mlp.down_proj = fp8(128, 32), fp8(32, 64)
+    mlp(x)
+    assert calls == [("split", True), ("linear", None), ("linear", None), ("gated", True)]
+
+
 def test_split_rule_gives_every_slice_work_and_splits_only_narrow_products() -> None:
     for rows, fp8 in itertools.product((1, 2, 8, 32), (False, True)):
         for n, k in ((2048, 11008), (2048, 2048), (22016, 2048), (64, 64), (2048, 1024), (151936, 2048)):
@@ -146,12 +184,14 @@ def test_fused_norm_consumes_partial_sums_bit_exactly() -> None:
 
 
 # (N, K, gated) of one-row FP8 products split over K: o, down and its gated form on the 3B shape,
-# a narrow product of 8 slices; 7B's gated down (hidden 3584) is too wide for the tail.
-TAIL_CASES = [(2048, 2048, False), (2048, 11008, False), (2048, 2 * 11008, True), (96, 8192, False)]
+# a row narrower than its power-of-two block (1536, 4 slices), a narrow product of 8 slices.
+TAIL_CASES = [(2048, 2048, False), (2048, 11008, False), (2048, 2 * 11008, True), (1536, 4096, False),
+              (96, 8192, False)]
 
 
 def _tail_operands(n: int, k: int, gated: bool, dtype: torch.dtype, seed: int = 0):
-    """x, residual, norm weight and the pending FP8 product of x (per-channel scales)."""
+    """x, residual, norm weight and a function making the FP8 product of x (per-channel scales;
+    `defer` passed on)."""
     from mmpipe.kernels.fp8_quant import quantize_per_row
 
     g = torch.Generator(device="cuda").manual_seed(n + k + seed)
@@ -160,33 +200,41 @@ def _tail_operands(n: int, k: int, gated: bool, dtype: torch.dtype, seed: int = 
     residual = (torch.randn(1, n, device="cuda", generator=g) * 4).to(dtype)
     norm_w = (torch.rand(n, device="cuda", generator=g) + 0.5).to(dtype)
     product = gemv.fp8_gated_linear_split if gated else gemv.fp8_linear_split
-    return x, residual, norm_w, lambda: product(x, w8, scale)
+    return x, residual, norm_w, lambda defer=True: product(x, w8, scale, defer=defer)
+
+
+def _counters_at_zero() -> bool:
+    return all(counter.item() == 0 for counter in gemv._counters.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.gpu
 def test_one_row_product_adds_and_norms_in_its_last_program(dtype: torch.dtype) -> None:
-    """A one-row K-split FP8 product comes pending; `add_rms_norm` launches it with the residual add
-    and the norm done by its last program. The same bits as the norm kernel adding the same partial
-    sums, the same partial sums, the arrival counter back at zero, and 30 launches in a row
-    (programs arriving in another order each time) all alike. Rows wider than 2048, products that
-    do not split, and bfloat16 weights keep the norm kernel."""
+    """A one-row K-split FP8 product asked for with `defer` comes pending; `add_rms_norm` launches
+    it with the residual add and the norm done by its last program. The same bits as the norm
+    kernel adding the same partial sums, the same partial sums, the arrival counter back at zero,
+    and 30 launches in a row (programs arriving in another order each time) all alike. Without
+    `defer`, rows wider than 2048, products that do not split and bfloat16 weights: launched at
+    once, the norm kernel adds them."""
     from mmpipe.layers.fp8 import fp8_available
 
     if not fp8_available(torch.device("cuda")):
         pytest.skip("FP8 weights need compute capability 8.9+")
     for n, k, gated in TAIL_CASES:
         _, residual, norm_w, product = _tail_operands(n, k, gated, dtype)
-        plain = product()
-        assert isinstance(plain, PartialSums) and plain.sums.shape[0] > 1  # `sums` launched it, no tail
+        plain = product(defer=False)
+        assert isinstance(plain, PartialSums) and plain._pending is None and plain.sums.shape[0] > 1
         assert plain.add_rms_norm_in_product(residual, norm_w, 1e-6) is None  # launched already
         want = add_rms_norm(residual, plain.total(), norm_w, 1e-6)
         for _ in range(30):
             pending = product()
-            got = add_rms_norm(residual, pending, norm_w, 1e-6)
+            got = pending.add_rms_norm_in_product(residual, norm_w, 1e-6)
+            assert got is not None, (n, k, gated)  # the tail ran
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (n, k, gated)
             assert torch.equal(pending.sums, plain.sums)
-            assert gemv._counters["cuda:0"].item() == 0
+            assert _counters_at_zero()
+        through_the_norm = add_rms_norm(residual, product(), norm_w, 1e-6)  # how the model calls it
+        assert torch.equal(through_the_norm[0], want[0]) and torch.equal(through_the_norm[1], want[1])
         assert not torch.equal(got[1], residual)  # (the norm was applied: not the residual passed through)
     _, residual, norm_w, product = _tail_operands(3584, 2 * 18944, True, dtype)
     assert product().add_rms_norm_in_product(residual, norm_w, 1e-6) is None  # 7B's hidden: the norm kernel
@@ -211,7 +259,7 @@ def test_one_row_tail_replays_in_a_cuda_graph_and_falls_back_where_it_cannot(swi
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         r1, h1 = add_rms_norm(residual, first(), norm_w, 1e-6)
-        return add_rms_norm(r1, gemv.fp8_linear_split(h1, w2, s2), norm_w, 1e-6)
+        return add_rms_norm(r1, gemv.fp8_linear_split(h1, w2, s2, defer=True), norm_w, 1e-6)
 
     calls = []  # whether each add ran in the product's last program
     tail = PartialSums.add_rms_norm_in_product
@@ -240,7 +288,7 @@ def test_one_row_tail_replays_in_a_cuda_graph_and_falls_back_where_it_cannot(swi
         graph.replay()
         want = step()
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), seed
-    assert gemv._counters["cuda:0"].item() == 0
+    assert _counters_at_zero()
 
     switch("MMPIPE_DECODE_NORM_FUSED", "0")
     calls.clear()

@@ -34,7 +34,7 @@ for n, k, gated in ((40, 8192, True), (96, 8192, False)):
                sums.stride(1), sums.stride(0), 0, 1e-6, 1e-12, 448.0, 1 / 448.0, HAS_DELTA=True, SPLITS=splits,
                QUANT=0, GROUP=1, BLOCK=1 << (n - 1).bit_length(), PDL=False, num_warps=4)
         cases.append([n, k, gated, splits, got is not None and torch.equal(got[0], res) and torch.equal(got[1], out)
-                      and not torch.isnan(got[1]).any().item(), int(gemv._counters["cpu"].item())])
+                      and not torch.isnan(got[1]).any().item(), int(gemv._counters["cpu", 0].item())])
 print("RESULTS " + json.dumps(cases))
 """
 

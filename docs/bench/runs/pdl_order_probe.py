@@ -1,5 +1,6 @@
 """Where the one-row FP8 kernel's first weight load sits relative to PDL's griddepcontrol.wait in
-the compiled PTX and SASS, with PREFETCH off and on (issue 31). Usage: python pdl_order_probe.py"""
+the compiled PTX and SASS, with PREFETCH off and on (issue 31). Usage: python pdl_order_probe.py
+(Written for `_row_kernel` before 20cfe7a added its tail arguments: run it on 8f496ab or earlier.)"""
 import torch, re
 from mmpipe.kernels.gemv import _row_kernel, _swap_kernel
 x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
