@@ -231,8 +231,8 @@ if triton is not None:
                              PDL: tl.constexpr):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
-        offs, mask, out = add_rms_norm_row(x_ptr, d_ptr, w_ptr, res_ptr, row, cols, stride_x, stride_d, stride_split,
-                                           eps, HAS_DELTA, SPLITS, BLOCK, False)
+        offs, mask, out = add_rms_norm_row(x_ptr, d_ptr, w_ptr, res_ptr, row, cols, stride_x, stride_d,
+                                           stride_split, eps, HAS_DELTA, SPLITS, BLOCK, False)
         if QUANT == 1:  # FP8 rows [rows, cols] with a scale per row, as quantize_per_row of `out`
             quantize_row(out_ptr, s_ptr, row, cols, offs, mask, out, tiny, fp8_max, inv_fp8_max)
         elif QUANT == 2:  # a scale per row and GROUP columns, as quantize_per_group of `out`

@@ -27,15 +27,16 @@ computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per st
 Both kernels take their first K step out of the loop and, with `MMPIPE_PDL_PREFETCH` on (the
 default), read its weight tile before PDL's wait (see `mmpipe.kernels.pdl`).
 
-A one-row split product of an FP8 weight (o and down at batch 1) comes *pending* where the
-model asks (`defer=True`; `PartialSums`): not launched until read. Its usual reader, the residual add + RMSNorm after
-it, launches it with that work in the product's last program (`add_rms_norm_in_product`): each
-program stores its slice, counts its arrival on a device counter, and the last to arrive adds
-the slices to the residual and norms the row (the norm kernel's code, `rms_norm_row`), then
-resets the counter. One kernel fewer per add: 72 per step on the 3B shape, batch 1 1.67 -> 1.60
-ms/step on an H200 (docs/bench/norm_tail_h200.md). Where it measured slower it is not used: rows
-wider than 2048 (the 7B shape, 7%), and bfloat16 weights, where only down splits (1%).
-`MMPIPE_DECODE_NORM_FUSED=0` keeps the norm kernel; the bits are the same either way.
+A one-row split product of an FP8 weight (o and down at batch 1) comes *pending* where the model
+asks (`defer=True`; `PartialSums`): not launched until read. Its reader, the residual add +
+RMSNorm after it, launches it with that work in the product's last program
+(`add_rms_norm_in_product`): each program stores its slice and counts its arrival on its
+stream's counter, and the last to arrive adds the slices to the residual and norms the row (the
+norm kernel's code, `rms_norm_row`), then resets the counter. One kernel fewer per add: 72 per
+step on the 3B shape, batch 1 1.67 -> 1.60 ms/step on an H200 (docs/bench/norm_tail_h200.md).
+Where it measured slower it is not used: rows wider than 2048 (the 7B shape, 7%), and bfloat16
+weights, where only down splits (1%). `MMPIPE_DECODE_NORM_FUSED=0` keeps the norm kernel; the
+bits are the same either way.
 
 The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
 row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.
@@ -266,8 +267,8 @@ def fp8_linear_split(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return _split_product(x, weight, gated=False, scale=scale, defer=defer)
 
 
-def fp8_gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, defer: bool = False
-                           ) -> torch.Tensor | PartialSums:
+def fp8_gated_linear_split(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                           defer: bool = False) -> torch.Tensor | PartialSums:
     """`gated_linear_split` for an FP8 weight (`defer` as for `fp8_linear_split`)."""
     _check_fp8(gate_up, weight, scale, None, gated=True)
     return _split_product(gate_up, weight, gated=True, scale=scale, defer=defer)
@@ -329,7 +330,8 @@ def _split_product(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: to
     sums = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     if defer and rows == 1 and fp8:  # pending: its reader may have the last program add and norm it
         # (FP8 weights only: with bfloat16 ones, where only down is split, batch 1 measured 1% slower)
-        return PartialSums(sums, x.dtype, lambda tail: _run(x, weight, None, sums, splits, gated, scale, tail))
+        return PartialSums(sums, x.dtype,
+                           lambda tail: _run(x, weight, None, sums, splits, gated, scale, tail))
     _run(x, weight, None, sums, splits, gated, scale)
     return PartialSums(sums, x.dtype)
 
@@ -399,7 +401,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
         else:
             t = (out,) * 5 + (0.0,)  # (pointers never read)
         launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0), stride_s,
-               *t, HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n, BLOCK_K=block_k,
+               *t, HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n,
+               BLOCK_K=block_k,
                TAIL=tail is not None, SPLITS=splits if tail is not None else 0,
                ROW_BLOCK=next_power_of_2(n) if tail is not None else 16,
                PDL=on, PREFETCH=prefetch, num_warps=warps, launch_pdl=on)
@@ -483,8 +486,8 @@ if triton is not None:
                 # after a barrier, which orders their reads after its acquire.
                 tl.debug_barrier()
                 if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * SPLITS - 1:
-                    offs, mask, normed = add_rms_norm_row(res_ptr, out_ptr, nw_ptr, res_out_ptr, 0, N, 0, N, N, eps,
-                                                          True, SPLITS, ROW_BLOCK, True)
+                    offs, mask, normed = add_rms_norm_row(res_ptr, out_ptr, nw_ptr, res_out_ptr, 0, N, 0, N,
+                                                          N, eps, True, SPLITS, ROW_BLOCK, True)
                     tl.store(normed_ptr + offs, normed, mask=mask)
                     tl.store(count_ptr, 0)  # the next tail counts only after PDL's wait for this kernel
         else:

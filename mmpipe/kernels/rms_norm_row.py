@@ -13,7 +13,8 @@ if triton is not None:
 
     @triton.jit
     def add_rms_norm_row(x_ptr, d_ptr, w_ptr, res_ptr, row, cols, stride_x, stride_d, stride_split, eps,
-                         HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         SHARED: tl.constexpr):
         """(offsets, mask, w * norm(x + delta)) of `row`, the residual x + delta stored at res_ptr.
         SPLITS > 0: delta is that many float32 partial sums (stride_split apart), added in order and
         rounded once. SHARED: other programs of this kernel wrote them, so they are read from L2
@@ -27,7 +28,8 @@ if triton is not None:
                 if SHARED:
                     acc = tl.load(d_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                     for split in tl.static_range(1, SPLITS):
-                        acc += tl.load(d_ptrs + split * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+                        acc += tl.load(d_ptrs + split * stride_split, mask=mask, other=0.0,
+                                       cache_modifier=".cg")
                 else:
                     acc = tl.load(d_ptrs, mask=mask, other=0.0)
                     for split in tl.static_range(1, SPLITS):

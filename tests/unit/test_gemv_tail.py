@@ -27,14 +27,17 @@ for n, k, gated in ((40, 8192, True), (96, 8192, False)):
     splits = gemv._splits(1, n, w.shape[1])
     for _ in range(2):  # the second launch starts from the counter the first left
         sums = torch.full((splits, 1, n), float("nan"))  # a slice read before it is written shows
-        pending = gemv.PartialSums(sums, x.dtype, lambda tail: gemv._run(x, w, None, sums, splits, gated, None, tail))
+        pending = gemv.PartialSums(sums, x.dtype,
+                                   lambda tail: gemv._run(x, w, None, sums, splits, gated, None, tail))
         got = pending.add_rms_norm_in_product(residual, norm_w, 1e-6)
         res, out = torch.empty_like(residual), torch.empty_like(residual)
-        launch(fused._add_rms_norm_kernel, (1,), residual, sums, norm_w, res, out, residual, n, residual.stride(0),
-               sums.stride(1), sums.stride(0), 0, 1e-6, 1e-12, 448.0, 1 / 448.0, HAS_DELTA=True, SPLITS=splits,
-               QUANT=0, GROUP=1, BLOCK=1 << (n - 1).bit_length(), PDL=False, num_warps=4)
-        cases.append([n, k, gated, splits, got is not None and torch.equal(got[0], res) and torch.equal(got[1], out)
-                      and not torch.isnan(got[1]).any().item(), int(gemv._counters["cpu", 0].item())])
+        launch(fused._add_rms_norm_kernel, (1,), residual, sums, norm_w, res, out, residual, n,
+               residual.stride(0), sums.stride(1), sums.stride(0), 0, 1e-6, 1e-12, 448.0, 1 / 448.0,
+               HAS_DELTA=True, SPLITS=splits, QUANT=0, GROUP=1, BLOCK=1 << (n - 1).bit_length(), PDL=False,
+               num_warps=4)
+        same = got is not None and torch.equal(got[0], res) and torch.equal(got[1], out)
+        cases.append([n, k, gated, splits, same and not torch.isnan(got[1]).any().item(),
+                      int(gemv._counters["cpu", 0].item())])
 print("RESULTS " + json.dumps(cases))
 """
 

@@ -7,12 +7,13 @@ Usage: python docs/bench/runs/b1_skip_bound.py CKPT QUANT SET [SET ...]  SET: no
 import sys
 
 import torch
-
 from decode_switch_ab import batch_timings
 from mmpipe.app.bench.main import copy_bandwidth
+
 from mmpipe.kernels import decode_attention, fused, rope_kv
 
-KERNELS = {"norm": "_add_rms_norm_kernel", "reduce": "_decode_reduce_kernel", "rope": "_rope_qk_write_kv_kernel"}
+KERNELS = {"norm": "_add_rms_norm_kernel", "reduce": "_decode_reduce_kernel",
+           "rope": "_rope_qk_write_kv_kernel"}
 skipped: set[str] = set()
 
 

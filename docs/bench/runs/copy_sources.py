@@ -3,11 +3,18 @@ graph memcpy kernels such as `memcpy128`) mapped, by its correlation id, to the 
 that issued it (cudaMemcpyAsync, cudaMemsetAsync, cudaGraphLaunch, ...) and to the innermost
 Python frames around that call. Prints ms per image and counts per (runtime call, frames).
 Usage: python docs/bench/runs/copy_sources.py CKPT N QUANT"""
-import bisect, collections, json, os, sys, tempfile
+import bisect
+import collections
+import json
+import os
+import sys
+import tempfile
+
 import torch
-from torch.profiler import ProfilerActivity, profile
-from mmpipe import Pipeline, SamplingParams
 from mmpipe.app.bench.caption import write_jpegs
+from torch.profiler import ProfilerActivity, profile
+
+from mmpipe import Pipeline, SamplingParams
 from mmpipe.pipeline import caption_conversation
 
 ck, n, quant = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -39,7 +46,8 @@ with Pipeline.from_pretrained(ck, device=dev, dtype="bfloat16", startup_progress
         ev = json.load(open(os.path.join(tmp, "t.json")))["traceEvents"]
 
 xs = [e for e in ev if e.get("ph") == "X"]
-runtime = {e["args"]["correlation"]: e for e in xs if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+runtime = {e["args"]["correlation"]: e for e in xs
+           if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
 frames = collections.defaultdict(list)  # tid -> python frames sorted by start
 for e in xs:
     if e.get("cat") == "python_function":
@@ -68,6 +76,7 @@ for e in xs:
     key = (e["name"][:40], r["name"] if r else "?", around(r["tid"], float(r["ts"])) if r else "?")
     total[key] += float(e["dur"]) / 1e3 / n
     count[key] += 1
-print(torch.cuda.get_device_name() if dev == "cuda" else "cpu", f"{n} files {quant}: copies and memsets by source")
+print(torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+      f"{n} files {quant}: copies and memsets by source")
 for key, ms in total.most_common(25):
     print(f"  {ms:7.4f} ms/image {count[key]:6d} x  {key[0]} | {key[1]} | {key[2]}")
