@@ -402,8 +402,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
             t = (out,) * 5 + (0.0,)  # (pointers never read)
         launch(_row_kernel, (cdiv(n, block_n), splits), x, weight, b, s, out, n, k, k_split, weight.stride(0), stride_s,
                *t, HAS_BIAS=has_bias, PARTIAL=splits > 1, GATED=gated, SCALE=mode, BLOCK_N=block_n,
-               BLOCK_K=block_k,
-               TAIL=tail is not None, SPLITS=splits if tail is not None else 0,
+               BLOCK_K=block_k, TAIL=tail is not None, SPLITS=splits if tail is not None else 0,
                ROW_BLOCK=next_power_of_2(n) if tail is not None else 16,
                PDL=on, PREFETCH=prefetch, num_warps=warps, launch_pdl=on)
         return

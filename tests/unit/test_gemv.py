@@ -58,6 +58,7 @@ def test_the_model_defers_exactly_the_products_add_rms_norm_reads(monkeypatch) -
     from mmpipe.layers.mlp import GatedMLP
 
     calls = []
+    gated_usable = True
 
     def split(name: str):
         def product(x, weight, scale, defer=False):
@@ -69,7 +70,7 @@ def test_the_model_defers_exactly_the_products_add_rms_norm_reads(monkeypatch) -
         calls.append(("linear", None))
         return torch.zeros(x.shape[0], weight.shape[0])
 
-    monkeypatch.setattr(gemv, "fp8_usable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(gemv, "fp8_usable", lambda *args, gated=False: gated_usable or not gated)
     monkeypatch.setattr(gemv, "fp8_linear_split", split("split"))
     monkeypatch.setattr(gemv, "fp8_gated_linear_split", split("gated"))
     monkeypatch.setattr(gemv, "fp8_linear", linear)
@@ -82,8 +83,11 @@ def test_the_model_defers_exactly_the_products_add_rms_norm_reads(monkeypatch) -
     qwen2._project(fp8(16, 32), x)  # qkv
     mlp = GatedMLP(32, 64, "silu", bias=False, few_row_kernels=True)
     mlp.gate_up_proj, mlp.down_proj = fp8(128, 32), fp8(32, 64)
-    mlp(x)
-    assert calls == [("split", True), ("linear", None), ("linear", None), ("gated", True)]
+    mlp(x)  # down forms the SiLU product as it reads
+    gated_usable = False
+    mlp(x)  # down after silu_mul
+    assert calls == [("split", True), ("linear", None), ("linear", None), ("gated", True), ("linear", None),
+                     ("split", True)]
 
 
 def test_split_rule_gives_every_slice_work_and_splits_only_narrow_products() -> None:
@@ -214,8 +218,8 @@ def test_one_row_product_adds_and_norms_in_its_last_program(dtype: torch.dtype) 
     it with the residual add and the norm done by its last program. The same bits as the norm
     kernel adding the same partial sums, the same partial sums, the arrival counter back at zero,
     and 30 launches in a row (programs arriving in another order each time) all alike. Without
-    `defer`, rows wider than 2048, products that do not split and bfloat16 weights: launched at
-    once, the norm kernel adds them."""
+    `defer`, products that do not split and bfloat16 weights: launched at once; rows wider than
+    2048: pending, but the norm kernel adds them (launched when it reads `sums`)."""
     from mmpipe.layers.fp8 import fp8_available
 
     if not fp8_available(torch.device("cuda")):

@@ -35,7 +35,7 @@ def _chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm_w: tor
             normed, *gate_up_w)
         if x.shape[0] == 1:
             down = (gemv.gated_linear_split(gate_up, down_w) if isinstance(down_w, torch.Tensor)
-                    else gemv.fp8_gated_linear_split(gate_up, *down_w))
+                    else gemv.fp8_gated_linear_split(gate_up, *down_w, defer=True))
         else:
             down = _split(silu_mul(gate_up), down_w)
         residual, normed = add_rms_norm(residual, down, norm_w, 1e-6)
@@ -43,7 +43,9 @@ def _chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm_w: tor
 
 
 def _split(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
-    return gemv.linear_split(x, weight) if isinstance(weight, torch.Tensor) else gemv.fp8_linear_split(x, *weight)
+    # FP8: deferred as the model asks, so one row's adds run in the product's last program (its tail)
+    return (gemv.linear_split(x, weight) if isinstance(weight, torch.Tensor)
+            else gemv.fp8_linear_split(x, *weight, defer=True))
 
 
 def _weight(rows: int, cols: int, g: torch.Generator, fp8: bool):

@@ -2,7 +2,8 @@
 with some of them not launched at all (wrong tokens, same weight reads and attention lengths).
 A skipped kernel is one whose grid starts with 1 (a one-row step): add + RMSNorm (`norm`), the
 attention's reduce (`reduce`), rotary + KV write (`rope`). Not a mode of the library; a bench
-that only this script's monkeypatching creates.
+that only this script's monkeypatching creates. (Call 2 ran it on b3ff179. Since 20cfe7a batch 1's
+adds run inside the FP8 products: for the same bound run it with MMPIPE_DECODE_NORM_FUSED=0.)
 Usage: python docs/bench/runs/b1_skip_bound.py CKPT QUANT SET [SET ...]  SET: none | a+b+..."""
 import sys
 

@@ -1,7 +1,8 @@
 """Sweep the few-row kernels' configs for FP8 weights (per-channel scales) on the 3B decode shapes:
 the production kernels (gemv._row_kernel, gemv._swap_kernel) launched with explicit configs, each
 over enough distinct weights that nothing stays in L2, replayed in a CUDA graph.
-(Written for the kernels' arguments of its own session, before later ones were added, e.g. PREFETCH and 20cfe7a's tail: run it on the tree it was written for, `git log -- docs/bench/runs/fp8_gemv_sweep.py`.)"""
+(Written for the kernels' arguments of its own session, before later ones were added, e.g.
+PREFETCH and 20cfe7a's tail: run it on the tree it was written for, `git log -- <this file>`.)"""
 import itertools, sys, torch
 from mmpipe.kernels import gemv, pdl
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
