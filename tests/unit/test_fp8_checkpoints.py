@@ -66,12 +66,19 @@ def _write(source: str, target: str, tensors: dict[str, torch.Tensor], quantizat
     return target
 
 
-def fp8_pair(base: str, tmp, fmt: str, block: tuple[int, int] = (128, 64)) -> tuple[str, str]:
-    """(the checkpoint in `fmt`, the same weights dequantized by hand in float32)."""
+def fp8_pair(base: str, tmp, fmt: str, block: tuple[int, int] = (128, 64), unquantized: tuple[str, ...] = ()
+             ) -> tuple[str, str]:
+    """(the checkpoint in `fmt`, the same weights dequantized by hand in float32). The modules
+    named in `unquantized` are stored in bfloat16 and listed in the config's ignore list, as a
+    quantizer leaves the layers it was told to skip."""
     rows, cols = block
     original = load_file(os.path.join(base, "model.safetensors"))
     stored, by_hand = {}, {}
     for k, (name, w) in enumerate(sorted(original.items())):
+        if name.removesuffix(".weight") in unquantized:
+            stored[name] = w.to(torch.bfloat16)
+            by_hand[name] = stored[name].float()
+            continue
         if not _is_lm_linear(name):
             stored[name] = by_hand[name] = w
             continue
@@ -86,7 +93,7 @@ def fp8_pair(base: str, tmp, fmt: str, block: tuple[int, int] = (128, 64)) -> tu
             by_hand[name] = q.float() * (scale.reshape(-1, 1) if fmt == "channel" else scale)
     if fmt == "block":
         config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                  "weight_block_size": [rows, cols], "modules_to_not_convert": ["lm_head", "visual"]}
+                  "weight_block_size": [rows, cols], "modules_to_not_convert": ["lm_head", "visual", *unquantized]}
     else:
         config = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
                   "config_groups": {"group_0": {
@@ -94,9 +101,10 @@ def fp8_pair(base: str, tmp, fmt: str, block: tuple[int, int] = (128, 64)) -> tu
                       "weights": {"num_bits": 8, "type": "float", "strategy": fmt, "dynamic": False, "symmetric": True},
                       "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
                                             "symmetric": True}}},
-                  "ignore": ["lm_head", "re:.*visual.*"]}
-    quantized = _write(base, str(tmp / f"fp8_{fmt}_{rows}x{cols}"), stored, config)
-    reference = _write(base, str(tmp / f"by_hand_{fmt}_{rows}x{cols}"), by_hand, None)
+                  "ignore": ["lm_head", "re:.*visual.*", *unquantized]}
+    name = f"{fmt}_{rows}x{cols}" + ("_partly" if unquantized else "")
+    quantized = _write(base, str(tmp / f"fp8_{name}"), stored, config)
+    reference = _write(base, str(tmp / f"by_hand_{name}"), by_hand, None)
     return quantized, reference
 
 
@@ -274,6 +282,39 @@ def test_an_fp8_checkpoint_runs_on_its_fp8_layers(wide, tmp_path, monkeypatch, f
     assert "kept in FP8" in kept.model.quantization
     ours, want = first_logits(kept, _chat()), first_logits(by_hand, _chat())
     assert 1e-5 < rel_err(ours, want) < 0.1  # a random tiny model: ~4% from 8-bit activations
+
+
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+def test_a_fused_layer_with_an_ignored_part_stays_unquantized_and_computes_its_twins_output(
+        wide, tmp_path, monkeypatch, fmt):
+    """The loader's rule for a fused projection: it stays FP8 only when every part is stored in
+    FP8. Layer 0's q_proj left in bfloat16 by the checkpoint's ignore list (its k_proj and v_proj
+    FP8): layer 0's qkv loads as a plain layer holding q as stored and k, v dequantized, every
+    other projection stays FP8, and the fused layer computes exactly what its by-hand dequantized
+    twin computes; dequantized everywhere (no FP8 tensor cores), the whole model does too."""
+    import mmpipe.models
+    from mmpipe.layers.fp8 import Fp8Linear
+
+    ignored = "model.layers.0.self_attn.q_proj"
+    quantized, reference = fp8_pair(wide, tmp_path, fmt, block=(128, 128), unquantized=(ignored,))
+    twin = _load(reference, False).language
+    kept = _load(quantized, True)
+    layers = {name for name, m in kept.language.named_modules() if isinstance(m, Fp8Linear)}
+    assert layers == {f"layers.{i}.{p}" for i in (0, 1) for p in ("self_attn.o_proj", "mlp.gate_up_proj",
+                                                                  "mlp.down_proj")} | {"layers.1.self_attn.qkv_proj"}
+    assert "7 language-model linear layers kept in FP8" in kept.quantization
+    fused, want = kept.language.layers[0].self_attn.qkv_proj, twin.layers[0].self_attn.qkv_proj
+    assert type(fused) is torch.nn.Linear and fused.weight.dtype == torch.float32
+    assert torch.equal(fused.weight, want.weight) and torch.equal(fused.bias, want.bias)
+    assert torch.equal(fused.weight[:256], load_file(os.path.join(quantized, "model.safetensors"))[
+        ignored + ".weight"].float())  # q as stored, in bfloat16, not rounded to FP8
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fused(x), want(x))
+
+    monkeypatch.setattr(mmpipe.models, "fp8_available", lambda device: False)
+    dequantized = Pipeline.from_pretrained(quantized, device="cpu", dtype="float32")
+    by_hand = Pipeline.from_pretrained(reference, device="cpu", dtype="float32")
+    assert torch.equal(first_logits(dequantized, _chat()), first_logits(by_hand, _chat()))
 
 
 def test_layers_the_fp8_kernels_cannot_take_are_dequantized(base, tmp_path):
