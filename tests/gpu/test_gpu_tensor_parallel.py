@@ -1,8 +1,8 @@
 """Tensor parallelism on 2 GPUs (NCCL; skipped with fewer): in float32 the sharded Pipeline gives the
 unsharded one's greedy tokens in every graph mode, with its decode and prefill graphs captured on
 both ranks (the all-reduces and the logits' all-gather inside them); in bfloat16 the trained
-bundled model captions the sample images as on one GPU. Run with `pytest -m gpu` on a machine of
-two GPUs or more."""
+bundled model captions the sample images as on one GPU; on 4 GPUs, two KV heads replicated over four
+ranks give one GPU's tokens. Run with `pytest -m gpu` on a machine of two GPUs or more."""
 
 from __future__ import annotations
 
@@ -47,6 +47,19 @@ def test_two_gpus_give_one_gpus_tokens_in_every_graph_mode(checkpoint, reference
         assert stats["decode"]["graphs"] > 0 and stats["decode"]["graph_runs"] > 0
     if mode in ("piecewise", "full_and_piecewise"):
         assert stats["prefill"]["graphs"] > 0 and stats["prefill"]["graph_runs"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+@pytest.mark.parametrize("mode", ["none", "full_and_piecewise"])
+def test_four_gpus_sharing_two_kv_heads_give_one_gpus_tokens(checkpoint_factory, mode):
+    """8 query heads, 2 KV heads at TP=4: each KV head replicated on two ranks, eagerly and with
+    every graph runner."""
+    path = checkpoint_factory(text={"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2})
+    ours, stats = tokens(path, 4, mode)
+    assert ours == tokens(path, 1, "none")[0]
+    assert stats["tensor_parallel"]["size"] == 4
+    if mode == "full_and_piecewise":
+        assert stats["decode"]["graph_runs"] > 0 and stats["prefill"]["graph_runs"] > 0
 
 
 @pytest.mark.parametrize("vit_parallel", ["tensor", "rank0"])

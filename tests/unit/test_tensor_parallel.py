@@ -1,7 +1,8 @@
 """The tensor-parallel sharded forward (`language/tensor_parallel.py`) on the CPU: 2-3 processes
 over gloo, each holding its shard, against the unsharded model in float32: hidden states and
 logits within 1e-5, and the same greedy tokens over a few steps. Head counts that split oddly
-(3 query heads per rank) and KV heads fewer than ranks (replicated) included."""
+(3 query heads per rank) and KV heads fewer than ranks (replicated: one KV head on every rank, or
+two KV heads over four ranks, each on the two ranks whose query heads attend with it) included."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.lm_helpers import extend_meta
 CASES = {  # name: (world size, query heads, KV heads, tied head, vocabulary)
     "kv_split": (2, 6, 2, False, 96),  # 3 query heads and 1 KV head per rank
     "kv_replicated": (2, 4, 1, True, 96),  # one KV head shared: each rank holds a copy
+    "kv_pairs": (4, 8, 2, False, 96),  # 2 query heads a rank; KV head 0 on ranks 0-1, head 1 on ranks 2-3
     "three_ranks": (3, 6, 3, False, 96),
     "uneven_vocabulary": (3, 6, 3, True, 97),  # 33 rows per rank, the last padded with two zero rows
 }
@@ -93,6 +95,40 @@ def test_the_sharded_forward_equals_the_unsharded_one(case, tmp_path):
         assert t == t_ref and len(set(t)) > 1
     # Every rank computes the same replicated result, bit for bit.
     assert all(torch.equal(r["sharded"][1], results[0]["sharded"][1]) for r in results)
+
+
+def _kv_head_of(query_head: int, heads: int, kv_heads: int) -> int:
+    """Grouped-query attention: consecutive groups of heads / kv_heads query heads share a KV head."""
+    return query_head // (heads // kv_heads)
+
+
+@pytest.mark.parametrize("world, heads, kv", [(4, 8, 2), (4, 8, 1), (2, 6, 2), (8, 16, 2), (4, 16, 2)])
+def test_each_rank_holds_the_kv_heads_its_query_heads_attend_with(world, heads, kv):
+    """Without processes: every rank's fused qkv rows are its query heads' rows and the rows of
+    the KV head(s) those query heads attend with (a replicated KV head on each rank that needs
+    it); the slices a rank reads from a checkpoint name the same rows."""
+    from mmpipe.language.tensor_parallel import shard_slices
+
+    whole = build(heads, kv, False)
+    d, q_rows, kv_rows = whole.cfg.head_dim, heads * whole.cfg.head_dim, kv * whole.cfg.head_dim
+    qkv = whole.layers[0].self_attn.qkv_proj.weight
+    per_rank = heads // world
+    held = []
+    for rank in range(world):
+        shard = shard_language_model(build(heads, kv, False), TPGroup(rank, world))
+        attn = shard.layers[0].self_attn
+        queries = range(rank * per_rank, (rank + 1) * per_rank)
+        needed = sorted({_kv_head_of(h, heads, kv) for h in queries})
+        assert attn.num_heads == per_rank and attn.num_kv_heads == len(needed)
+        want = torch.cat([qkv[offset + h * d: offset + (h + 1) * d]
+                          for offset, group in ((0, queries), (q_rows, needed), (q_rows + kv_rows, needed))
+                          for h in group])
+        assert torch.equal(attn.qkv_proj.weight, want), rank
+        select = shard_slices(whole.cfg, TPGroup(rank, world))
+        k_part = select("layers.0.self_attn.k_proj.weight")
+        assert (k_part.start, k_part.stop) == (needed[0] * d, (needed[-1] + 1) * d), rank
+        held.append(tuple(needed))
+    assert len(set(held)) == min(world, kv)  # every KV head is held by some rank
 
 
 def test_head_counts_that_do_not_divide_are_refused_by_name():

@@ -72,6 +72,20 @@ def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, one_kv_head, vit_par
     assert theirs == ours_runs if vit_parallel == "tensor" else (theirs > 0) == (vit_parallel == "data")
 
 
+@pytest.fixture(scope="module")
+def kv_pairs(checkpoint_factory):
+    """8 query heads and 2 KV heads: at 4 ranks each KV head is replicated on the two ranks whose
+    query heads attend with it (in the paged cache too)."""
+    return checkpoint_factory(text={"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2})
+
+
+def test_four_ranks_sharing_two_kv_heads_give_the_unsharded_tokens(kv_pairs):
+    reference, _ = run(kv_pairs, 1)
+    ours, stats = run(kv_pairs, 4)
+    assert ours == reference and len({tuple(t) for t in reference}) > 2
+    assert stats["tensor_parallel"]["size"] == 4
+
+
 def test_shares_split_a_steps_images_by_patches():
     from mmpipe.engine.tensor_parallel import split_shares
 
