@@ -29,6 +29,29 @@ def test_every_source_kind_gives_the_same_pixels(tmp_path):
         assert np.array_equal(np.asarray(out), expected)
 
 
+@pytest.mark.parametrize("prefix", ["data:;base64,", "data:application/octet-stream;base64,",
+                                    "data:application/octet-stream;name=a.png;base64,", "data:image/jpeg;base64,"])
+def test_data_uris_without_an_image_type_give_the_files_pixels(tmp_path, prefix):
+    """What clients send: no media type, the generic binary one (with a parameter), or an image
+    type other than the payload's. Each loads the file's pixels, bare and inside a chat message."""
+    image = random_image(29, 17, seed=5)
+    path = tmp_path / "a.png"
+    path.write_bytes(png_bytes(image))
+    uri = prefix + base64.b64encode(path.read_bytes()).decode()
+    expected = np.asarray(load_image(str(path)))
+    assert np.array_equal(np.asarray(load_image(uri)), expected)
+    parsed = parse_conversation([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": uri}}, {"type": "image", "base64": uri}]}])
+    assert [np.array_equal(np.asarray(load_image(i.source)), expected) for i in parsed.images] == [True, True]
+
+
+@pytest.mark.parametrize("media_type", ["text/plain", "application/json", "video/mp4"])
+def test_a_data_uri_of_another_declared_type_is_refused_by_name(media_type):
+    uri = f"data:{media_type};base64," + base64.b64encode(png_bytes(random_image(8, 8))).decode()
+    with pytest.raises(ImageLoadError, match=f"media type '{media_type}', not an image"):
+        load_image(uri)
+
+
 def test_transparency_is_composited_on_white():
     rgba = np.zeros((4, 4, 4), dtype=np.uint8)
     rgba[..., 0] = 200  # red channel
