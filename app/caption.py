@@ -94,7 +94,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                      "included, becomes a space)")
     out.add_argument("--prefix", default="", help="text put before every caption (e.g. a trigger word)")
     out.add_argument("--suffix", default="", help="text put after every caption")
-    out.add_argument("--errors-file", default=None, help="JSON lines (image, error) for every image that failed")
+    out.add_argument("--errors-file", default=None, help="JSON lines (image, error) for every image that failed in "
+                     "this run; each run starts the file afresh (a re-run retries earlier failures, so an image "
+                     "that fails again is listed again)")
     prompts = parser.add_argument_group("prompt and sampling")
     group = prompts.add_mutually_exclusive_group()
     group.add_argument("--prompt", default=None, help="instruction (default: 'Describe this image.')")

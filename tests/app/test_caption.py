@@ -472,6 +472,24 @@ def test_failures_are_reported_once_and_listed_in_the_errors_file(dataset, tmp_p
     assert not any(os.path.exists(sidecar(p)) for p in listed)
 
 
+def test_the_errors_file_lists_only_the_latest_runs_failures(dataset, tmp_path):
+    """Run twice with different failing images, then with none: the file holds each run's own
+    failures (a re-run retries the images that failed before; they are listed again if they fail)."""
+    root, _ = dataset
+    errors = tmp_path / "errors.jsonl"
+    command = [str(root), "--format", "txt", "--errors-file", str(errors), *CPU]
+    listed = lambda: sorted(os.path.basename(r["image"]) for r in read_jsonl(errors))  # noqa: E731
+    (root / "first.png").write_bytes(b"not an image")
+    assert main(command) == 1 and listed() == ["first.png"]
+    (root / "first.png").unlink()
+    (root / "second.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    (root / "third.png").write_text("not an image either")
+    assert main(command) == 1 and listed() == ["second.png", "third.png"]
+    (root / "second.png").unlink()
+    (root / "third.png").unlink()
+    assert main(command) == 0 and errors.exists() and listed() == []
+
+
 def test_fail_fast_quiet_and_empty_captions(dataset, tmp_path, capsys, monkeypatch):
     root, expected = dataset
     (root / "corrupt.png").write_bytes(b"garbage")
@@ -599,6 +617,42 @@ def test_killed_runs_resume_to_every_image_exactly_once(fmt, tmp_path):
     assert sorted(os.path.basename(p) for p, _ in captions) == [f"s{i:03d}.png" for i in range(12)]
     assert all(c.strip() for _, c in captions)
     assert not list(folder.glob(".*.mmpipe-tmp"))  # what the killed sidecar writes left is gone
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "txt"])
+def test_a_resumed_append_run_generates_only_what_the_killed_run_did_not(fmt, tmp_path, monkeypatch, capsys):
+    """A first run captions 8 images; an --append run dies after writing 3 captions; run again, it
+    reports the 3 as already captioned and asks the model for the other 5 only, and every image
+    ends with exactly one appended caption."""
+    from mmpipe import Pipeline
+
+    folder = tmp_path / "imgs"
+    _scenes(folder, 8)
+    out = tmp_path / f"c.{fmt}"
+    base = [str(folder), "--format", fmt, "--device", "cpu", "--workers", "1", "--batch-size", "2"]
+    base += ["--output", str(out)] if fmt != "txt" else []
+    assert main([*base, "--quiet"]) == 0
+    first = dict(_captions(fmt, folder, out))
+    with dies_in_write(fmt, 3):
+        main([*base, "--quiet", "--append", "--separator", " + "])
+    asked: list[int] = []
+    original = Pipeline.chat_stream
+
+    def counted(self, conversations, *args, **kwargs):
+        def each():
+            for conversation in conversations:
+                asked.append(1)
+                yield conversation
+        return original(self, each(), *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "chat_stream", counted)
+    capsys.readouterr()
+    assert main([*base, "--append", "--separator", " + "]) == 0
+    assert "captioned 5 image(s)" in (err := capsys.readouterr().err) and "3 already captioned" in err, err
+    assert len(asked) == 5
+    final = dict(_captions(fmt, folder, out))
+    assert final.keys() == first.keys() and len(final) == 8
+    assert all(final[k].startswith(first[k] + " + ") and final[k].count(" + ") == 1 for k in final)
 
 
 @pytest.mark.slow
