@@ -182,15 +182,16 @@ class DecodeGraphRunner(GraphRunner):
     # ------------------------------------------------------------------ graphs
 
     def capture_sampling(self, sampling: Any, progress: bool = True) -> int:
-        """Capture every bucket for the sampler variants a run of requests with these resolved
-        settings uses (while a min_new_tokens ban holds, and after), unless a live graph already
-        serves them; returns the graphs captured."""
+        """Capture the buckets of the sampler variants a run of requests with these resolved
+        settings uses (while a min_new_tokens ban holds, and after) that no live graph serves yet;
+        returns the graphs captured."""
         if self.cache is None:
             return 0
         before = self.cache.stats.captures
         for variant in _variants(sampling):
-            if any(self.lookup((b, variant)) is None for b in self.buckets):
-                self.capture_all(variant, progress)
+            missing = [(b, variant) for b in sorted(self.buckets, reverse=True) if self.lookup((b, variant)) is None]
+            if missing:  # only these: capturing a live key again would replace its graph
+                super().capture_all(missing, progress, "batch sizes")
         return self.cache.stats.captures - before
 
     def startup_keys(self) -> list[Any]:

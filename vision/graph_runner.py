@@ -177,7 +177,8 @@ class ViTGraphRunner(GraphRunner):
         """Capture now every graph that packs of these images will need: for each grid, packs of
         1..K images of it (K: as many as `max_patches` and `max_images` allow), as the engine
         packs a run of equal-sized images. Each is filled with a real pack layout (zero pixels)
-        before its capture. Returns the number of graphs captured."""
+        before its capture. No more than the cache holds (`max_graphs`): the packs of fewest images
+        first, the rest captured when first met. Returns the number of graphs captured."""
         if self.cache is None:
             return 0
         from tqdm import tqdm
@@ -189,11 +190,20 @@ class ViTGraphRunner(GraphRunner):
             n = grid[0] * grid[1] * grid[2]
             for k in range(1, min(self.max_images, max_patches // n if n else 0) + 1):
                 key = self.key_for(k * n, k)
-                if key is not None and self.lookup(key) is None:
+                if key is not None:
                     packs.setdefault(key, [grid] * k)
+        wanted = sorted(packs, key=lambda key: (len(packs[key]), key))
+        room = self.cache.max_graphs
+        if room is not None and len(wanted) > room:  # more would evict the warm-up's own graphs
+            log.info("ViT graphs: %d pack shapes for these image sizes, %d kept (max_graphs); the packs of most "
+                     "images are captured when first met", len(wanted), room)
+            wanted = wanted[:room]
+        for key in wanted:
+            self.cache.touch(key)  # kept ahead of other graphs in the least-recently-used order
+        missing = [key for key in wanted if self.lookup(key) is None]
         before = self.cache.stats.captures
         with capture_session():
-            for key in tqdm(sorted(packs, reverse=True), desc="capturing ViT graphs", unit="graph",
+            for key in tqdm(sorted(missing, reverse=True), desc="capturing ViT graphs", unit="graph",
                             disable=not progress, leave=False, dynamic_ncols=True):
                 cfg = vit.cfg
                 meta = build_pack_meta(packs[key], cfg.spatial_merge_size, cfg.window_size, cfg.patch_size)

@@ -94,6 +94,11 @@ class GraphCache:
         self.replay(entry)
         return entry.output
 
+    def touch(self, key: Hashable) -> None:
+        """Mark `key`'s graph, if live, as the most recently used (last to be evicted)."""
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+
     def replay(self, entry: CapturedGraph) -> None:
         entry.graph.replay()
         entry.replays += 1

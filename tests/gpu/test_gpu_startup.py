@@ -1,5 +1,5 @@
 """Start-up on CUDA: the report counts Triton compilations where they happen, and a caption-like
-run of equal-sized images captures no graph after `warm_up`."""
+run of equal-sized images captures no graph after `warm_up`, which returns the graphs it added."""
 
 from __future__ import annotations
 
@@ -37,8 +37,12 @@ def test_a_run_of_warmed_image_sizes_captures_nothing(checkpoint):
                                     max_vision_patches=4096)
     images = [random_image(160, 120, seed=i) for i in range(24)]
     sampling = SamplingParams(max_new_tokens=6, min_new_tokens=3, temperature=0.7, seed=1)  # two sampler variants
+    pipe.caption(images[:1], sampling=sampling)  # one image pack and batch 1 of the variants, captured lazily
+    graphs = lambda field: sum(pipe.stats()[name][field] for name in ("vit", "prefill", "decode"))  # noqa: E731
+    live, captures = graphs("graphs"), graphs("captures")
     captured = pipe.warm_up(images[:2], sampling)
     assert captured > 0 and "ViT graphs" in pipe.startup_report() and "decode graphs for the sampling" in pipe.startup_report()
+    assert captured == graphs("graphs") - live == graphs("captures") - captures  # what it added, nothing twice
     before = {name: pipe.stats()[name]["captures"] for name in ("vit", "prefill", "decode")}
     outputs = pipe.caption(images, sampling=sampling)
     assert all(o is not None for o in outputs)

@@ -1,10 +1,12 @@
-"""Start-up capture of the ViT graphs a run will use: after `capture_packs` for a run's image
-sizes, packs of any number of those images replay without a capture (graph bookkeeping on the
-CPU, captures simulated); a size that was not warmed still captures lazily."""
+"""Start-up capture of the graphs a run will use (graph bookkeeping on the CPU, captures
+simulated): after `capture_packs` for a run's image sizes, packs of any number of those images
+replay without a capture, and a size that was not warmed still captures lazily; `Pipeline.warm_up`
+returns the graphs it added and completes a sampling variant that a request captured in part."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from mmpipe.vision.graph_runner import ViTGraphRunner, default_buckets
 from mmpipe.vision.metadata import build_pack_meta
@@ -12,8 +14,9 @@ from mmpipe.vision.preprocess import preprocess_image
 
 from mmpipe.graphs import cache as graph_cache_module
 from mmpipe.graphs import runner as graph_runner_module
+from mmpipe import SamplingParams
 from tests.helpers import random_image
-from tests.unit.test_decode_graphs import FakeGraph, FakeMemory
+from tests.unit.test_decode_graphs import FakeGraph, FakeMemory, simulated_graphs  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 
@@ -53,3 +56,57 @@ def test_packs_of_warmed_sizes_capture_nothing_during_a_run(pipe, monkeypatch):
     other = preprocess_image(random_image(280, 280, seed=3), cfg)  # not warmed: captured when first met
     meta = build_pack_meta([other.grid_thw], vit.cfg.spatial_merge_size, vit.cfg.window_size, vit.cfg.patch_size)
     assert runner.forward(other.pixel_values, meta)[1] and runner.cache.stats.captures == captures + 1
+
+
+# ---------------------------------------------------------------------------- Pipeline.warm_up
+
+def _graphs(pipe) -> tuple[int, int]:
+    """(live graphs, captures) of the ViT, prefill and decode runners together."""
+    stats = pipe.stats()
+    return tuple(sum(stats[name][field] for name in ("vit", "prefill", "decode")) for field in ("graphs", "captures"))
+
+
+@pytest.fixture
+def graphed_pipe(checkpoint, simulated_graphs, monkeypatch):
+    """A CPU Pipeline whose ViT and decode graphs are simulated (captures run the body; a decode
+    replay runs it again), decode buckets 1, 2 and 4; greedy's are captured at start-up."""
+    from mmpipe import GraphConfig, Pipeline
+
+    monkeypatch.setattr(graph_runner_module, "capturable", lambda backend: True)
+    return Pipeline.from_pretrained(checkpoint, device="cpu", max_running_requests=4,
+                                    decode_graph=GraphConfig(buckets=(1, 2, 4)))
+
+
+SAMPLED = SamplingParams(max_new_tokens=4, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True)
+TEXT = [{"role": "user", "content": "tell me about the picture"}]
+
+
+def test_warm_up_returns_the_graphs_it_added(graphed_pipe):
+    """ViT packs of two image sizes and a sampled variant's decode buckets: the count returned is
+    what the runners' stats gained, in live graphs and in captures; a second warm-up adds none."""
+    live, captures = _graphs(graphed_pipe)
+    images = [random_image(112, 112, seed=1), random_image(200, 140, seed=2), "missing.png"]
+    captured = graphed_pipe.warm_up(images, SAMPLED)
+    stats = graphed_pipe.stats()
+    assert stats["vit"]["graphs"] > 0 and stats["decode"]["graphs"] == 3 + 3  # greedy's and the variant's
+    assert captured == _graphs(graphed_pipe)[0] - live == _graphs(graphed_pipe)[1] - captures
+    assert graphed_pipe.warm_up(images, SAMPLED) == 0 and _graphs(graphed_pipe)[1] - captures == captured
+
+
+def test_warm_up_completes_a_variant_captured_for_one_bucket(graphed_pipe):
+    """One sampled request captures its variant's graph for batch 1 only; `warm_up` with that
+    sampling captures the other buckets (and not batch 1 again), so a run of 2 and 4 such
+    requests captures nothing."""
+    decoder = graphed_pipe.runner.decoder
+    graphed_pipe.chat([TEXT], SAMPLED)
+    sampled = [key for key in decoder.cache.live_keys() if key[1].random]
+    assert [key[0] for key in sampled] == [1]
+    live, captures = _graphs(graphed_pipe)
+    assert graphed_pipe.warm_up((), SAMPLED) == 2
+    assert _graphs(graphed_pipe) == (live + 2, captures + 2)
+    assert sorted(key[0] for key in decoder.cache.live_keys() if key[1] == sampled[0][1]) == [1, 2, 4]
+    for count in (4, 2, 3):
+        outs = graphed_pipe.chat([TEXT] * count, [SAMPLED] * count)
+        assert all(len(o.token_ids) == 4 for o in outs)
+    stats = graphed_pipe.stats()["decode"]
+    assert _graphs(graphed_pipe)[1] == captures + 2 and stats["graph_runs"] > 0 and stats["eager_runs"] == 0
