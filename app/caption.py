@@ -513,13 +513,16 @@ def _launch_processes(count: int, gpus: int) -> int:
         return report_unfinished_shards(status, count, code)
 
 
-# Where each process of a several-process run marks its shard captioned (set by `--gpus N`).
+# Where each process of a several-process run marks its shard captioned (set by `--gpus N`;
+# read through `mmpipe.settings`).
 SHARD_STATUS_ENV = "MMPIPE_CAPTION_SHARD_STATUS"
 
 
 def mark_shard_captioned(rank: int) -> None:
     """This process's shard is captioned and its outputs written (the merge may still follow)."""
-    folder = os.environ.get(SHARD_STATUS_ENV)
+    from mmpipe import settings
+
+    folder = settings.current().caption_shard_status
     if folder:
         with open(os.path.join(folder, f"shard{rank}.captioned"), "w"):
             pass

@@ -224,7 +224,7 @@ class HostTokens:
             self._lps = (torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True).copy_(lps, non_blocking=True)
                          if lps is not None else None)
             # A blocking event puts the waiting thread to sleep instead of spinning a whole core
-            # for the milliseconds a step runs (`MMPIPE_BLOCKING_SYNC`).
+            # for the milliseconds a step runs (`MMPIPE_DISABLE=blocking-sync` spins instead).
             self._event = torch.cuda.Event(blocking=settings.current().blocking_sync)
             self._event.record()
         else:

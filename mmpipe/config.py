@@ -31,6 +31,17 @@ class GraphMode(str, enum.Enum):
     FULL_DECODE_ONLY = "full_decode_only"
     FULL_AND_PIECEWISE = "full_and_piecewise"
 
+    @classmethod
+    def parse(cls, mode: "GraphMode | str") -> "GraphMode":
+        """A mode or its name (any case); an `InputError` naming the modes otherwise."""
+        if isinstance(mode, str) and mode.lower() == "full":
+            raise InputError("graph_mode='full' was removed (it did what 'full_decode_only' does: whole decode "
+                             "steps, prefill without graphs); use 'full_decode_only', or 'full_and_piecewise' for both")
+        try:
+            return cls(mode.lower() if isinstance(mode, str) else mode)
+        except ValueError:
+            raise InputError(f"graph_mode={mode!r}: use one of {', '.join(m.value for m in cls)}") from None
+
 
 _DTYPES = {
     "float32": torch.float32,
@@ -74,19 +85,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device,
     return torch.float16 if checkpoint_dtype in ("float16", "torch.float16") else torch.bfloat16
 
 
-def parse_graph_mode(mode: "GraphMode | str | None", device: torch.device) -> GraphMode:
-    """`None` gives `full_and_piecewise` on CUDA and `none` elsewhere; on the CPU every mode runs as
-    `none` (there is nothing to capture)."""
-    if mode is None:
-        return GraphMode.FULL_AND_PIECEWISE if device.type == "cuda" else GraphMode.NONE
-    if isinstance(mode, str) and mode.lower() == "full":
-        raise InputError("graph_mode='full' was removed (it did what 'full_decode_only' does: whole decode steps, "
-                         "prefill without graphs); use 'full_decode_only', or 'full_and_piecewise' for both")
-    try:
-        parsed = GraphMode(mode.lower() if isinstance(mode, str) else mode)
-    except ValueError:
-        raise InputError(f"graph_mode={mode!r}: use one of {', '.join(m.value for m in GraphMode)}") from None
-    return parsed if device.type == "cuda" else GraphMode.NONE
+def effective_graph_mode(mode: GraphMode | None, device: torch.device) -> GraphMode:
+    """The mode a run on `device` uses: `None` gives `full_and_piecewise` on CUDA and `none`
+    elsewhere; on the CPU every mode runs as `none` (there is nothing to capture)."""
+    if device.type != "cuda":
+        return GraphMode.NONE
+    return GraphMode.FULL_AND_PIECEWISE if mode is None else mode
 
 
 _MODE_RUNNERS = {
@@ -253,8 +257,8 @@ class EngineConfig:
         for name in ("decode_graph", "vit_graph", "prefill_graph"):
             if not isinstance(getattr(self, name), GraphConfig):
                 raise InputError(f"EngineConfig.{name}: give a GraphConfig, got {getattr(self, name)!r}")
-        if self.graph_mode is not None:
-            parse_graph_mode(self.graph_mode, torch.device("cuda"))  # validates the name
+        if self.graph_mode is not None:  # parsed once, here: the runner reads a GraphMode
+            object.__setattr__(self, "graph_mode", GraphMode.parse(self.graph_mode))
         if self.prefill_graph.memory != "shared":
             raise InputError(f"EngineConfig.prefill_graph.memory={self.prefill_graph.memory!r}: prefill pieces "
                              "share the language model's pool; only 'shared' is supported")

@@ -23,14 +23,21 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def switch():
-    """Set `MMPIPE_*` switches for one test: `switch("MMPIPE_PDL", "0")` (read again by
-    `mmpipe.settings` at once, and put back afterwards)."""
+    """Turn an optimisation off or on for one test: `switch("pdl", "0")` (a name `MMPIPE_DISABLE`
+    takes), or set another variable: `switch("MMPIPE_CHECK_GRAPH_INPUTS", "1")`. Read again by
+    `mmpipe.settings` at once, and put back afterwards."""
+    import os
+
     from mmpipe import settings
 
     patch = pytest.MonkeyPatch()
 
     def set_switch(name: str, value: str) -> None:
-        patch.setenv(name, value)
+        if name in settings.DISABLE_NAMES:
+            off = {n for n in os.environ.get("MMPIPE_DISABLE", "").split(",") if n} - {name}
+            patch.setenv("MMPIPE_DISABLE", ",".join(sorted(off | ({name} if value in ("0", "off") else set()))))
+        else:
+            patch.setenv(name, value)
         settings.refresh()
 
     yield set_switch

@@ -77,7 +77,7 @@ class CudaLMAttention:
                     num_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> bool:
         """A decode step's rotary, KV write and attention in one kernel (`paged_decode_rope`);
         False (nothing done) where that does not apply: not a decode step, a batch bucket under
-        `ROPE_FUSED_FROM_ROWS`, or switched off (`MMPIPE_DECODE_ROPE_FUSED=0`). Chosen by the
+        `ROPE_FUSED_FROM_ROWS`, or switched off (`MMPIPE_DISABLE=decode-rope-fusion`). Chosen by the
         bucket, so an eager step and its graph take the same path."""
         rows = meta.split_rows or qkv.shape[0]
         if not meta.is_decode or rows < ROPE_FUSED_FROM_ROWS or not settings.current().decode_rope_fused:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mmpipe.config import EngineConfig, GraphMode, graphs_wanted, parse_graph_mode
+from mmpipe.config import EngineConfig, GraphMode, effective_graph_mode, graphs_wanted
 from mmpipe.engine.batch import DecodeOutput, ImageInput, PendingDecode, PrefillChunk, PrefillInputs
 from mmpipe.engine.kv_pages import PageAllocator
 from mmpipe.engine.request import Request, logprob_dict
@@ -60,7 +60,7 @@ class ModelRunner:
         self.model, self.cfg = model, cfg
         startup = startup if startup is not None else StartupReport()
         self.device, self.dtype = model.device, model.dtype
-        self.graph_mode: GraphMode = parse_graph_mode(cfg.graph_mode, self.device)
+        self.graph_mode: GraphMode = effective_graph_mode(cfg.graph_mode, self.device)
         lm = model.language
         self.page_size = cfg.kv_page_size
         family = model.spec

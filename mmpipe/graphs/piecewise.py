@@ -23,7 +23,7 @@ in the stitching module as plain callables (no `nn.Module` call per piece). The 
 a captured size records a `ReplayPlan`, the straight sequence of its graph replays and split-op
 calls (checked: every split op reads only piece outputs and constants); later forwards at that
 size run the plan through `PiecewiseState.run_planned`, without dynamo's guard check or the
-stitching code (`MMPIPE_PREFILL_PLANS=0` turns plans off). A plan bypasses dynamo's guards, so it
+stitching code (`MMPIPE_DISABLE=prefill-plans` turns plans off). A plan bypasses dynamo's guards, so it
 relies on what they would check staying put: the model's parameters, the KV cache tensors and the
 owner's static buffers are never replaced while the graphs live. With `MMPIPE_CHECK_GRAPH_INPUTS=1`
 every forward takes the compiled path (addresses checked) and is compared with its plan.

@@ -25,7 +25,7 @@ kernel does not beat it, docs/bench/fp8_gemm_sweep_h100.txt), large products abo
 down) and block-scaled products other than split ones up to 128 rows (the per-step scaling).
 Only on Hopper (where the sweep was measured), in the language model's decode steps
 (`gemv.in_decode_step`: a prefill forward is compiled, and its eager form must compute the same
-bits; the ViT was not swept at these sizes), with `MMPIPE_FP8_TRITON_GEMM` on.
+bits; the ViT was not swept at these sizes), unless `MMPIPE_DISABLE` names `fp8-triton-gemm`.
 
 Accumulation: FP8 tensor cores add with fewer bits than float32; each 128-column step's sum goes
 into a float32 accumulator (`_PRECISE_EVERY`), as cuBLASLt's default and DeepSeek-V3's FP8 GEMMs

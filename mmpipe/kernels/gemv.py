@@ -24,7 +24,7 @@ dtype exactly once, like cuBLAS (bias added in float32 first); only the summatio
 SiLU product is not a kernel of its own; the model uses it for one row only (with several, the
 computed operand stalls the tensor-core kernel's pipelined loads: +0.8 ms per step at batch 32).
 
-Both kernels take their first K step out of the loop and, with `MMPIPE_PDL_PREFETCH` on (the
+Both kernels take their first K step out of the loop and, with `pdl-prefetch` on (the
 default), read its weight tile before PDL's wait (see `mmpipe.kernels.pdl`).
 
 A one-row split product of an FP8 weight (o and down at batch 1) comes *pending* where the model
@@ -35,12 +35,12 @@ stream's counter, and the last to arrive adds the slices to the residual and nor
 norm kernel's code, `rms_norm_row`), then resets the counter. One kernel fewer per add: 72 per
 step on the 3B shape, batch 1 1.67 -> 1.60 ms/step on an H200 (docs/bench/norm_tail_h200.md).
 Where it measured slower it is not used: rows wider than 2048 (the 7B shape, 7%), and bfloat16
-weights, where only down splits (1%). `MMPIPE_DECODE_NORM_FUSED=0` keeps the norm kernel; the
+weights, where only down splits (1%). `MMPIPE_DISABLE=decode-norm-fusion` keeps the norm kernel; the
 bits are the same either way.
 
 The kernels serve rows <= `MAX_ROWS` of a CUDA tensor in float32, bfloat16 or float16 with a
 row-contiguous weight, outside `torch.compile` tracing; everything else goes to `F.linear`.
-`MMPIPE_GEMV=0` turns them off. Within the kernels a row's result does not depend on the other
+`MMPIPE_DISABLE=gemv` turns them off. Within the kernels a row's result does not depend on the other
 rows (tested for padded buckets), but the path depends on the row count: one row or several,
 and `MAX_ROWS`. A decode batch padded to its bucket therefore computes its real rows as the
 eager step of the same bucket does (what the graph tests compare), yet not always as an eager

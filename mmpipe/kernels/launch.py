@@ -13,7 +13,7 @@ directly. The key is strictly finer than Triton's specialisation: every integer 
 every tensor by dtype and 16-byte alignment (what Triton specialises pointers on), the type of
 every other argument, the constexprs and launch options, the device. So a direct launch always
 runs the binary Triton would have picked. Under `torch.compile` tracing, with Triton's launch hooks
-set (profilers), or with `MMPIPE_TRITON_DIRECT=0`, every call takes Triton's normal path.
+set (profilers), or with `MMPIPE_DISABLE=triton-direct-launch`, every call takes Triton's normal path.
 
 `cdiv` and `next_power_of_2` are the plain host versions of Triton's helpers.
 """
@@ -58,7 +58,7 @@ class DirectLauncher:
 
     def __init__(self) -> None:
         self.entries: dict[tuple[Any, ...], _Entry] = {}
-        self.enabled: bool | None = None  # None: as `MMPIPE_TRITON_DIRECT` says
+        self.enabled: bool | None = None  # None: as `MMPIPE_DISABLE` says (`triton-direct-launch`)
         self.direct_launches = 0
         self.triton_launches = 0
         # Set by `mmpipe.kernels.precompile.compile_in_parallel`: launches from this thread only

@@ -10,7 +10,7 @@ scheduled in turn. The overlap is only in scheduling and ramp-up; the data order
 so results are bit-identical with PDL on or off.
 
 The few-row products (`gemv`, 1-32 rows) take their first K step out of the loop and, with
-`PREFETCH` (`MMPIPE_PDL_PREFETCH`, on by default), load its weight tile *before* `pdl_enter`:
+`PREFETCH` (on unless `MMPIPE_DISABLE` names `pdl-prefetch`), load its weight tile *before* `pdl_enter`:
 weights never change during a step, so that read overlaps the previous kernel's end; with it off
 they call `pdl_enter` first, as every other kernel does. H100, 3B shape, decode ms/step, that
 switch off -> on in one process (both the peeled kernel; docs/bench/pdl_prefetch_h100.md): FP8
@@ -23,7 +23,7 @@ kernel reads its input early). Releasing the successor before waiting (a trigger
 was measured and rejected: batch 1 gained 1.4%, batch 8 lost 37%.
 
 `enabled(tensor)`: PDL for launches on that tensor's device (compute capability >= 9.0, Triton
-with the griddepcontrol intrinsics, `MMPIPE_PDL` not "0"). Kernels take a `PDL: tl.constexpr`
+with the griddepcontrol intrinsics, `MMPIPE_DISABLE` not naming `pdl`). Kernels take a `PDL: tl.constexpr`
 and call `pdl_enter(PDL)` before reading anything (the few-row products after their first
 weight tile, see above); launch sites pass `PDL=on, launch_pdl=on`.
 """

@@ -24,7 +24,7 @@ sum. Off CUDA the same arithmetic runs in float32 (`_reference_block_product`), 
 A layer also takes its input already quantized (`Fp8Rows`): where `fp8_input` says how the layer
 would quantize its input (per row, or per row and 128-column group), the kernel that makes the
 input (the RMSNorm before qkv and gate_up, the SiLU product before down) writes it in FP8 at
-once, one pass fewer over the activations, with the same bits (`MMPIPE_FP8_FUSED_QUANT=0` turns
+once, one pass fewer over the activations, with the same bits (`MMPIPE_DISABLE=fp8-fused-quant` turns
 this off).
 """
 
@@ -58,7 +58,7 @@ def fp8_shape_ok(linear: nn.Linear) -> bool:
 def fp8_input(layer: nn.Module | None, like: torch.Tensor, gated: bool = False) -> int | None:
     """How `layer`'s product of an input shaped like `like` quantizes that input: 0 per row (a
     per-channel `Fp8Linear`), `BLOCK` per row and 128-column group (a block-scaled one), None when
-    it does not, or may not (not FP8, `MMPIPE_FP8_FUSED_QUANT=0`, or rows the few-row kernels
+    it does not, or may not (not FP8, `MMPIPE_DISABLE=fp8-fused-quant`, or rows the few-row kernels
     would take: `gemv.fp8_usable`, also where the caller then multiplies otherwise, as the ViT
     does with <= 32 rows, which only leaves those unfused). The kernel making the input may then
     hand it over quantized that way (`Fp8Rows`). `gated`: `like` is the fused [gate, up]

@@ -1,4 +1,4 @@
-"""Waiting for a step's tokens (`HostTokens.get`): with `MMPIPE_BLOCKING_SYNC` on (the default)
+"""Waiting for a step's tokens (`HostTokens.get`): by default (`blocking-sync` not in `MMPIPE_DISABLE`)
 the engine thread sleeps while the GPU works, with it off it spins a core; the tokens are the same."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 def wait_behind_a_long_kernel(switch, flag: str) -> tuple[float, float, list[list[int]]]:
     """Thread CPU seconds and wall seconds of `get()` for tokens queued behind ~0.3 s of GPU sleep."""
-    switch("MMPIPE_BLOCKING_SYNC", flag)
+    switch("blocking-sync", flag)
     tokens = torch.arange(7, device="cuda") * 3
 
     def one_round(cycles: int) -> tuple[float, float, list[list[int]]]:

@@ -114,12 +114,12 @@ def test_an_exact_bucket_is_bit_identical_to_eager(checkpoint, eager, mode):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rotary_inside_decode_attention_changes_no_bit(checkpoint, switch, dtype):
     """Decode with the rotary + KV write inside the attention kernel (the default) and in their
-    own kernel (`MMPIPE_DECODE_ROPE_FUSED=0`), eager and in graphs: in each mode the same tokens,
+    own kernel (`MMPIPE_DISABLE=decode-rope-fusion`), eager and in graphs: in each mode the same tokens,
     and logprobs to the bit in bfloat16. float32 within 1e-5: two float32 eager runs of the same
     code, both unfused, differed by 1.2e-6 in a logprob (docs/bench/runs/decode_rope_f32_probe.py)."""
     runs = {}
     for fused in ("1", "0"):
-        switch("MMPIPE_DECODE_ROPE_FUSED", fused)
+        switch("decode-rope-fusion", fused)
         for mode in ("none", "full_decode_only"):
             pipe = make(checkpoint, mode, dtype=dtype)
             runs[fused, mode] = pipe.chat(conversations(5), greedy(5))
@@ -131,7 +131,7 @@ def test_rotary_inside_decode_attention_changes_no_bit(checkpoint, switch, dtype
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_norm_in_the_one_row_products_changes_no_bit(checkpoint_factory, switch, monkeypatch, dtype):
     """FP8 one-row steps add the K-split down product (K 4096) to the residual and norm it in the
-    product's last program (the default) or in the norm kernel (`MMPIPE_DECODE_NORM_FUSED=0`),
+    product's last program (the default) or in the norm kernel (`MMPIPE_DISABLE=decode-norm-fusion`),
     eager and in graphs: in each mode the same tokens, and logprobs to the bit in bfloat16 (hidden
     128: both lay the row out alike); float32 within 1e-5, as two float32 runs of one code may
     differ (see test_rotary_inside_decode_attention_changes_no_bit). The batch shrinks to one row."""
@@ -152,7 +152,7 @@ def test_norm_in_the_one_row_products_changes_no_bit(checkpoint_factory, switch,
     monkeypatch.setattr(PartialSums, "add_rms_norm_in_product", recorded)
     runs = {}
     for fused in ("1", "0"):
-        switch("MMPIPE_DECODE_NORM_FUSED", fused)
+        switch("decode-norm-fusion", fused)
         tails.clear()
         for mode in ("none", "full_decode_only"):
             pipe = make(checkpoint, mode, dtype=dtype, quantization="fp8")

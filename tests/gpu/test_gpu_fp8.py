@@ -298,7 +298,7 @@ def test_the_silu_product_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(d
 def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, wide, tmp_path, monkeypatch,
                                                                quantization, mode):
     """(bfloat16) The same requests with the norms and SiLU products quantizing for the FP8 layers
-    (MMPIPE_FP8_FUSED_QUANT on, the default) and with each layer quantizing its own input: equal
+    (the default: `fp8-fused-quant` on) and with each layer quantizing its own input: equal
     tokens, log-probabilities and image embeddings; the eager run shows the fused path was taken
     (per row for `quantization="fp8"`, per 128-column group for a block-scaled FP8 checkpoint)."""
     from mmpipe import settings
@@ -318,7 +318,7 @@ def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, wide,
                         forward(self, x, **kw))
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
+        monkeypatch.setenv("MMPIPE_DISABLE", "" if flag == "1" else "fp8-fused-quant")
         settings.refresh()
         fed.clear()
         pipe = Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16", graph_mode=mode,
@@ -329,7 +329,7 @@ def test_fused_activation_quantization_changes_no_bit_of_a_run(checkpoint, wide,
         pipe.close()
         if mode == "none":
             assert ("Fp8Rows" in fed) == (flag == "1"), sorted(set(fed))
-    monkeypatch.delenv("MMPIPE_FP8_FUSED_QUANT")
+    monkeypatch.delenv("MMPIPE_DISABLE", raising=False)
     settings.refresh()
     assert results["1"][0] == results["0"][0] and results["1"][1] == results["0"][1]
     assert all(torch.equal(a, b) for a, b in zip(results["1"][2], results["0"][2]))
@@ -357,7 +357,7 @@ def test_fused_activation_quantization_in_decode_batches_above_the_few_row_kerne
                         forward(self, x, **kw))
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
+        monkeypatch.setenv("MMPIPE_DISABLE", "" if flag == "1" else "fp8-fused-quant")
         settings.refresh()
         pipe = Pipeline.from_pretrained(checkpoint, device="cuda", dtype="bfloat16", graph_mode=mode,
                                         quantization=quantization, num_kv_pages=1024, max_running_requests=40)
@@ -367,7 +367,7 @@ def test_fused_activation_quantization_in_decode_batches_above_the_few_row_kerne
         pipe.close()
         if mode == "none":  # a decode step of all 37 rows fed FP8 rows to the projections, fused on only
             assert (("Fp8Rows", 37) in fed) == (flag == "1"), sorted(set(fed))
-    monkeypatch.delenv("MMPIPE_FP8_FUSED_QUANT")
+    monkeypatch.delenv("MMPIPE_DISABLE", raising=False)
     settings.refresh()
     assert results["1"] == results["0"]
 
@@ -427,7 +427,7 @@ def test_fp8_layers_take_the_triton_gemm_in_decode_steps_only(monkeypatch, block
     """An FP8 layer multiplies decode rows above the few-row kernels with the Triton GEMM where
     `fp8_gemm.rule` says (K-split partial sums where the caller takes them; block-scaled: those
     only), within bfloat16's rounding of cuBLASLt's product; prefill forwards
-    (`gemv.allowed(False)`), > 256 rows, or MMPIPE_FP8_TRITON_GEMM=0 keep cuBLASLt."""
+    (`gemv.allowed(False)`), > 256 rows, or MMPIPE_DISABLE=fp8-triton-gemm keep cuBLASLt."""
     from mmpipe import settings
     from mmpipe.kernels import fp8_gemm, gemv
 
@@ -449,12 +449,12 @@ def test_fp8_layers_take_the_triton_gemm_in_decode_steps_only(monkeypatch, block
     assert used == ([] if block else [1])
     split_out, used = product(split=True)
     assert isinstance(split_out, gemv.PartialSums) and used == [4]
-    monkeypatch.setenv("MMPIPE_FP8_TRITON_GEMM", "0")
+    monkeypatch.setenv("MMPIPE_DISABLE", "fp8-triton-gemm")
     settings.refresh()
     try:
         cublas_out, used = product(split=True)
     finally:
-        monkeypatch.delenv("MMPIPE_FP8_TRITON_GEMM")
+        monkeypatch.delenv("MMPIPE_DISABLE", raising=False)
         settings.refresh()
     assert used == [] and isinstance(cublas_out, torch.Tensor)
     for out in (whole, split_out.total()):
@@ -481,7 +481,7 @@ def test_decode_batches_on_the_triton_fp8_gemm_follow_cublas_and_graphs_replay_t
     results = {}
     for flag, mode, quantization in (("1", "none", "fp8"), ("1", "full_decode_only", "fp8"), ("0", "none", "fp8"),
                                      ("1", "none", None)):
-        monkeypatch.setenv("MMPIPE_FP8_TRITON_GEMM", flag)
+        monkeypatch.setenv("MMPIPE_DISABLE", "" if flag == "1" else "fp8-triton-gemm")
         settings.refresh()
         calls.clear()
         pipe = Pipeline.from_pretrained(wide, device="cuda", dtype="bfloat16", graph_mode=mode,
@@ -491,7 +491,7 @@ def test_decode_batches_on_the_triton_fp8_gemm_follow_cublas_and_graphs_replay_t
         pipe.close()
         if mode == "none" and quantization:
             assert (40 in calls) == (flag == "1"), sorted(set(calls))
-    monkeypatch.delenv("MMPIPE_FP8_TRITON_GEMM")
+    monkeypatch.delenv("MMPIPE_DISABLE", raising=False)
     settings.refresh()
     assert results[("1", "none", "fp8")] == results[("1", "full_decode_only", "fp8")]
 

@@ -14,7 +14,7 @@ from mmpipe.language.decode_graphs import default_decode_buckets
 from mmpipe.language.kv_cache import DUMMY_PAGE
 
 from mmpipe import EngineConfig, GraphConfig, GraphMode, InputError, Pipeline, SamplingParams
-from mmpipe.config import graphs_wanted, parse_graph_mode
+from mmpipe.config import effective_graph_mode, graphs_wanted
 from mmpipe.graphs import cache as graph_cache_module
 from mmpipe.graphs import runner as graph_runner_module
 from mmpipe.graphs.cache import bucket_for
@@ -42,12 +42,13 @@ def test_bucket_choice(size, bucket):
 
 
 def test_graph_modes():
-    assert parse_graph_mode(None, CUDA_LIKE) is GraphMode.FULL_AND_PIECEWISE
-    assert parse_graph_mode(None, CPU) is GraphMode.NONE
-    assert parse_graph_mode("piecewise", CPU) is GraphMode.NONE  # nothing to capture on a CPU
-    assert parse_graph_mode("FULL_DECODE_ONLY", CUDA_LIKE) is GraphMode.FULL_DECODE_ONLY
+    assert effective_graph_mode(None, CUDA_LIKE) is GraphMode.FULL_AND_PIECEWISE
+    assert effective_graph_mode(None, CPU) is GraphMode.NONE
+    assert effective_graph_mode(GraphMode.PIECEWISE, CPU) is GraphMode.NONE  # nothing to capture on a CPU
+    assert EngineConfig(graph_mode="FULL_DECODE_ONLY").graph_mode is GraphMode.FULL_DECODE_ONLY  # parsed once
+    assert effective_graph_mode(GraphMode.FULL_DECODE_ONLY, CUDA_LIKE) is GraphMode.FULL_DECODE_ONLY
     with pytest.raises(InputError, match="full_decode_only"):  # the old duplicate name points at its twin
-        parse_graph_mode("full", CUDA_LIKE)
+        EngineConfig(graph_mode="full")
     # One behaviour per name: which runners ask for graphs, when their configs leave it to the mode.
     auto = GraphConfig()
     behaviours = {m: tuple(r for r in ("vit", "decode", "prefill") if graphs_wanted(m, r, auto)) for m in GraphMode}
@@ -58,7 +59,7 @@ def test_graph_modes():
     assert graphs_wanted(GraphMode.NONE, "vit", GraphConfig(enabled=True))
     assert not graphs_wanted(GraphMode.FULL_AND_PIECEWISE, "decode", GraphConfig(enabled=False))
     with pytest.raises(InputError, match="graph_mode='fast'"):
-        parse_graph_mode("fast", CUDA_LIKE)
+        GraphMode.parse("fast")
     with pytest.raises(InputError, match="graph_mode"):
         EngineConfig(graph_mode="everything")
 
@@ -533,7 +534,7 @@ def simulated_graphs(monkeypatch):
     monkeypatch.setattr(graph_cache_module, "capture", fake_capture)
     monkeypatch.setattr(graph_runner_module, "make_graph_memory", lambda kind, device: FakeMemory())
     monkeypatch.setattr(model_runner, "SharedPool", FakeMemory)
-    monkeypatch.setattr(model_runner, "parse_graph_mode", lambda mode, device: GraphMode.FULL_DECODE_ONLY)
+    monkeypatch.setattr(model_runner, "effective_graph_mode", lambda mode, device: GraphMode.FULL_DECODE_ONLY)
     monkeypatch.setattr(graph_runner_module, "can_capture_on", lambda device: True)
     monkeypatch.setattr(TorchLMAttention, "graph_safe", True)
 

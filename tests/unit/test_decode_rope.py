@@ -132,7 +132,7 @@ def test_the_backend_fuses_decode_buckets_from_two_rows_unless_switched_off(monk
     assert fused(2, None) and fused(1, 2)  # a lone row in a bucket of 2 (padded) is fused, as its graph
     assert calls == [cuda_backend.decode_num_splits(2, 2, 132)] * 2  # the bucket's split count
     assert not fused(8, 8, is_decode=False)
-    switch("MMPIPE_DECODE_ROPE_FUSED", "0")
+    switch("decode-rope-fusion", "0")
     assert not fused(8, 8)
     assert len(calls) == 2
 

@@ -113,7 +113,7 @@ def test_norms_and_silu_products_hand_fp8_layers_their_input_quantized_with_the_
     """With FP8 projections the RMSNorm before qkv and gate_up and the SiLU product before down
     quantize their output themselves (`Fp8Rows`: per row for per-channel layers, per 128-column
     group for block-scaled ones); the model's output is bit for bit the one of each projection
-    quantizing its own input (MMPIPE_FP8_FUSED_QUANT=0). o_proj reads attention's output and
+    quantizing its own input (MMPIPE_DISABLE=fp8-fused-quant). o_proj reads attention's output and
     quantizes it itself."""
     from mmpipe import settings
     from tests.lm_helpers import make_runner, run
@@ -138,7 +138,7 @@ def test_norms_and_silu_products_hand_fp8_layers_their_input_quantized_with_the_
     monkeypatch.setattr(Fp8Linear, "forward", spy)
     outputs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("MMPIPE_FP8_FUSED_QUANT", flag)
+        monkeypatch.setenv("MMPIPE_DISABLE", "" if flag == "1" else "fp8-fused-quant")
         settings.refresh()
         seen.clear()
         outputs[flag] = run(make_runner(lm, piecewise=False), [(0, 12), (0, 5)], seed=3)
@@ -148,7 +148,7 @@ def test_norms_and_silu_products_hand_fp8_layers_their_input_quantized_with_the_
             assert fused == {"qkv_proj": layers, "o_proj": 0, "gate_up_proj": layers, "down_proj": layers}, fused
         else:
             assert not any(fused.values()), fused
-    monkeypatch.delenv("MMPIPE_FP8_FUSED_QUANT")
+    monkeypatch.delenv("MMPIPE_DISABLE", raising=False)
     settings.refresh()
     assert torch.equal(outputs["1"], outputs["0"])
 

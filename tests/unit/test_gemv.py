@@ -294,11 +294,11 @@ def test_one_row_tail_replays_in_a_cuda_graph_and_falls_back_where_it_cannot(swi
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), seed
     assert _counters_at_zero()
 
-    switch("MMPIPE_DECODE_NORM_FUSED", "0")
+    switch("decode-norm-fusion", "0")
     calls.clear()
     off = step()
     assert calls == [False, False] and torch.equal(off[0], want[0]) and torch.equal(off[1], want[1])
-    switch("MMPIPE_DECODE_NORM_FUSED", "1")
+    switch("decode-norm-fusion", "1")
     monkeypatch.setattr(gemv, "_counters", {})
     calls.clear()
     graph2 = torch.cuda.CUDAGraph()
@@ -363,7 +363,7 @@ def test_switch_and_unsupported_inputs_fall_back(switch) -> None:
     assert not gemv.usable(torch.randn(gemv.MAX_ROWS + 1, 64, device="cuda").to(torch.bfloat16), w)
     assert not gemv.usable(x, w.t().contiguous().t())  # column-major weight
     assert not gemv.usable(x.float(), w)  # mixed dtypes
-    switch("MMPIPE_GEMV", "0")
+    switch("gemv", "0")
     assert not gemv.usable(x, w)
     assert torch.equal(gemv.linear(x, w), F.linear(x, w))
     with pytest.raises(ValueError, match="kernel_linear"):

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (`mmpipe.kernels.pdl`): when it is on, and that a decode-shaped
 chain of PDL launches (norm -> product -> partial sums -> norm -> ...) replayed from a CUDA graph
 gives the same bits as the same chain launched without PDL, with the few-row products reading
-their first weight tile before the wait (`MMPIPE_PDL_PREFETCH`, the default) or after it, for
+their first weight tile before the wait (the default; `MMPIPE_DISABLE=pdl-prefetch` turns it off) or after it, for
 bfloat16 and FP8 weights. A kernel that read anything a predecessor writes before its wait would
 read the previous replay's values here: the input changes between replays."""
 
@@ -21,7 +21,7 @@ def test_off_for_cpu_tensors_and_by_switch(switch) -> None:
     if CUDA and pdl.HAVE_GDC and torch.cuda.get_device_capability()[0] >= 9:
         x = torch.zeros(2, device="cuda")
         assert pdl.enabled(x)
-        switch("MMPIPE_PDL", "0")
+        switch("pdl", "0")
         assert not pdl.enabled(x)
 
 
@@ -63,7 +63,7 @@ def _weight(rows: int, cols: int, g: torch.Generator, fp8: bool):
 def test_graph_with_pdl_equals_launches_without(rows: int, prefetch: str, fp8: bool, switch) -> None:
     if not (pdl.HAVE_GDC and torch.cuda.get_device_capability()[0] >= 9):
         pytest.skip("PDL needs compute capability 9.0 and Triton's griddepcontrol intrinsics")
-    switch("MMPIPE_PDL_PREFETCH", prefetch)
+    switch("pdl-prefetch", prefetch)
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter = 2048, 5632  # K-split partial sums at 1 row (down) and at 8 (o, down)
     weights = [(_weight(hidden, hidden, g, fp8), _weight(2 * inter, hidden, g, fp8), _weight(hidden, inter, g, fp8))
@@ -78,7 +78,7 @@ def test_graph_with_pdl_equals_launches_without(rows: int, prefetch: str, fp8: b
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = _chain(x, weights, norm_w)
-    switch("MMPIPE_PDL", "0")
+    switch("pdl", "0")
     for trial in range(4):
         x.copy_(torch.randn(rows, hidden, device="cuda", generator=g).bfloat16() * (1 + trial))
         graph.replay()

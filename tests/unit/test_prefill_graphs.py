@@ -177,7 +177,7 @@ def simulated_piece_graphs(monkeypatch, switch):
     monkeypatch.setattr(split_capture_module, "CudaRecorder", TapeRecorder)
     monkeypatch.setattr(piecewise_module, "weak_refs", lambda outputs: outputs)  # CPU memory is not pooled
     monkeypatch.setattr(graph_runner_module, "can_capture_on", lambda device: True)
-    monkeypatch.setattr(model_runner, "parse_graph_mode",
+    monkeypatch.setattr(model_runner, "effective_graph_mode",
                         lambda mode, device: GraphMode.PIECEWISE if mode is None else GraphMode(mode))
     monkeypatch.setattr(model_runner, "SharedPool", NoMemory)
     switch("MMPIPE_CHECK_GRAPH_INPUTS", "1")  # replays must see their capture's addresses
