@@ -89,9 +89,9 @@ def test_least_recently_used_entries_leave_first_within_the_byte_bound():
     keys = [cache.key(bytes([i]) * 10, "cfg") for i in range(3)]
     for key in keys:
         cache.put(key, Image_(100))
-    assert cache.get(keys[0]) is None and cache.get(keys[1]) is not None and cache.bytes == 200
+    assert cache.get(keys[0]) is None and cache.get(keys[1]) is not None and cache.used == 200
     cache.put(cache.key(b"x", "cfg"), Image_(100))  # evicts keys[2], the least recently used
     assert cache.get(keys[2]) is None and cache.get(keys[1]) is not None
     cache.put(cache.key(b"big", "cfg"), Image_(300))  # larger than the bound: not kept
-    assert cache.bytes <= 250
+    assert cache.used <= 250
     assert cache.key(b"same", "a") != cache.key(b"same", "b")
