@@ -21,39 +21,32 @@ import concurrent.futures as futures
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from mmpipe import settings
-from mmpipe.config import (
-    EngineConfig,
-    GenerationDefaults,
-    GraphMode,
-    SamplingParams,
-    resolve_device,
-    resolve_dtype,
-)
+from mmpipe.captioning import caption_conversation
+from mmpipe.captioning import DEFAULT_CAPTION_PROMPT, EMPTY_CAPTION, caption_result, per_file_error  # noqa: F401 TEMP re-export for app/
+from mmpipe.config import EngineConfig, GraphMode, SamplingParams, resolve_device, resolve_dtype
 from mmpipe.engine.engine import Engine
+from mmpipe.engine.feed import RequestFeed
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.processor import InputProcessor, Prepared
-from mmpipe.engine.request import Request, failed_output
 from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, load_model
-from mmpipe.outputs import RequestMetrics, RequestOutput
+from mmpipe.outputs import RequestOutput
 from mmpipe.startup import StartupReport
+from mmpipe.text_stream import TextStream
+from mmpipe.tokenizer import generation_defaults, load_tokenizer
 from mmpipe.vision.gpu_decode import require_gpu_decode
 from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.weights import read_json
 
 log = logging.getLogger("mmpipe")
 
-DEFAULT_CAPTION_PROMPT = "Describe this image."
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_DIR = os.path.join(_REPO_ROOT, "assets", "mmpipe-tiny-scenes")
 PROGRESS_THRESHOLD = 64  # calls with at least this many requests show a progress bar by default
@@ -68,12 +61,6 @@ def default_model_path() -> str:
     return path
 
 
-@dataclass
-class _Pending:
-    prepared: Prepared
-    images: list[futures.Future]
-
-
 class Pipeline:
     def __init__(self, model: LoadedModel, tokenizer: Any, engine_config: EngineConfig,
                  startup: StartupReport | None = None, startup_sampling: SamplingParams | None = None,
@@ -84,7 +71,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.startup = startup if startup is not None else StartupReport()
-        self.defaults = _generation_defaults(model.path, tokenizer)
+        self.defaults = generation_defaults(model.path, tokenizer)
         resolved = startup_sampling.resolve(self.defaults) if startup_sampling is not None else None
         if workers is not None:
             from mmpipe.engine.tensor_parallel import start_runner
@@ -98,6 +85,7 @@ class Pipeline:
                                         engine_config.image_decode)
         self._pool = futures.ThreadPoolExecutor(engine_config.preprocess_workers, thread_name_prefix="mmpipe-img")
         self._text_lock = threading.Lock()  # tokenizers are not safe to share across threads
+        self._feed = RequestFeed(self.engine, self.processor, self._pool, self._text_lock)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str] | None = None, device: str | torch.device | None = None,
@@ -246,7 +234,7 @@ class Pipeline:
                                                   submitted=submitted)
                 yield i, prepare
 
-        return self._outputs_as_completed(specs(), errors)
+        return self._feed.outputs_as_completed(specs(), errors)
 
     def generate(self, prompts: str | Sequence[str], images: Sequence[Sequence[Any]] | None = None,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, errors: str = "return",
@@ -346,7 +334,7 @@ class Pipeline:
         outputs: list[RequestOutput | None] = [None] * count
         bar = _progress_bar(count, progress)
         try:
-            for output in self._outputs_as_completed(specs, errors):
+            for output in self._feed.outputs_as_completed(specs, errors):
                 outputs[output.index] = output
                 bar.update(1)
         finally:
@@ -356,198 +344,6 @@ class Pipeline:
             raise RuntimeError(f"no output for request(s) {missing[:10]}")
         return outputs  # type: ignore[return-value]
 
-    def _outputs_as_completed(self, specs: Iterable[tuple[int, Callable[[], Prepared]]],
-                              errors: str) -> Iterator[RequestOutput]:
-        """Prepare requests a bounded distance ahead of the engine, add them in order as their
-        images become ready, step the engine, and yield each output as its request finishes (a
-        request that cannot be built is yielded at once). Memory is flat in the number of specs:
-        finished requests are dropped once yielded. Closing the generator aborts what is running."""
-        if errors not in ("raise", "return"):
-            raise InputError(f"errors={errors!r}: use 'raise' or 'return'")
-        window: deque[_Pending] = deque()
-        running: set[Request] = set()
-        done: deque[Request] = deque()
-        failed: deque[RequestOutput] = deque()
-        lookahead = max(8, 2 * self.engine_config.max_running_requests)
-        # Conversations are prepared (chat template, tokens) a burst per loop, not the whole window
-        # at once, so the first images start loading and the GPU gets work at once (preparing
-        # 256 captions up front kept the GPU idle for the run's first 80 ms).
-        burst = 32
-        it = iter(specs)
-        exhausted = False
-
-        def fail(index: int, exc: InputError) -> None:
-            if errors == "raise":
-                raise exc
-            # The caller gets the error in the output: a warning would print it a second time.
-            log.debug("request %d failed: %s", index, exc)
-            failed.append(failed_output(index, str(exc)))
-
-        def refill() -> None:
-            nonlocal exhausted
-            for _ in range(burst):
-                if len(window) >= lookahead:
-                    return
-                item = next(it, None)
-                if item is None:
-                    exhausted = True
-                    return
-                index, spec = item
-                try:
-                    with self._text_lock:
-                        prepared = spec()
-                except InputError as exc:
-                    fail(index, exc)
-                    continue
-                window.append(_Pending(prepared, [
-                    self._pool.submit(self.processor.load_image, src, self.processor.image_where(prepared, k))
-                    for k, src in enumerate(prepared.image_sources)]))
-
-        try:
-            while True:
-                refill()
-                while window and all(f.done() for f in window[0].images):
-                    pending = window.popleft()
-                    try:
-                        loaded = [f.result() for f in pending.images]
-                        with self._text_lock:
-                            request = self.processor.assemble(pending.prepared, loaded)
-                    except InputError as exc:
-                        fail(pending.prepared.index, exc)
-                        continue
-                    request.on_finish = done.append
-                    running.add(request)
-                    with self.engine.lock:
-                        self.engine.add(request)
-                while failed:
-                    yield failed.popleft()
-                while done:
-                    request = done.popleft()
-                    running.discard(request)
-                    with self.engine.lock:
-                        output = request.to_output()
-                    yield output
-                # Checked under the lock: another thread's step may be finishing our requests.
-                with self.engine.lock:
-                    pending_work = any(not r.finished for r in running)
-                    if pending_work:
-                        self.engine.step()
-                if not pending_work and not done:
-                    if not window:
-                        if exhausted and not failed:
-                            break
-                        continue
-                    futures.wait(window[0].images, return_when=futures.ALL_COMPLETED)
-        finally:  # an exception, or the consumer closed the generator early
-            with self.engine.lock:
-                for request in running:
-                    self.engine.abort(request)
-            for pending in window:
-                for future in pending.images:
-                    future.cancel()
-
-class TextStream(Iterator[str]):
-    """One streamed request: iterate for text deltas; read its counts and timings at any time.
-
-    The request joins the engine on the first `next()`. Whichever thread iterates steps the
-    shared engine, so streams from several threads are batched together. `close()` (or leaving a
-    `with` block, or garbage collection of an unfinished stream) aborts the request.
-    """
-
-    def __init__(self, engine: Engine, request: Request) -> None:
-        self._engine = engine
-        self._request = request
-        self._deltas = self._run()
-
-    def __iter__(self) -> "TextStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._deltas)
-
-    def close(self) -> None:
-        self._deltas.close()
-
-    def __enter__(self) -> "TextStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self._request.prompt_len
-
-    @property
-    def num_image_tokens(self) -> int:
-        return sum(image.num_tokens for image in self._request.images)
-
-    @property
-    def num_images(self) -> int:
-        return len(self._request.images)
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self._request.output_ids)
-
-    @property
-    def finish_reason(self) -> str | None:
-        """None while running; then "stop", "length" or "abort" (`RequestOutput`)."""
-        return self._request.finish_reason
-
-    def metrics(self) -> RequestMetrics:
-        """Timings so far (time to first token, decode tokens/s, ...), final once finished."""
-        with self._engine.lock:
-            return self._request.metrics()
-
-    def _run(self) -> Iterator[str]:
-        engine, request = self._engine, self._request
-        with engine.lock:
-            engine.add(request)
-        try:
-            while True:
-                if request.finished:
-                    with engine.lock:
-                        request.detokenizer.finish()
-                        tail = request.detokenizer.pop_delta(final=True)
-                    if tail:
-                        yield tail
-                    return
-                with engine.lock:  # another thread's step may be extending this text right now
-                    delta = request.detokenizer.pop_delta()
-                if delta:
-                    yield delta
-                with engine.lock:
-                    if not request.finished:
-                        engine.step()
-        finally:
-            if not request.finished:
-                with engine.lock:
-                    engine.abort(request)
-
-
-EMPTY_CAPTION = "the model returned an empty caption"
-
-
-def caption_result(output: RequestOutput) -> tuple[str | None, str | None]:
-    """(caption, error) of a captioning request: the answer stripped, or why there is none (an
-    empty answer is an error: a caption file must never be silently empty)."""
-    if not output.ok:
-        return None, output.error
-    text = output.text.strip()
-    return (text, None) if text else (None, EMPTY_CAPTION)
-
-
-def per_file_error(reason: str) -> str:
-    """A captioning error without the request and image it came from, nor the source's own name
-    (a path, or "bytes (N bytes)"): for a row or line that names the file itself."""
-    return re.sub(r"^conversation \d+, image \d+: (image ('.*?'|bytes \(\d+ bytes\)): )?", "", reason)
-
-
-def caption_conversation(image: Any, prompt: str | None = None) -> list[dict[str, Any]]:
-    text = prompt or DEFAULT_CAPTION_PROMPT
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
-
 
 def _with_pixel_limits(config: ImageProcessorConfig, min_pixels: int | None,
                        max_pixels: int | None) -> ImageProcessorConfig:
@@ -555,42 +351,6 @@ def _with_pixel_limits(config: ImageProcessorConfig, min_pixels: int | None,
         return config.with_limits(min_pixels, max_pixels)
     except InputError as exc:
         raise InputError(f"Pipeline.from_pretrained: {exc}") from None
-
-
-# Tokenizer classes loaded by name, without `AutoTokenizer`: importing the auto classes pulls in
-# transformers' model and generation code (and scikit-learn through it), seconds of start-up for a
-# tokenizer that is a `tokenizer.json` plus its config. AutoTokenizer resolves these names to the
-# same classes and calls the same `from_pretrained`.
-DIRECT_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast")
-
-
-def tokenizer_class(path: str) -> Any:
-    """The class that loads the checkpoint's tokenizer: the one its tokenizer_config.json names when
-    that is a tokenizers-backed class listed above (imported alone), else `AutoTokenizer`."""
-    import transformers  # lazy: an attribute below imports only its own module
-
-    config = read_json(path, "tokenizer_config.json", required=False) or {}
-    name = config.get("tokenizer_class")
-    if name in DIRECT_TOKENIZER_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer
-
-
-def load_tokenizer(path: str) -> Any:
-    try:
-        return tokenizer_class(path).from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # transformers raises many types here
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({exc})") from exc
-
-
-def _generation_defaults(path: str, tokenizer: Any) -> GenerationDefaults:
-    cfg = read_json(path, "generation_config.json", required=False) or {}
-    extra = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    return GenerationDefaults.from_dict(cfg, extra)
 
 
 def _progress_bar(count: int, progress: bool | None) -> Any:

@@ -65,7 +65,7 @@ class CaptionStage:
                                              **{"startup_progress": False, **(engine or {})})
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from mmpipe.pipeline import caption_conversation, caption_result, per_file_error
+        from mmpipe.captioning import caption_conversation, caption_result, per_file_error
 
         column = self.image_column or next((c for c in ("bytes", "image", "path") if c in batch), None)
         if column is None or column not in batch:

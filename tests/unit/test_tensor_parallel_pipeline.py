@@ -246,7 +246,7 @@ def test_a_workers_share_of_the_images_always_answers(failure):
     complete) and says why; one that succeeds sends its embeddings and says so."""
     from types import SimpleNamespace
 
-    from mmpipe.engine.tensor_parallel import _serve
+    from mmpipe.engine.tensor_parallel.worker import _serve
 
     images = [_Image(3, 12), _Image(2, 8)]
 

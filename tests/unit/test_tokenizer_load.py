@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mmpipe.pipeline import DEFAULT_MODEL_DIR, load_tokenizer, tokenizer_class
+from mmpipe.pipeline import DEFAULT_MODEL_DIR
+from mmpipe.tokenizer import load_tokenizer, tokenizer_class
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -1,0 +1,126 @@
+"""Feeding a call's requests to the engine: conversations prepared a bounded distance ahead, their
+images decoded and preprocessed on worker threads, each request added as its images are ready, the
+engine stepped, and every output yielded as its request finishes. Memory stays flat however many
+requests a call holds, and host work overlaps the GPU's."""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+from mmpipe.engine.engine import Engine
+from mmpipe.engine.processor import InputProcessor, Prepared
+from mmpipe.engine.request import Request, failed_output
+from mmpipe.errors import InputError
+from mmpipe.outputs import RequestOutput
+
+log = logging.getLogger("mmpipe")
+
+
+@dataclass
+class _Pending:
+    prepared: Prepared
+    images: list[futures.Future]
+
+
+class RequestFeed:
+    """One per Pipeline: its engine, input processor, image worker pool and the lock that guards
+    the tokenizer (not safe to share across threads)."""
+
+    def __init__(self, engine: Engine, processor: InputProcessor, pool: futures.ThreadPoolExecutor,
+                 text_lock: threading.Lock) -> None:
+        self.engine, self.processor, self._pool, self._text_lock = engine, processor, pool, text_lock
+
+    def outputs_as_completed(self, specs: Iterable[tuple[int, Callable[[], Prepared]]],
+                                 errors: str) -> Iterator[RequestOutput]:
+        """Prepare requests a bounded distance ahead of the engine, add them in order as their
+        images become ready, step the engine, and yield each output as its request finishes (a
+        request that cannot be built is yielded at once). Memory is flat in the number of specs:
+        finished requests are dropped once yielded. Closing the generator aborts what is running."""
+        if errors not in ("raise", "return"):
+            raise InputError(f"errors={errors!r}: use 'raise' or 'return'")
+        window: deque[_Pending] = deque()
+        running: set[Request] = set()
+        done: deque[Request] = deque()
+        failed: deque[RequestOutput] = deque()
+        lookahead = max(8, 2 * self.engine.cfg.max_running_requests)
+        # Conversations are prepared (chat template, tokens) a burst per loop, not the whole window
+        # at once, so the first images start loading and the GPU gets work at once (preparing
+        # 256 captions up front kept the GPU idle for the run's first 80 ms).
+        burst = 32
+        it = iter(specs)
+        exhausted = False
+
+        def fail(index: int, exc: InputError) -> None:
+            if errors == "raise":
+                raise exc
+            # The caller gets the error in the output: a warning would print it a second time.
+            log.debug("request %d failed: %s", index, exc)
+            failed.append(failed_output(index, str(exc)))
+
+        def refill() -> None:
+            nonlocal exhausted
+            for _ in range(burst):
+                if len(window) >= lookahead:
+                    return
+                item = next(it, None)
+                if item is None:
+                    exhausted = True
+                    return
+                index, spec = item
+                try:
+                    with self._text_lock:
+                        prepared = spec()
+                except InputError as exc:
+                    fail(index, exc)
+                    continue
+                window.append(_Pending(prepared, [
+                    self._pool.submit(self.processor.load_image, src, self.processor.image_where(prepared, k))
+                    for k, src in enumerate(prepared.image_sources)]))
+
+        try:
+            while True:
+                refill()
+                while window and all(f.done() for f in window[0].images):
+                    pending = window.popleft()
+                    try:
+                        loaded = [f.result() for f in pending.images]
+                        with self._text_lock:
+                            request = self.processor.assemble(pending.prepared, loaded)
+                    except InputError as exc:
+                        fail(pending.prepared.index, exc)
+                        continue
+                    request.on_finish = done.append
+                    running.add(request)
+                    with self.engine.lock:
+                        self.engine.add(request)
+                while failed:
+                    yield failed.popleft()
+                while done:
+                    request = done.popleft()
+                    running.discard(request)
+                    with self.engine.lock:
+                        output = request.to_output()
+                    yield output
+                # Checked under the lock: another thread's step may be finishing our requests.
+                with self.engine.lock:
+                    pending_work = any(not r.finished for r in running)
+                    if pending_work:
+                        self.engine.step()
+                if not pending_work and not done:
+                    if not window:
+                        if exhausted and not failed:
+                            break
+                        continue
+                    futures.wait(window[0].images, return_when=futures.ALL_COMPLETED)
+        finally:  # an exception, or the consumer closed the generator early
+            with self.engine.lock:
+                for request in running:
+                    self.engine.abort(request)
+            for pending in window:
+                for future in pending.images:
+                    future.cancel()
