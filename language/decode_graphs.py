@@ -1,33 +1,26 @@
-"""Decode steps over a persistent device-side batch, run eagerly or as CUDA graphs with sampling
-inside.
+"""Decode steps over the persistent device batch (`language/decode_batch.py`), run eagerly or as
+CUDA graphs with sampling inside.
 
-The decode batch lives on the device in static buffers allocated once for `max_rows` rows:
-token ids, sequence lengths, M-RoPE deltas, page tables, sampling settings, an `active` flag.
-Rows are dense (0 .. size-1) and a request keeps its row for as long as it keeps decoding, so a
-step changes the device state only where something changed: a request joined (its row is
-written), left (the last row moves into the hole, rows past the end are reset to padding) or
-gained a KV page (one entry of its page-table row). Everything that advances every step
-(the fed token, lengths, positions, KV write slots, the sampler's step counter and repetition
-mask) is computed on the device inside the step itself. A steady-state step therefore needs no
-host-to-device copy at all: one replay, then one device-to-host copy of the new tokens (and of
+Everything that advances every step (the fed token, lengths, positions, KV write slots, the
+sampler's step counter and repetition mask) is computed on the device inside the step, so a
+steady-state step is one replay and one device-to-host copy of the new tokens (and of
 log-probabilities only when a request asked for them). `launch` queues that copy into pinned
 memory and returns at once (`PendingDecode.get()` waits for it), so the engine can plan and
-launch the next step first; since the rows advance on the device, each request's `seq_len`
-then counts its token in flight.
+launch the next step first; since the rows advance on the device, each request's `seq_len` then
+counts its token in flight.
 
 The step (`DecodeGraphRunner.step_fn`; `body(key)` is its graph-runner form, see
 `mmpipe.graphs.runner`) is embedding -> layers -> final norm -> LM head -> sampler -> advance.
-It runs eagerly with exactly the batch's rows, or as the graph of the smallest
-bucket >= rows, keyed by (bucket, sampler variant): the variant's host booleans choose which
-sampler stages exist (greedy-only steps skip sorting and noise). Graphs of the default variant
-are captured at start, largest bucket first, into one memory pool shared by every language-model
+It runs eagerly with exactly the batch's rows, or as the graph of the smallest bucket >= rows,
+keyed by (bucket, sampler variant): the variant's host booleans choose which sampler stages exist
+(greedy-only steps skip sorting and noise). Graphs of the start-up sampling's variants are
+captured at start, largest bucket first, into one memory pool shared by every language-model
 graph; other variants are captured the first time a batch needs them. Padded rows (size ..
-bucket-1) are inactive: their length stays 1, their page-table row is the dummy page, so their
-K/V land in the reserved page and they never advance; their outputs are ignored.
-Batches above the largest bucket, and any capture that fails, run eagerly.
+bucket-1) are inactive: their K/V land in the reserved page and they never advance; their outputs
+are ignored. Batches above the largest bucket, and any capture that fails, run eagerly.
 
-Graphs bake in the addresses of these buffers, of the weights and of the KV cache: none of them
-may be reallocated while the runner's graphs live.
+Graphs bake in the addresses of the batch's buffers, of the weights and of the KV cache: none of
+them may be reallocated while the runner's graphs live.
 """
 
 from __future__ import annotations
@@ -36,21 +29,20 @@ import contextlib
 import logging
 import time
 import types
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from mmpipe.language.attention.metadata import AttentionMetadata
-from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
+from mmpipe.language.decode_batch import DecodeBatch, DecodeSource, row_sampling
+from mmpipe.language.kv_cache import KVCache
 from mmpipe.language.sampler import (
     HostTokens,
-    RowSampling,
     SampleResult,
     SamplerTensors,
     SamplerVariant,
     advance,
-    logprobs_bucket,
     sample,
 )
 
@@ -59,13 +51,9 @@ from mmpipe.engine.batch import PendingDecode
 from mmpipe.graphs.cache import bucket_for
 from mmpipe.graphs.memory import GraphMemory
 from mmpipe.graphs.runner import GraphRunner, capturable
-from mmpipe.graphs.transfer import to_device
 from mmpipe.layers.context import ForwardContext, forward_context
 
 log = logging.getLogger("mmpipe")
-
-# Per-row feature bits, OR-reduced over the batch into the sampler variant.
-_RANDOM, _TOP_K_P, _MIN_P, _PENALTY = 1, 2, 4, 8
 
 
 def default_decode_buckets(max_batch: int) -> list[int]:
@@ -87,94 +75,20 @@ def _variants(sampling: Any) -> list[SamplerVariant]:
     return list(dict.fromkeys([SamplerVariant.of([row]), SamplerVariant.of([replace(row, step=row.ban_until)])]))
 
 
-class DecodeSource(Protocol):
-    """What a decode row needs from a request (the engine's Request has these)."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]  # the last one is fed this step (when none is in flight)
-    mrope_delta: int
-    pages: list[int]
-    sampling: Any  # ResolvedSampling
-    seed: int
-
-    @property
-    def total_len(self) -> int: ...  # prompt + tokens on the host
-
-    @property
-    def seq_len(self) -> int: ...  # total_len + tokens still in flight from launched steps
-
-
-
-@dataclass
-class DecodeBatchStats:
-    rows_written: int = 0
-    rows_moved: int = 0
-    pages_appended: int = 0
-
-
-def row_sampling(request: "DecodeSource") -> RowSampling:
-    """A request's sampling settings as one sampler row, as of its next token."""
-    s = request.sampling
-    ban = tuple(sorted(set(s.stop_token_ids) | set(s.eos_token_ids))) if s.min_new_tokens > 0 else ()
-    return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                       penalty=s.repetition_penalty, seed=request.seed, step=len(request.output_ids), ban_ids=ban,
-                       ban_until=s.min_new_tokens if ban else 0,
-                       seen_ids=request.prompt_ids + request.output_ids if s.repetition_penalty != 1.0 else (),
-                       logprobs=s.logprobs)
-
-
-class DecodeGraphRunner(GraphRunner):
+class DecodeGraphRunner(DecodeBatch, GraphRunner):
     """The persistent decode batch and its step, eager or captured. Model-agnostic: it needs the
     language model's `embed(ids)`, `forward(embeds, positions)` and `compute_logits(hidden)`."""
 
     def __init__(self, lm: Any, kv: KVCache, max_rows: int, max_model_len: int, device: torch.device,
                  graphs: GraphConfig | None = None, ban_width: int = 16,
                  memory: "GraphMemory | str | None" = None) -> None:
-        self.lm, self.kv, self.device = lm, kv, device
-        self.max_rows, self.page_size = max_rows, kv.page_size
-        self.max_pages = -(-max_model_len // kv.page_size)
-        self.max_model_len = max_model_len
-        self.vocab = lm.vocab_size
-        rows = max_rows
-        # Static buffers (outside any graph memory; graphs read slices of them).
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
-        self.mrope_delta = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.page_table = torch.full((rows, self.max_pages), DUMMY_PAGE, dtype=torch.int32, device=device)
-        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.sampler = SamplerTensors(
-            temperature=torch.zeros(rows, dtype=torch.float32, device=device),
-            top_k=torch.zeros(rows, dtype=torch.int64, device=device),
-            top_p=torch.ones(rows, dtype=torch.float32, device=device),
-            min_p=torch.zeros(rows, dtype=torch.float32, device=device),
-            penalty=torch.ones(rows, dtype=torch.float32, device=device),
-            seeds=torch.zeros(rows, dtype=torch.int64, device=device),
-            steps=torch.zeros(rows, dtype=torch.int64, device=device),
-            ban_ids=torch.full((rows, ban_width), -1, dtype=torch.int64, device=device),
-            ban_until=torch.zeros(rows, dtype=torch.int64, device=device),
-            seen=torch.zeros(rows, self.vocab, dtype=torch.bool, device=device),
-        )
-        self.ban_width = ban_width
-        # Host mirrors of what the device holds per row.
-        self.requests: list[DecodeSource | None] = [None] * rows
-        self.row_of: dict[int, int] = {}
-        self.size = 0
-        self.lens = np.zeros(rows, dtype=np.int64)  # sequence length the row's last step used
-        self.pages_written = np.zeros(rows, dtype=np.int64)
-        self.steps = np.zeros(rows, dtype=np.int64)
-        self.ban_until = np.zeros(rows, dtype=np.int64)
-        self.flags = np.zeros(rows, dtype=np.int64)
-        self.logprobs = np.zeros(rows, dtype=np.int64)
-        self.batch_stats = DecodeBatchStats()
-        self.host_seconds = 0.0
-        self._last_order: list[int] | None = None  # request ids of the last step, in order
-        self._last_rows = np.zeros(0, dtype=np.int64)
+        DecodeBatch.__init__(self, lm, kv, max_rows, max_model_len, device, ban_width)
         # Graphs: keyed (bucket, sampler variant).
         graphs = graphs or GraphConfig(enabled=False)
         buckets = {min(int(b), max_rows) for b in graphs.buckets or default_decode_buckets(max_rows)}
         if isinstance(memory, str) or memory is None:  # else: a memory shared with the prefill graphs
             memory = memory or graphs.memory
-        super().__init__("decode", device, buckets, graphs.enabled is not False, lm.attention, memory,
+        GraphRunner.__init__(self, "decode", device, buckets, graphs.enabled is not False, lm.attention, memory,
                          max(graphs.max_graphs, len(buckets)))
         self.buckets = sorted(buckets)
         self.startup_sampling: Any = None  # resolved sampling whose graphs start-up captures (None: greedy's)
@@ -293,179 +207,6 @@ class DecodeGraphRunner(GraphRunner):
         self.steps[:n] += 1
         return pending
 
-    # ------------------------------------------------------------------ batch bookkeeping
-
-    def _sync(self, requests: Sequence[DecodeSource]) -> np.ndarray:
-        """Bring the device rows in line with `requests`; returns each request's row."""
-        order = [id(r) for r in requests]
-        if order == self._last_order:  # the steady state: same requests, same rows, one token on
-            rows = self._last_rows
-            totals = np.fromiter((r.seq_len for r in requests), dtype=np.int64, count=len(requests))
-            if np.array_equal(totals, self.lens[rows] + 1):
-                self._grow_pages(requests, rows, totals)
-                return rows
-        rows = self._sync_rows(requests)
-        self._last_order, self._last_rows = order, rows
-        return rows
-
-    def _grow_pages(self, requests: Sequence[DecodeSource], rows: np.ndarray, totals: np.ndarray) -> None:
-        need = -(-totals // self.page_size)
-        have = self.pages_written[rows]
-        grown = np.nonzero(need > have)[0]
-        if not grown.size:
-            return
-        appends = [(int(rows[i]), col, requests[i].pages[col]) for i in grown.tolist()
-                   for col in range(int(have[i]), int(need[i]))]
-        self.pages_written[rows[grown]] = need[grown]
-        self._append_pages(appends)
-
-    def _sync_rows(self, requests: Sequence[DecodeSource]) -> np.ndarray:
-        """The general case of `_sync`: joins, leaves, moves."""
-        wanted = {id(r) for r in requests}
-        if len(wanted) != len(requests):
-            raise ValueError("a request appears twice in one decode batch")
-        if len(requests) > self.max_rows:
-            raise ValueError(f"{len(requests)} requests exceed the decode batch's {self.max_rows} rows")
-        old_size, target = self.size, len(requests)
-        lens = self.lens.tolist()  # plain ints: this loop runs for every row of every step
-        # Rows whose request left, or went out of step with its row (recomputed), are freed.
-        for row in range(old_size):
-            request = self.requests[row]
-            if request is not None and (id(request) not in wanted or request.seq_len != lens[row] + 1):
-                self._forget(row)
-        # Rows stay dense: requests sitting past the new end move into holes, newcomers take the rest.
-        holes = [row for row in range(target) if self.requests[row] is None]
-        movers = [row for row in range(target, old_size) if self.requests[row] is not None]
-        moves = list(zip(movers, holes))
-        for src, dst in moves:
-            self._move_host(src, dst)
-        fresh = holes[len(movers):]
-        new = [r for r in requests if id(r) not in self.row_of]
-        for row, request in zip(fresh, new):
-            self._adopt(row, request)
-        self.size = target
-        if moves:
-            self._move_device(moves)
-        if fresh:
-            self._write_rows(fresh)
-        if old_size > target:
-            self._reset_rows(range(target, old_size))
-        # Pages gained by rows that stayed (fresh rows were written whole).
-        rows = np.asarray([self.row_of[id(request)] for request in requests], dtype=np.int64)
-        totals = np.fromiter((r.seq_len for r in requests), dtype=np.int64, count=len(requests))
-        self._grow_pages(requests, rows, totals)
-        return rows
-
-    def release(self, requests: Sequence[DecodeSource]) -> None:
-        """Drop finished requests' rows now (the device rows are reused at the next step)."""
-        for request in requests:
-            row = self.row_of.get(id(request))
-            if row is not None:
-                self._forget(row)
-
-    def _forget(self, row: int) -> None:
-        self._last_order = None
-        request = self.requests[row]
-        self.row_of.pop(id(request), None)
-        self.requests[row] = None
-
-    def _adopt(self, row: int, request: DecodeSource) -> None:
-        self.requests[row] = request
-        self.row_of[id(request)] = row
-
-    def _move_host(self, src: int, dst: int) -> None:
-        request = self.requests[src]
-        self.requests[dst], self.requests[src] = request, None
-        self.row_of[id(request)] = dst
-        for mirror in (self.lens, self.pages_written, self.steps, self.ban_until, self.flags, self.logprobs):
-            mirror[dst] = mirror[src]
-
-    def _move_device(self, moves: list[tuple[int, int]]) -> None:
-        src = to_device(np.asarray([s for s, _ in moves], dtype=np.int64), self.device)
-        dst = to_device(np.asarray([d for _, d in moves], dtype=np.int64), self.device)
-        for buffer in self._row_buffers():
-            buffer.index_copy_(0, dst, buffer.index_select(0, src))
-        self.batch_stats.rows_moved += len(moves)
-
-    def _row_buffers(self) -> list[torch.Tensor]:
-        s = self.sampler
-        buffers = [self.input_ids, self.seq_lens, self.mrope_delta, self.page_table, self.active, s.temperature,
-                   s.top_k, s.top_p, s.min_p, s.penalty, s.seeds, s.steps, s.ban_ids, s.ban_until]
-        return buffers + ([s.seen] if s.seen is not None else [])
-
-    def _write_rows(self, rows: list[int]) -> None:
-        """Upload whole rows for requests that just joined."""
-        ps = self.page_size
-        count = len(rows)
-        table = np.full((count, self.max_pages), DUMMY_PAGE, dtype=np.int32)
-        scalars = np.empty((3, count), dtype=np.int64)  # token, length, delta
-        settings: list[RowSampling] = []
-        for i, row in enumerate(rows):
-            request = self.requests[row]
-            assert request is not None
-            if request.seq_len != request.total_len:
-                raise RuntimeError("a request joined the decode batch while its newest token is still in flight")
-            length = request.total_len
-            if length > self.max_model_len:
-                raise ValueError(f"sequence of {length} tokens exceeds max_model_len {self.max_model_len}")
-            pages = -(-length // ps)
-            table[i, :pages] = request.pages[:pages]
-            scalars[:, i] = (request.output_ids[-1], length, request.mrope_delta)
-            setting = row_sampling(request)
-            if len(setting.ban_ids) > self.ban_width:
-                raise ValueError(f"a request bans {len(setting.ban_ids)} token ids before min_new_tokens; "
-                                 f"at most {self.ban_width} (EngineConfig.max_banned_tokens)")
-            settings.append(setting)
-            self.lens[row] = length - 1  # the step adds the fed token
-            self.pages_written[row] = pages
-            self.steps[row] = setting.step
-            self.ban_until[row] = setting.ban_until if setting.ban_ids else 0
-            self.flags[row] = _row_flags(setting)
-            self.logprobs[row] = setting.logprobs
-        index = to_device(np.asarray(rows, dtype=np.int64), self.device)
-        host = to_device(scalars, self.device)
-        self.input_ids.index_copy_(0, index, host[0])
-        self.seq_lens.index_copy_(0, index, host[1].to(torch.int32))
-        self.mrope_delta.index_copy_(0, index, host[2])
-        self.page_table.index_copy_(0, index, to_device(table, self.device))
-        self.active.index_fill_(0, index, True)
-        self.sampler.write_rows(index, settings, self.vocab)
-        self.batch_stats.rows_written += count
-
-    def _reset_rows(self, rows: range) -> None:
-        """Padding state: inactive, length 1 on the dummy page, neutral sampling."""
-        s = slice(rows.start, rows.stop)
-        self.active[s] = False
-        self.seq_lens[s] = 1
-        self.page_table[s] = DUMMY_PAGE
-        self.input_ids[s] = 0
-        index = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=self.device)
-        self.sampler.write_rows(index, [RowSampling()] * len(rows), self.vocab)
-        for mirror in (self.lens, self.pages_written, self.steps, self.ban_until, self.flags, self.logprobs):
-            mirror[s] = 0
-        for row in rows:
-            if self.requests[row] is not None:
-                self._forget(row)
-
-    def _append_pages(self, appends: list[tuple[int, int, int]]) -> None:
-        triples = to_device(np.asarray(appends, dtype=np.int64).T, self.device)
-        self.page_table.index_put_((triples[0], triples[1]), triples[2].to(torch.int32))
-        self.batch_stats.pages_appended += len(appends)
-
-    def _variant(self, n: int) -> SamplerVariant:
-        flags = int(np.bitwise_or.reduce(self.flags[:n])) if n else 0
-        return SamplerVariant(random=bool(flags & _RANDOM), top_k_top_p=bool(flags & _TOP_K_P),
-                              min_p=bool(flags & _MIN_P), penalty=bool(flags & _PENALTY),
-                              ban=bool(np.any(self.ban_until[:n] > self.steps[:n])),
-                              logprobs=logprobs_bucket(int(self.logprobs[:n].max(initial=0))))
-
-    def reset(self) -> None:
-        """Forget every row (after a failed step the device state is not trusted)."""
-        self._last_order = None
-        self._reset_rows(range(0, self.max_rows))
-        self.size = 0
-        self.row_of.clear()
-
     @torch.inference_mode()
     def sample_logits(self, requests: Sequence[DecodeSource], logits: torch.Tensor) -> PendingDecode:
         """Queue sampling of one token per request from prefill logits, without waiting for it."""
@@ -489,19 +230,6 @@ def _rows_inactive(active: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         active.copy_(saved)
-
-
-def _row_flags(s: RowSampling) -> int:
-    flags = 0
-    if s.temperature > 0:
-        flags |= _RANDOM
-        if s.top_k > 0 or s.top_p < 1.0:
-            flags |= _TOP_K_P
-        if s.min_p > 0:
-            flags |= _MIN_P
-    if s.penalty != 1.0:
-        flags |= _PENALTY
-    return flags
 
 
 def covers(have: SamplerVariant, need: SamplerVariant) -> bool:

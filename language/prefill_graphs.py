@@ -43,6 +43,7 @@ import torch
 from mmpipe.language.attention import AttentionMetadata
 from mmpipe.language.attention.op import attention
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
+from mmpipe.language.prefill_schedule import STARTUP_PREFILL_SIZES, default_prefill_schedule, fine_prefill_schedule  # noqa: F401 TEMP re-export for tests
 
 from mmpipe.config import GraphConfig
 from mmpipe.engine.batch import ImageSpan, PrefillInputs
@@ -63,60 +64,6 @@ from mmpipe.kernels.stage_rows import stage_rows
 from mmpipe.layers.context import ForwardContext, forward_context
 
 log = logging.getLogger("mmpipe")
-
-
-# Token counts whose pieces are captured at start-up. Chosen by measurement (H100, 3B shape,
-# bfloat16, one forward; `.gpu`-style probe in the issue-29 closing note): graphs save 20 ms of
-# host time per forward up to 1024 tokens and 7.5 ms at 2048. Each size costs ~37 graph captures
-# at start-up (~0.1 s), so sizes are spaced by at most a quarter above 256 (padding costs a step at
-# most ~25% there, less below, where a forward's time hardly depends on its length).
-STARTUP_PREFILL_SIZES = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
-                         1792, 2048)
-# Above 2048, sizes every 512 tokens up to the step budget. A single forward of 4096-8192 tokens
-# hides the host's launches behind its GPU work (1.4% at 4096), but in a stream of steps (captioning
-# packs ~4100 prompt tokens per step) an eager forward's ~30 ms of host launches delays everything
-# queued after it. H100, 1024 448 px JPEG files, 64 new tokens, same process (2026-11-28,
-# docs/bench/caption_prefill_steps_h100.md): images/s `fp8` 143.8 -> 151.6 (the clearest gain),
-# `fp8-all` 144-155 -> 161-162 (one earlier old-default pass reached 163.3), bfloat16 133.9 ->
-# 135.5 (inside the spread); start-up +0.5-0.6 s in a warm process (12 more sizes), graph memory
-# 254 -> 884 MiB (the 8192-token pieces' activations, held by the pool for the process's life).
-# Most of that start-up cost was the larger sizes' warm-up forwards; one warm-up per capture
-# session since (`PrefillRunner.capture`; docs/bench/startup_blocking_sync_h200.md).
-LARGE_PREFILL_STEP = 512
-# The largest size captured by default (the default step budget): a budget raised above it keeps
-# start-up and graph memory as at 8192 (each 512 tokens more is ~37 captures and the largest
-# size's activations are held by the pool); its larger steps run the pieces without graphs.
-LARGEST_DEFAULT_PREFILL_GRAPH = 8192
-
-
-def default_prefill_schedule(max_tokens: int) -> list[int]:
-    """Token counts captured by default: `STARTUP_PREFILL_SIZES`, then every `LARGE_PREFILL_STEP`
-    tokens above 2048, up to `max_tokens` (at most `LARGEST_DEFAULT_PREFILL_GRAPH`), which is added
-    as the last size, so every prefill step of a budget up to 8192 tokens has a graph."""
-    top = min(max_tokens, LARGEST_DEFAULT_PREFILL_GRAPH)
-    sizes = [s for s in STARTUP_PREFILL_SIZES if s <= top]
-    sizes += range(STARTUP_PREFILL_SIZES[-1] + LARGE_PREFILL_STEP, top + 1, LARGE_PREFILL_STEP)
-    if not sizes or sizes[-1] < top:
-        sizes.append(top)
-    return sizes
-
-
-def fine_prefill_schedule(max_tokens: int) -> list[int]:
-    """SGLang's schedule (the start-up default before issue 29; pass it as
-    `GraphConfig(buckets=...)` to capture it): 4-32 step 4, 48-256 step 16, 288-512 step 32,
-    576-1024 step 64, 1280-4096 step 256, then step 512; capped by `max_tokens`, which is added
-    as the last size. 58 sizes at 8192 tokens (2146 graphs on the 3B shape, 1.8x the default's
-    1184 captures)."""
-    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
-             *range(1280, 4097, 256)]
-    size = 4608
-    while size <= max_tokens:
-        sizes.append(size)
-        size += 512
-    sizes = [s for s in sizes if s <= max_tokens]
-    if not sizes or sizes[-1] < max_tokens:
-        sizes.append(max_tokens)
-    return sizes
 
 
 class PrefillTensors(NamedTuple):
@@ -358,8 +305,8 @@ class PrefillRunner(GraphRunner):
 
         Pieces captured from the eager forward (`split`) warm up once per `capture_all`, at its
         first (largest) size: the others are captured straight away, and only a size whose capture
-        fails (a kernel first loaded inside it, say) is warmed up and captured again. The warm-ups
-        were ~1 s of a start-up on the 3B shape: an eager forward per size, run on the GPU. In
+        fails (a kernel first loaded inside it, say) is warmed up and captured again (a warm-up per
+        size was an eager forward per size, most of the prefill graphs' start-up). In
         lockstep (tensor parallelism) every size still warms up: a rank's retry would run an eager
         forward, with its collectives, that the other ranks do not."""
         assert self.cache is not None

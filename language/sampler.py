@@ -156,8 +156,8 @@ class _Staged:
 
     Built with numpy, not torch: torch's host kernels fan out to its OpenMP threads (its
     `repeat_interleave` for any two rows, a copy or `cat` past 32768 elements), which then spin
-    on every core for milliseconds; rows join a decode batch many times a second, and that spin
-    was a third of a captioning run's CPU time on a 16-core host."""
+    on every core after each call; rows join a decode batch many times a second, and that spin
+    took a large share of a captioning run's CPU time."""
 
     def __init__(self, rows: Sequence[RowSampling], vocab: int, ban_width: int, with_seen: bool,
                  device: torch.device):

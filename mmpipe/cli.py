@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
     # The choices of mmpipe.quantization.RUNTIME_QUANTIZATIONS, spelled out: this module imports no torch.
     info.add_argument("--quantization", default=None, choices=["fp8", "fp8-all"],
                       help="fp8: the language model's linear layers in FP8; fp8-all: the vision tower's too "
-                           "(compute capability 8.9+, e.g. H100)")
+                           "(compute capability 8.9+: Ada, Hopper and later)")
     sub.add_parser("bench", help="GPU benchmarks (see `mmpipe bench -h`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:

@@ -205,7 +205,7 @@ class EngineConfig:
     vit_graph_max_images: int = 64  # images in one ViT graph call (segment slots are sized for it)
     # Piecewise prefill graphs: the forward cut at its attention calls, each piece between them
     # captured at start for every token count of the schedule (default 20 sizes from 8 to 2048,
-    # `language.prefill_graphs.STARTUP_PREFILL_SIZES`, then every 512 up to max_prefill_tokens
+    # `language.prefill_schedule`, then every 512 up to max_prefill_tokens
     # or 8192, whichever is less: 32 sizes at 8192), largest first, in the pool the decode
     # graphs use ("shared" only).
     prefill_graph: GraphConfig = GraphConfig()
@@ -223,9 +223,10 @@ class EngineConfig:
     # Attention implementation for the language model and the ViT: "auto" picks the fastest
     # one available on the device; "torch" is the reference.
     attention_backend: str = "auto"
-    # Weights quantized at load: None (the checkpoint's dtype; FP8 checkpoints are dequantized) or
-    # "fp8" (the language model's linear layers in FP8 E4M3, per-channel weight scales, activations
-    # quantized per token; needs FP8 tensor cores: CUDA compute capability 8.9+).
+    # Weights quantized at load: None (the checkpoint's dtype; FP8 checkpoints keep their FP8
+    # layers where the GPU has FP8 tensor cores, else are dequantized), "fp8" (the language
+    # model's linear layers in FP8 E4M3, per-channel weight scales, activations quantized per
+    # token) or "fp8-all" (the vision tower's too); both need CUDA compute capability 8.9+.
     quantization: str | None = None
     # Prefill (extend) attention on CUDA: "triton" (reads the cache's pages), "varlen"
     # (FlashAttention on contiguous K/V) or "auto" (by context length; see cuda_backend).

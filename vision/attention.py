@@ -5,7 +5,7 @@ segments, using host-side lengths (not capturable). `varlen` uses FlashAttention
 PyTorch (the aten varlen forward that `torch.nn.attention.varlen.varlen_attn` wraps), reads
 boundaries from a device tensor and so can be captured once and replayed with other boundaries,
 as long as `max_len` bounds them; its windows (short segments) run in mmpipe's own kernel
-(`vision/window_kernel.py`).
+(`mmpipe/kernels/window_attention.py`).
 """
 
 from __future__ import annotations

@@ -100,9 +100,9 @@ class ViTGraphRunner(GraphRunner):
 
     def key_for(self, patches: int, frames: int) -> tuple[int, int] | None:
         """(bucket, image slots): the graph serving a pack. Slots come in a few classes (1, 4, 16,
-        max_images frames): the attention kernel launches work for every slot, empty or not (65
-        slots for a one-image pack cost the Qwen3-VL-8B tower ~10% at 448 px), so a pack takes the
-        smallest class that holds it."""
+        max_images frames): the attention kernel launches work for every slot, empty or not (a
+        one-image pack in the largest class is measurably slower), so a pack takes the smallest
+        class that holds it."""
         bucket = self.bucket_for(patches, frames)
         if bucket is None:
             return None

@@ -11,8 +11,9 @@ split the Megatron way over N ranks, every rank running the same pack.
 A row-parallel layer's bias is added once (rank 0's; the others hold zeros). Every rank ends each
 block with the same sums, so the tower's output is replicated, bit for bit across ranks.
 
-The tower is sharded after it is loaded whole (a ~0.7B tower: reading its slices alone saves
-little), before the kernels' width padding (`prepare_for_kernels`).
+The tower is sharded after it is loaded whole (a tower is small next to the language model:
+reading its slices alone would save little), before the kernels' width padding
+(`prepare_for_kernels`).
 """
 
 from __future__ import annotations

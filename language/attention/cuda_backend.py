@@ -5,11 +5,9 @@ Extend has two implementations:
 - "varlen": FlashAttention inside PyTorch (the aten varlen forward that `varlen_attn` wraps,
   called without its wrapper, whose first call imports `torch._dynamo`), straight on the new K/V
   when no sequence has a cached prefix, else on the prefix gathered into contiguous K/V.
-"auto" picks by size, from `mmpipe bench kernels` on an H200 (bf16, 16/2 heads x 128): Triton
-was faster up to a few thousand tokens of context (0.18 vs 0.30 ms for 8 x 1024 fresh tokens,
-0.10 vs 0.34 ms for 16 x 128 after 1024), varlen from about 8k on (0.67 vs 0.74 ms for 2048
-after 8192, 6.0 vs 7.9 ms for 8192 after 24576). Float32 always uses Triton (FlashAttention
-has no float32).
+"auto" picks by context length, as `mmpipe bench kernels` measured (docs/performance.md): the
+Triton kernel up to a few thousand tokens of context, varlen from about 8k on. Float32 always
+uses Triton (FlashAttention has no float32).
 """
 
 from __future__ import annotations
@@ -23,10 +21,9 @@ from mmpipe.kernels.extend_attention import paged_extend
 from mmpipe.layers.attention import flash_varlen, flash_varlen_available
 
 VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel
-# Decode buckets from which the rotary + KV write run inside the attention kernel. On an H100 (3B
-# shape) that was 0.6-5% faster per step at 2-256 rows, and 2-4% slower at one row, where all 128
-# programs (64 splits) rotate the same query heads before their short loop
-# (docs/bench/decode_rope_h100.md).
+# Decode buckets from which the rotary + KV write run inside the attention kernel: faster per step
+# from two rows on, slower at one row, where every split's program rotates the same query heads
+# before its short loop (measured; docs/performance.md).
 ROPE_FUSED_FROM_ROWS = 2
 
 

@@ -49,8 +49,8 @@ class RequestFeed:
         failed: deque[RequestOutput] = deque()
         lookahead = max(8, 2 * self.engine.cfg.max_running_requests)
         # Conversations are prepared (chat template, tokens) a burst per loop, not the whole window
-        # at once, so the first images start loading and the GPU gets work at once (preparing
-        # 256 captions up front kept the GPU idle for the run's first 80 ms).
+        # at once, so the first images start loading and the GPU gets work at once (a whole window
+        # prepared up front kept the GPU idle at the start of a run).
         burst = 32
         it = iter(specs)
         exhausted = False

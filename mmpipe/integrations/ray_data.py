@@ -33,7 +33,7 @@ RESULT_COLUMNS = ("caption", "num_tokens", "finish_reason", "error")
 FORMATS = ("jsonl", "parquet")
 # Rows an actor holds at once: batches_in_flight x batch_size = 1024, four times the engine's 256
 # running requests, so the engine stays full while a finished batch is written and the next one
-# read (measured on an H100: 64 x 2 reached 0.90x the command's rate, 256 x 4 0.98-1.6x).
+# read (smaller settings measured slower than `mmpipe caption`; docs/performance.md).
 RAY_BATCH_SIZE = 256
 RAY_BATCHES_IN_FLIGHT = 4
 

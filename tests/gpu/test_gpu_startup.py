@@ -54,8 +54,8 @@ def test_a_run_of_warmed_image_sizes_captures_nothing(checkpoint):
 
 def test_a_first_image_request_imports_no_dynamo(checkpoint):
     """From the import to an image request's answer on CUDA, nothing imports `torch._dynamo`
-    (2.3 s of a process's start on an H100 machine): not the model built on the meta device,
-    not the ViT's FlashAttention."""
+    (seconds of every process's start): not the model built on the meta device, not the ViT's
+    FlashAttention."""
     import os
     import subprocess
     import sys

@@ -16,7 +16,7 @@ from tests.helpers import random_image
 
 pytestmark = pytest.mark.gpu
 
-SLEEP_CYCLES = 20_000_000  # about 10 ms: far longer than a tiny model's step
+SLEEP_CYCLES = 20_000_000  # GPU clock cycles: far longer than a tiny model's step
 IMAGES = [random_image(112, 112, seed=700 + i) for i in range(6)]  # one size: freed blocks fit the next call
 
 

@@ -201,7 +201,7 @@ def test_engine_options_are_validated(checkpoint):
 
 
 def test_time_to_first_token_counts_from_the_call_including_slow_preprocessing(pipe, monkeypatch):
-    """An injected 0.3 s in image preprocessing is in the request's time to first token (measured
+    """A delay injected into image preprocessing is in the request's time to first token (measured
     from the call) and in its preprocess share, for chat, chat_stream and stream."""
     delay = 0.3
     original = pipe.processor.load_image

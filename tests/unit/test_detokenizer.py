@@ -98,8 +98,8 @@ def test_decode_all_equals_feeding_every_token():
 
 
 def test_final_text_of_a_non_streaming_request_decodes_once(pipe):
-    """A caption's text is made with one decode call at the end, not two per token (which cost
-    3 ms per 64-token caption on the host)."""
+    """A caption's text is made with one decode call at the end, not two per token (host time
+    that grows with every caption)."""
     from mmpipe import SamplingParams
 
     request = pipe.processor.build(0, *pipe.processor.render_chat([{"role": "user", "content": "hi"}], "t"),

@@ -17,7 +17,7 @@ inputs over a pipe to each worker, which replays it on its own `ModelRunner`:
   A worker's answer carries its ViT calls so far, by graph and eager
   (`Pipeline.stats()["tensor_parallel"]["worker_vit_runs"]`).
 - prefill: the step's `PrefillInputs` (numpy), then each image span's embeddings, broadcast from
-  rank 0's GPU (a 448 px image's embeddings are one 1 MB copy);
+  rank 0's GPU (one copy per image span);
 - decode: each row's state (length, new KV pages; prompt, sampling and tokens when the request
   joins the decode batch). A worker keeps a mirror per request for the decode batch's
   bookkeeping. Sampling runs inside the decode step on every rank over the gathered, identical
