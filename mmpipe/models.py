@@ -115,6 +115,17 @@ def spec_for(hf_config: dict[str, Any], where: str) -> ModelSpec:
         f"supported: {', '.join(f'{spec.family} ({arch})' for arch, spec in REGISTRY.items())}")
 
 
+def check_tensor_parallel_split(path: str, size: int) -> None:
+    """An `UnsupportedModelError` naming what `size` ranks cannot split in the checkpoint's language
+    model (head counts, MLP width), read from its config.json before any process starts or any
+    weight loads."""
+    from mmpipe.layers.parallel import TPGroup
+
+    hf_config = read_json(path, "config.json")
+    spec = spec_for(hf_config, path)
+    spec.shard_slices(spec.text_config(hf_config), TPGroup(0, size))
+
+
 @dataclass
 class LoadedModel:
     """A checkpoint's models on their device, plus the facts the engine needs about them."""

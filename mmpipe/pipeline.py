@@ -36,7 +36,7 @@ from mmpipe.engine.feed import RequestFeed
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.processor import InputProcessor, Prepared
 from mmpipe.errors import CheckpointError, InputError
-from mmpipe.models import LoadedModel, load_model
+from mmpipe.models import LoadedModel, check_tensor_parallel_split, load_model
 from mmpipe.outputs import RequestOutput
 from mmpipe.startup import StartupReport
 from mmpipe.text_stream import TextStream
@@ -133,6 +133,7 @@ class Pipeline:
             check_tensor_parallel(config.tensor_parallel_size, dev, config)
             if not os.path.isdir(path):
                 raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
+            check_tensor_parallel_split(path, config.tensor_parallel_size)  # before the workers start
             workers = Workers(path, dev, dt, config)  # they load their weights beside this process
         try:
             with startup.phase("weights"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mmpipe import EngineError, InputError, Pipeline, SamplingParams
+from mmpipe.errors import UnsupportedModelError
 from tests.helpers import random_image
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machine
@@ -158,6 +159,19 @@ def test_settings_it_cannot_serve_are_refused_by_name(tp_checkpoint, monkeypatch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(InputError, match="tensor_parallel_size=2 from cuda:0: needs GPUs 0..1, this machine has 1"):
         check_tensor_parallel(2, torch.device("cuda", 0), EngineConfig())
+
+
+def test_a_split_the_heads_do_not_allow_is_refused_before_any_worker_starts(tp_checkpoint, monkeypatch):
+    """4 query heads over 3 ranks: one line naming the heads, and no worker process started (a
+    worker would print its own traceback of the same error)."""
+    from mmpipe.engine.tensor_parallel import Workers
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(Workers, "__init__", no_workers)
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size=3 does not divide 4 attention heads"):
+        Pipeline.from_pretrained(tp_checkpoint, device="cpu", tensor_parallel_size=3)
 
 
 def test_the_bundled_model_captions_the_same_on_two_ranks():
