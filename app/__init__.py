@@ -1,3 +1,4 @@
-"""User-facing programs (`mmpipe.app`): batch captioning (`caption`, with its inputs and outputs in
-`caption_io`) and the Gradio chat demo (`demo`); the `mmpipe bench` benchmarks in `bench/`; the
-bundled model's scene generator, trainer and evaluation in `tiny/`."""
+"""User-facing programs (`mmpipe.app`): batch captioning (`caption`, with its command line, inputs,
+outputs, report and processes in the `caption_*` modules; `caption_ray`: `--ray`) and the Gradio
+chat demo (`demo`, with `demo_chat`, `demo_panels` and `demo_page`); the `mmpipe bench` benchmarks
+in `bench/`; the bundled model's scene generator, trainer and evaluation in `tiny/`."""

@@ -37,7 +37,7 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
         print(f"mmpipe caption: --ray-actors {actors} with --tp {args.tp} needs {actors * args.tp} GPUs; the cluster "
               f"has {gpus}", file=sys.stderr)
         return 2
-    from mmpipe.app.caption import engine_options
+    from mmpipe.app.caption_args import engine_options
 
     engine = engine_options(args)
     if args.graph_mode:

@@ -29,7 +29,6 @@ import torch
 
 from mmpipe import settings
 from mmpipe.captioning import caption_conversation
-from mmpipe.captioning import DEFAULT_CAPTION_PROMPT, EMPTY_CAPTION, caption_result, per_file_error  # noqa: F401 TEMP re-export for app/
 from mmpipe.config import EngineConfig, GraphMode, SamplingParams, resolve_device, resolve_dtype
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.feed import RequestFeed

@@ -1,2 +1,4 @@
-"""`mmpipe bench`: side-by-side GPU benchmarks (`main`: kernels, throughput, ViT; `decode`, `prefill`,
-`caption`), and `timeline`, which turns a profiler trace into a per-phase timeline."""
+"""`mmpipe bench`: side-by-side GPU benchmarks. `main` is the command; each subcommand is a module
+(`kernels`, `throughput`, `vit`, `decode` with `decode_math`, `decode_systems` and
+`decode_report`, `prefill`, `caption`, `startup`, `ttft`, `ray`), sharing `timing`, `results` and
+the model `shapes`; `timeline` turns a profiler trace into a per-phase timeline."""

@@ -29,8 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from mmpipe.app.bench.main import hf_generate_batched, table
+from mmpipe.app.bench.results import table
 from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint
+from mmpipe.app.bench.throughput import hf_generate_batched
+from mmpipe.app.bench.timing import timed
 from PIL import Image
 
 
@@ -76,7 +78,7 @@ def _sizes(text: str) -> list[int]:
 
 def run_caption(args: argparse.Namespace) -> dict[str, Any]:
     from mmpipe import Pipeline, SamplingParams
-    from mmpipe.pipeline import caption_conversation
+    from mmpipe.captioning import caption_conversation
 
     work = args.workdir or tempfile.mkdtemp(prefix="mmpipe-bench-caption-")
     ckpt = build_checkpoint(args.checkpoint, args.shape)
@@ -111,12 +113,9 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         engine.drain()
         engine.overlap = overlap  # switchable between runs, with no step in flight
         engine.cache.clear()  # every run encodes its images, as a run over new files does
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        done = sum(1 for _ in pipe.chat_stream(iter(convs[:n]), params))
-        torch.cuda.synchronize()
+        done, seconds = timed(lambda: sum(1 for _ in pipe.chat_stream(iter(convs[:n]), params)))
         assert done == n
-        return time.perf_counter() - start
+        return seconds
 
     with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16", **engine_options) as pipe:
         engine = pipe.engine

@@ -19,13 +19,13 @@ import gc
 import shutil
 import sys
 import tempfile
-import time
 from typing import Any, Callable
 
 import torch
-from mmpipe.app.bench.decode import make_prompts
-from mmpipe.app.bench.main import _kernel_ms, _wall_ms, table
+from mmpipe.app.bench.decode_systems import make_prompts
+from mmpipe.app.bench.results import table
 from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint
+from mmpipe.app.bench.timing import kernel_ms, timed, wall_ms
 
 LENGTHS = (64, 256, 1024, 4096)
 IMAGE_ROW = "image+32"
@@ -55,14 +55,11 @@ class MmpipeTTFT:
     def __init__(self, path: str, mode: str, **options: Any) -> None:
         from mmpipe import Pipeline
 
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         # A fixed KV cache (65k tokens) so the two mmpipe systems fit side by side.
         options.setdefault("num_kv_pages", 4096)
-        self.pipe = Pipeline.from_pretrained(path, device="cuda", dtype="bfloat16", graph_mode=mode,
-                                             encoder_cache_bytes=0, max_running_requests=64, **options)
-        torch.cuda.synchronize()
-        self.startup_s = time.perf_counter() - start
+        self.pipe, self.startup_s = timed(lambda: Pipeline.from_pretrained(
+            path, device="cuda", dtype="bfloat16", graph_mode=mode, encoder_cache_bytes=0, max_running_requests=64,
+            **options))
 
     def request_fn(self, token_ids: list[int] | None = None, image: Any = None, text: str = "") -> Callable[[], Any]:
         from mmpipe import SamplingParams
@@ -161,7 +158,7 @@ def cases_of(path: str, lengths: list[int]) -> list[tuple[str, dict[str, Any]]]:
 def measure(system: Any, cases: list[tuple[str, dict[str, Any]]], repeats: int) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for name, kwargs in cases:
-        rows[name] = {"ttft_ms": _wall_ms(system.request_fn(**kwargs), warmup=3, reps=repeats)}
+        rows[name] = {"ttft_ms": wall_ms(system.request_fn(**kwargs), warmup=3, reps=repeats)}
         print(f"  {name}: {rows[name]}", file=sys.stderr, flush=True)
     return rows
 
@@ -169,7 +166,7 @@ def measure(system: Any, cases: list[tuple[str, dict[str, Any]]], repeats: int) 
 def kernel_sums(system: Any, cases: list[tuple[str, dict[str, Any]]], rows: dict[str, dict[str, Any]]) -> None:
     """Profiled after every timing (a profiler session leaves per-launch overhead behind)."""
     for name, kwargs in cases:
-        rows[name]["kernel_ms"] = _kernel_ms(system.request_fn(**kwargs))
+        rows[name]["kernel_ms"] = kernel_ms(system.request_fn(**kwargs))
         print(f"  {name} kernels: {rows[name]['kernel_ms']:.2f} ms", file=sys.stderr, flush=True)
 
 

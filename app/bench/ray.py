@@ -16,7 +16,7 @@ import shutil
 import sys
 from typing import Any
 
-from mmpipe.app.bench.main import table
+from mmpipe.app.bench.results import table
 from mmpipe.app.bench.shapes import add_shape_argument, build_checkpoint
 from mmpipe.app.bench.startup import cache_env, child_env, run_child
 

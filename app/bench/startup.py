@@ -10,15 +10,14 @@ Every figure comes from a new Python process, as a user starts one:
    tokens each), second process: wall from launch to exit, files / wall, CPU seconds (user +
    system of the process and its children) per image, and captures after the first step.
 
-`--tree PATH` runs the same processes from another checkout (before/after in one session: run
-once with the old tree, once with this one, on the same checkpoint and files).
+`--tree PATH` runs the same processes from another checkout (two trees compared in one session:
+run once with one tree, once with the other, on the same checkpoint and files).
 
 `--bytecode DIR` caches the children's compiled bytecode under DIR (`PYTHONPYCACHEPREFIX`, and
 `PYTHONDONTWRITEBYTECODE` unset), as a `pip install` leaves it; an empty DIR is filled first by
-one untimed process. The GPU machines set `PYTHONDONTWRITEBYTECODE=1` over a venv without
-`__pycache__`, so without this flag every process there compiles torch's, transformers' and
-mmpipe's sources again (829 modules, 2.3 s of compile() alone in one second process's cProfile
-on an H100 machine), which no installed user pays.
+one untimed process. Where the environment sets `PYTHONDONTWRITEBYTECODE=1` over a venv without
+`__pycache__`, every process compiles torch's, transformers' and mmpipe's sources again, a cost
+no installed user pays; this flag leaves it out.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from mmpipe.app.bench.main import table
+from mmpipe.app.bench.results import table
 from mmpipe.app.bench.shapes import add_shape_argument, build_checkpoint
 
 # Run in the child: one image request after from_pretrained, timings as JSON on the last line.
@@ -96,7 +95,7 @@ def caption_rows(output: str, errors: str) -> tuple[int, int]:
     """(captions written, images whose caption came back empty) of a `mmpipe caption` run. Random
     weights often decode to an empty caption, which the tool reports as an error row after
     generating it: such images count. Any other error row is a failed run, raised here."""
-    from mmpipe.pipeline import EMPTY_CAPTION  # lazy: the bench's parent process needs no torch until here
+    from mmpipe.captioning import EMPTY_CAPTION  # lazy: the bench's parent process needs no torch until here
 
     written = sum(1 for line in open(output) if line.strip()) if os.path.exists(output) else 0
     rows = [json.loads(line) for line in open(errors) if line.strip()] if os.path.exists(errors) else []

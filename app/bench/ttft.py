@@ -21,9 +21,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from mmpipe.app.bench.main import _kernel_ms, table
 from mmpipe.app.bench.prefill import text_of_tokens
+from mmpipe.app.bench.results import table
 from mmpipe.app.bench.shapes import add_shape_argument, build_checkpoint
+from mmpipe.app.bench.timing import kernel_ms, median
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +51,6 @@ def write_pngs(folder: str, count: int, size: int) -> list[str]:
     return paths
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 def measure(pipe: Any, requests: Callable[[], Any], repeats: int) -> dict[str, float]:
     from mmpipe import SamplingParams
 
@@ -70,9 +67,9 @@ def measure(pipe: Any, requests: Callable[[], Any], repeats: int) -> dict[str, f
             walls.append(wall * 1000)
             ttfts.append(out.metrics.time_to_first_token_s * 1000)
             preps.append(out.metrics.preprocess_s * 1000)
-    kernel = _kernel_ms(lambda: pipe.chat([requests()], one))
-    wall = _median(walls)
-    return {"wall_ms": wall, "metrics_ttft_ms": _median(ttfts), "preprocess_ms": _median(preps),
+    kernel = kernel_ms(lambda: pipe.chat([requests()], one))
+    wall = median(walls)
+    return {"wall_ms": wall, "metrics_ttft_ms": median(ttfts), "preprocess_ms": median(preps),
             "kernel_ms": kernel, "wall_over_kernel": wall / kernel}
 
 

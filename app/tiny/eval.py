@@ -19,7 +19,7 @@ TEST_SEED_BASE = 2_000_000_000  # training uses seeds < 10**8, its own evaluatio
 
 def mmpipe_captions(pipe: Any, images: list[Any], max_new_tokens: int = 64) -> list[list[int]]:
     from mmpipe import SamplingParams
-    from mmpipe.pipeline import caption_conversation
+    from mmpipe.captioning import caption_conversation
 
     outputs = pipe.chat([caption_conversation(im) for im in images],
                         SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
@@ -32,7 +32,7 @@ def transformers_captions(path: str, images: list[Any], device: str, max_new_tok
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from mmpipe.pipeline import DEFAULT_CAPTION_PROMPT
+    from mmpipe.captioning import DEFAULT_CAPTION_PROMPT
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,5 +1,5 @@
 """Train the bundled model: a small Qwen2.5-VL (transformers' own classes) that captions the
-synthetic scenes of `app/tiny/scenes.py`. Meant for a GPU; a few minutes on an H100.
+synthetic scenes of `app/tiny/scenes.py`. Meant for a GPU (on a CPU it takes far longer).
 
     python -m mmpipe.app.tiny.train --out assets/mmpipe-tiny-scenes --steps 6000
 

@@ -10,6 +10,9 @@ import sys
 import pytest
 import torch
 from mmpipe.app.bench import decode as bd
+from mmpipe.app.bench import decode_math as dm
+from mmpipe.app.bench import decode_report as dr
+from mmpipe.app.bench import decode_systems as ds
 from mmpipe.app.bench import main as bench
 from mmpipe.app.tiny.synthetic import qwen2_5_vl_config
 
@@ -26,7 +29,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_arguments_and_registration(capsys):
     args = parse([])
     assert (args.shape, args.batches, args.prompt_tokens, args.new_tokens, args.systems) == \
-        ("3b", [1, 8, 32, 128], 256, [32, 160], list(bd.SYSTEMS))
+        ("3b", [1, 8, 32, 128], 256, [32, 160], list(ds.SYSTEMS))
     args = parse(["--shape", "7b", "--batches", "2, 4", "--systems", "mmpipe-graphs,hf",
                   "--new-tokens", "8,24"])
     assert args.batches == [2, 4] and args.systems == ["hf", "mmpipe-graphs"] and args.new_tokens == [8, 24]
@@ -49,49 +52,49 @@ def test_lm_weight_params_match_the_model(tie):
     lm = model.model.language_model
     expected = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
     expected += model.lm_head.weight.numel()  # tied: the embedding, read once as the head
-    assert bd.lm_weight_params(bd.text_config_of(config.to_dict())) == expected
+    assert dm.lm_weight_params(dm.text_config_of(config.to_dict())) == expected
 
 
 def test_published_shapes():
     from mmpipe.app.bench.shapes import SHAPES
 
-    text_3b = bd.text_config_of({"text_config": SHAPES["3b"].text})
-    assert bd.lm_weight_params(text_3b) == pytest.approx(3.086e9, rel=1e-3)
-    assert bd.lm_weight_params(SHAPES["7b"].text) == pytest.approx(7.071e9, rel=1e-3)
+    text_3b = dm.text_config_of({"text_config": SHAPES["3b"].text})
+    assert dm.lm_weight_params(text_3b) == pytest.approx(3.086e9, rel=1e-3)
+    assert dm.lm_weight_params(SHAPES["7b"].text) == pytest.approx(7.071e9, rel=1e-3)
     assert SHAPES["7b"].vision["out_hidden_size"] == 3584 and SHAPES["7b"].tied is False
     # The published sizes of the language models: Qwen3-8B 8.19B with its (untied) input embedding,
     # Qwen2-1.5B 1.54B (tied); no q/k/v biases in Qwen3.
     qwen3 = SHAPES["qwen3-vl-8b"].text
-    assert bd.lm_weight_params(qwen3) + qwen3["vocab_size"] * qwen3["hidden_size"] == pytest.approx(8.19e9, rel=2e-3)
-    assert bd.lm_weight_params(SHAPES["qwen2-vl-2b"].text) == pytest.approx(1.54e9, rel=3e-3)
-    assert bd.lm_weight_params(dict(qwen3, attention_bias=True)) - bd.lm_weight_params(qwen3) == 36 * (4096 + 2048)
+    assert dm.lm_weight_params(qwen3) + qwen3["vocab_size"] * qwen3["hidden_size"] == pytest.approx(8.19e9, rel=2e-3)
+    assert dm.lm_weight_params(SHAPES["qwen2-vl-2b"].text) == pytest.approx(1.54e9, rel=3e-3)
+    assert dm.lm_weight_params(dict(qwen3, attention_bias=True)) - dm.lm_weight_params(qwen3) == 36 * (4096 + 2048)
 
 
 def test_floor_arithmetic():
     text = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, vocab_size=10)
     # per layer: q 8*8+8, k,v 2*(8*4+4), o 8*8, mlp 3*8*16, norms 2*8 -> 608; + final norm 8 + head 80
-    assert bd.lm_weight_params(text) == 2 * 608 + 8 + 80
-    context = bd.mean_context(100, 32, 160)
+    assert dm.lm_weight_params(text) == 2 * 608 + 8 + 80
+    context = dm.mean_context(100, 32, 160)
     assert context == 196
-    assert bd.kv_bytes_per_step(text, batch=3, context=context) == 3 * 196 * 2 * 2 * 1 * 4 * 2
+    assert dm.kv_bytes_per_step(text, batch=3, context=context) == 3 * 196 * 2 * 2 * 1 * 4 * 2
     weights, kv = (2 * 608 + 8 + 80) * 2, 3 * 196 * 2 * 2 * 1 * 4 * 2
-    assert bd.floor_ms(text, 3, context, copy_gbs=1.0) == pytest.approx((weights + kv) / 1e9 * 1e3)
-    assert bd.kv_pages_needed(128, 256, 160, 16) >= 128 * 27 + 1
+    assert dm.floor_ms(text, 3, context, copy_gbs=1.0) == pytest.approx((weights + kv) / 1e9 * 1e3)
+    assert dm.kv_pages_needed(128, 256, 160, 16) >= 128 * 27 + 1
 
 
 def test_differencing():
-    # t(N) = 0.5 s setup + N * 10 ms, with noise in the repeats: the median cancels the setup.
+    # t(N) = setup 0.5 + N * 0.01, with noise in the repeats: the median cancels the setup.
     t1 = [0.5 + 32 * 0.010, 0.9, 0.5 + 32 * 0.010]
     t2 = [0.5 + 160 * 0.010, 0.5 + 160 * 0.010, 0.1]
-    assert bd.ms_per_step(t1, t2, 32, 160) == pytest.approx(10.0)
-    assert bd.tokens_per_s(8, 10.0) == pytest.approx(800.0)
-    assert bd.tokens_per_s(8, -1.0) is None
+    assert dm.ms_per_step(t1, t2, 32, 160) == pytest.approx(10.0)
+    assert dm.tokens_per_s(8, 10.0) == pytest.approx(800.0)
+    assert dm.tokens_per_s(8, -1.0) is None
     with pytest.raises(ValueError):
-        bd.ms_per_step([1.0], [2.0], 5, 5)
-    assert bd.repeats_for("hf", 128, 3) == 1 and bd.repeats_for("hf", 32, 3) == 2
-    assert bd.repeats_for("hf", 1, 1) == 1 and bd.repeats_for("hf-static", 128, 3) == 3
-    assert bd.repeats_for("mmpipe-graphs", 128, 3) == 3
+        dm.ms_per_step([1.0], [2.0], 5, 5)
+    assert dm.repeats_for("hf", 128, 3) == 1 and dm.repeats_for("hf", 32, 3) == 2
+    assert dm.repeats_for("hf", 1, 1) == 1 and dm.repeats_for("hf-static", 128, 3) == 3
+    assert dm.repeats_for("mmpipe-graphs", 128, 3) == 3
 
 
 def test_stats_delta_and_summary():
@@ -100,30 +103,30 @@ def test_stats_delta_and_summary():
     after = {"decode": {"replays": 110, "eager_runs": 2, "graphs": 13, "capture_seconds": 4.0,
                         "memory_bytes": 3 * 2**20},
              "runner": {"decode_steps": 300, "decode_host_seconds": 1.01}, "name": "x"}
-    delta = bd.numeric_delta(before, after)
+    delta = dm.numeric_delta(before, after)
     assert delta["decode"]["replays"] == 100 and delta["runner"]["decode_steps"] == 200
     assert delta["name"] == "x"
-    summary = bd.graph_summary(after, delta)
+    summary = dm.graph_summary(after, delta)
     assert summary["host_us_per_step"] == pytest.approx(50.0)
     assert (summary["replays"], summary["eager_steps"], summary["graphs"], summary["capture_s"],
             summary["memory_MiB"]) == (100, 0, 13, 4.0, 3.0)
-    empty = bd.graph_summary({}, {})
+    empty = dm.graph_summary({}, {})
     assert all(v is None for v in empty.values())
-    assert bd.sum_known([1, None, 2]) == 3 and bd.sum_known([None]) is None
+    assert dm.sum_known([1, None, 2]) == 3 and dm.sum_known([None]) is None
 
 
 def fake_result() -> dict:
     rows = []
     for system, ms in (("hf", 30.0), ("hf-static", 6.0), ("mmpipe-eager", 12.0), ("mmpipe-graphs", 3.0)):
         for batch in (1, 8):
-            row = {"system": system, "label": bd.LABELS[system], "batch": batch, "ms_per_step": ms,
+            row = {"system": system, "label": ds.LABELS[system], "batch": batch, "ms_per_step": ms,
                    "floor_ms": 2.0, "host_us_per_step": 40.0 if system == "mmpipe-graphs" else None}
-            row["tokens_per_s"] = bd.tokens_per_s(batch, ms)
+            row["tokens_per_s"] = dm.tokens_per_s(batch, ms)
             row["pct_of_floor"] = 100 * 2.0 / ms
             rows.append(row)
     rows[3] = {"system": "hf-static", "label": "x", "batch": 8, "floor_ms": 2.0,
                "error": "RuntimeError: compile\nfailed"}
-    return {"device": "NVIDIA H100", "torch": "2.11", "transformers": "5.17", "copy_GBps": 3000.0,
+    return {"device": "NVIDIA GPU-X", "torch": "2.11", "transformers": "5.17", "copy_GBps": 3000.0,
             "shape": "3b", "dtype": "bfloat16", "prompt_tokens": 256, "new_tokens": [32, 160],
             "mean_context": 352.0, "lm_weight_bytes": 6.17e9, "rows": rows,
             "mmpipe": {"mmpipe-graphs": {"graph_mode_reported": "full_and_piecewise", "startup_s": 20.0,
@@ -133,8 +136,10 @@ def fake_result() -> dict:
 
 
 def test_report():
-    text = bd.report(fake_result())
-    assert "NVIDIA H100" in text and "3000 GB/s" in text and "transformers 5.17" in text
+    result = fake_result()
+    text = dr.report(result)
+    copy = f"device-to-device copy {result['copy_GBps']:.0f} GB/s"  # the bandwidth as given, printed whole
+    assert "NVIDIA GPU-X" in text and copy in text and "transformers 5.17" in text
     graphs_b1 = next(line for line in text.splitlines() if line.startswith("| mmpipe graphs | 1 |"))
     cells = [c.strip() for c in graphs_b1.strip("|").split("|")]
     assert cells[2:9] == ["3", "333", "2", "67%", "40", "10.00x", "2.00x"]
@@ -147,13 +152,13 @@ def test_report():
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "decode.png"
-    assert bd.plot(fake_result(), str(path))
+    assert dr.plot(fake_result(), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert not bd.plot(fake_result(), str(tmp_path / "x.png"))
+    assert not dr.plot(fake_result(), str(tmp_path / "x.png"))
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
@@ -172,13 +177,13 @@ def test_end_to_end_on_cpu(checkpoint, tmp_path, capsys):
     partial = json.loads((tmp_path / "partial.json").read_text())  # written after each system
     assert partial["partial"] and len(partial["rows"]) == len(result["rows"])
     rows = {(r["system"], r["batch"]): r for r in result["rows"]}
-    assert set(rows) == {(s, b) for s in bd.SYSTEMS for b in (1, 3)}
+    assert set(rows) == {(s, b) for s in ds.SYSTEMS for b in (1, 3)}
     for key, row in rows.items():
         assert not row.get("error"), (key, row.get("error"))
         assert len(row["t1_s"]) == 1 and len(row["t2_s"]) == 1 and row["floor_ms"] > 0
         assert "fullgraph=False" not in (row.get("note") or "")  # the compiled decode step traces whole
     assert set(result["mmpipe"]) == {"mmpipe-eager", "mmpipe-graphs"}
     assert result["mmpipe"]["mmpipe-graphs"]["startup_s"] > 0
-    assert result["lm_weight_bytes"] == 4 * bd.lm_weight_params(bd.text_config_of(bd.read_config(checkpoint)))
+    assert result["lm_weight_bytes"] == 4 * dm.lm_weight_params(dm.text_config_of(ds.read_config(checkpoint)))
     out = capsys.readouterr().out
     assert "### Decode speed" in out and "mmpipe graphs" in out

@@ -50,7 +50,7 @@ def test_an_empty_bytecode_cache_is_filled_once_before_the_timed_runs(tmp_path, 
 def test_caption_rows_count_empty_captions_and_refuse_real_errors(tmp_path):
     """Random weights end captions empty (an error row the tool writes after generating them):
     those count; any other error row means the measured run failed and must not pass as one."""
-    from mmpipe.pipeline import EMPTY_CAPTION
+    from mmpipe.captioning import EMPTY_CAPTION
 
     output, errors = tmp_path / "captions.jsonl", tmp_path / "errors.jsonl"
     output.write_text('{"image": "a.jpg", "caption": "x"}\n\n')

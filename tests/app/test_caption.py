@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from mmpipe.app.caption import main
-from mmpipe.app.caption_io import PromptResolver, collect_images
+from mmpipe.app.caption_inputs import PromptResolver, collect_images
 from mmpipe.app.tiny.scenes import make_scene
 from PIL import Image
 
@@ -415,7 +415,7 @@ def test_usage_mistakes_of_the_bench_and_the_top_level_are_one_line(argv, messag
 
 def test_a_run_no_launcher_started_does_not_import_accelerate(tmp_path):
     """accelerate (and boto3 through it) costs start-up; only a launched run needs it."""
-    from mmpipe.app.caption import _LAUNCHER_VARIABLES
+    from mmpipe.app.caption_processes import _LAUNCHER_VARIABLES
 
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
     script = ("import sys; from mmpipe.app.caption import main; "
@@ -431,7 +431,7 @@ def test_every_launcher_is_recognised():
     """torchrun and accelerate (WORLD_SIZE, LOCAL_RANK, ACCELERATE_PROCESS_INDEX) and MPI launchers
     (PMI_SIZE, OMPI_COMM_WORLD_SIZE, MV2_COMM_WORLD_SIZE): their processes must meet through
     accelerate, or each would caption every image."""
-    from mmpipe.app.caption import under_launcher
+    from mmpipe.app.caption_processes import under_launcher
 
     assert not under_launcher({}) and not under_launcher({"WORLD_SIZE": "", "HOME": "/root"})
     for name, value in (("WORLD_SIZE", "2"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("ACCELERATE_PROCESS_INDEX", "1"),
@@ -470,6 +470,14 @@ def test_failures_are_reported_once_and_listed_in_the_errors_file(dataset, tmp_p
     assert "captioned 6 image(s)" in err and "5 failed" in err
     assert all(os.path.exists(sidecar(i)) for i in expected)
     assert not any(os.path.exists(sidecar(p)) for p in listed)
+
+
+def test_an_errors_file_in_a_folder_not_made_yet_is_made(dataset, tmp_path):
+    root, _ = dataset
+    (root / "bad.png").write_bytes(b"not an image")
+    errors = tmp_path / "new" / "folder" / "errors.jsonl"
+    assert main([str(root), "--format", "txt", "--errors-file", str(errors), *CPU]) == 1
+    assert [os.path.basename(r["image"]) for r in read_jsonl(errors)] == ["bad.png"]
 
 
 def test_the_errors_file_lists_only_the_latest_runs_failures(dataset, tmp_path):
@@ -559,7 +567,7 @@ def dies_in_write(fmt: str, after: int):
     most harm: a record file is left with half a line, a sidecar with its temporary file written
     but not renamed (under another process id, as a killed process leaves it). The `after`
     writes before it are whole. The run must die (not finish)."""
-    from mmpipe.app import caption_io
+    from mmpipe.app import caption_files, caption_records
 
     written = [0]
     with pytest.MonkeyPatch.context() as patch:
@@ -567,7 +575,7 @@ def dies_in_write(fmt: str, after: int):
             replace = os.replace
 
             def dying_replace(src: Any, dst: Any) -> None:
-                if str(src).endswith(caption_io.TMP_MARK):
+                if str(src).endswith(caption_files.TMP_MARK):
                     if written[0] == after:  # the temporary file stays, named for the killed process
                         folder, name = os.path.split(str(src))
                         replace(src, os.path.join(folder, name.replace(f".{os.getpid()}.", ".1.")))
@@ -575,9 +583,9 @@ def dies_in_write(fmt: str, after: int):
                     written[0] += 1
                 replace(src, dst)
 
-            patch.setattr(caption_io.os, "replace", dying_replace)
+            patch.setattr(caption_files.os, "replace", dying_replace)
         else:
-            write = caption_io.RecordFile.write
+            write = caption_records.RecordFile.write
 
             def dying_write(self: Any, item: Any, caption: str) -> None:
                 if written[0] == after:
@@ -588,7 +596,7 @@ def dies_in_write(fmt: str, after: int):
                 written[0] += 1
                 write(self, item, caption)
 
-            patch.setattr(caption_io.RecordFile, "write", dying_write)
+            patch.setattr(caption_records.RecordFile, "write", dying_write)
         with pytest.raises(Killed):
             yield
 
@@ -735,7 +743,7 @@ def test_a_killed_worker_is_named_and_a_re_run_captions_only_what_is_missing(tmp
     """Two processes under torchrun, the way `--gpus 2` runs them; the rank-1 process is SIGKILLed
     mid-run. The launcher's report names its shard and the exit code is non-zero; the same run
     again captions only the images missing, and every image ends in the output exactly once."""
-    from mmpipe.app.caption import SHARD_STATUS_ENV, report_unfinished_shards
+    from mmpipe.app.caption_processes import SHARD_STATUS_ENV, report_unfinished_shards
 
     folder = tmp_path / "imgs"
     _scenes(folder, 24)
@@ -769,7 +777,7 @@ def test_a_killed_worker_is_named_and_a_re_run_captions_only_what_is_missing(tmp
 
 
 def test_the_shard_report_names_the_shards_that_did_not_finish(tmp_path, capsys):
-    from mmpipe.app.caption import report_unfinished_shards
+    from mmpipe.app.caption_processes import report_unfinished_shards
 
     (tmp_path / "shard0.captioned").write_text("")
     assert report_unfinished_shards(str(tmp_path), 3, -9) == -9
@@ -831,12 +839,12 @@ def test_a_disk_that_fills_up_mid_run_stops_in_one_line_and_a_re_run_finishes(fm
                                                                               capsys):
     """ENOSPC on the third caption: one clear line and exit 1, the two written before intact and
     parseable, and the same command again (space freed) captions the rest, each image once."""
-    from mmpipe.app import caption_io
+    from mmpipe.app import caption_records, caption_sinks
 
     root, expected = dataset
     out = tmp_path / "c.jsonl"
     flags = ["--output", str(out)] if fmt == "jsonl" else ["--format", "txt"]
-    sink = caption_io.RecordFile if fmt == "jsonl" else caption_io.SidecarSink
+    sink = caption_records.RecordFile if fmt == "jsonl" else caption_sinks.SidecarSink
     original = sink.write
     calls = []
 
@@ -875,7 +883,7 @@ def test_append_killed_after_its_summary_resumes_instead_of_appending_twice(fmt,
     """The commit (journal removed, partial records merged) is the last thing an --append run
     does, after its summary: killed in between, the same command again finishes the run and
     appends nothing a second time."""
-    from mmpipe.app import caption_io
+    from mmpipe.app import caption_records, caption_sinks
 
     root, expected = dataset
     out = tmp_path / "c.jsonl"
@@ -885,7 +893,7 @@ def test_append_killed_after_its_summary_resumes_instead_of_appending_twice(fmt,
             open(sidecar(path), "w").write("old")
     else:
         out.write_text("".join(json.dumps({"image": p, "caption": "old"}) + "\n" for p in expected))
-    sink = caption_io.SidecarSink if fmt == "txt" else caption_io.RecordFile
+    sink = caption_sinks.SidecarSink if fmt == "txt" else caption_records.RecordFile
     original = sink.finish
 
     def killed(self):
@@ -946,7 +954,7 @@ def test_tp_two_captions_as_one_process_does(dataset, tmp_path, monkeypatch):
 
 
 def test_gpus_and_tp_make_replicas_of_tp_gpus(capsys):
-    from mmpipe.app.caption import replica_device
+    from mmpipe.app.caption_processes import replica_device
 
     assert [replica_device(i, 2) for i in range(2)] == ["cuda:0", "cuda:2"]
     assert [replica_device(i, 1) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
@@ -958,14 +966,14 @@ def test_gpus_and_tp_make_replicas_of_tp_gpus(capsys):
 def test_gpus_starts_processes_unless_a_launcher_already_did(variable, monkeypatch, tmp_path):
     """`--gpus 2` relaunches the command under accelerate, except in a process a launcher started
     (each of those is one of the N already)."""
-    import mmpipe.app.caption as caption
-    from mmpipe.app.caption import _LAUNCHER_VARIABLES, SingleProcess
+    from mmpipe.app import caption_processes
+    from mmpipe.app.caption_processes import _LAUNCHER_VARIABLES, SingleProcess
 
     for name in _LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     started = []
-    monkeypatch.setattr(caption, "_launch_processes", lambda count, gpus: started.append(count) or 0)
-    monkeypatch.setattr(caption, "_process_state", lambda cpu: SingleProcess())  # no process group here
+    monkeypatch.setattr(caption_processes, "launch_processes", lambda count, gpus: started.append(count) or 0)
+    monkeypatch.setattr(caption_processes, "process_state", lambda cpu: SingleProcess())  # no process group here
     out = tmp_path / "c.jsonl"
     assert main([SAMPLE_DIR, "--gpus", "2", "--output", str(out), *CPU]) == 0
     assert started == [2] and not out.exists()

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from mmpipe.app.demo import ERROR_TITLE, IMAGE_ONLY_PROMPT, ChatBackend, Settings, to_conversation
+from mmpipe.app.demo_chat import ERROR_TITLE, IMAGE_ONLY_PROMPT, ChatBackend, Settings, to_conversation
 
 from mmpipe import Pipeline, SamplingParams
 from tests.demo_helpers import EXPECTED, StepRecorder, free_port, sample, wait_for
@@ -85,7 +85,7 @@ def test_the_page_seed_field_starts_empty_and_empty_means_unseeded(pipe):
     """The page's seed field is sent as it stands: left alone it must mean unseeded (a Number field
     shows and sends 0 when empty, so every retry at a high temperature gave the same answer)."""
     gr = pytest.importorskip("gradio")
-    from mmpipe.app.demo import build_ui
+    from mmpipe.app.demo_page import build_ui
 
     demo = build_ui(ChatBackend(pipe))
     seeds = [b for b in demo.blocks.values() if str(getattr(b, "label", "")).startswith("Seed")]
@@ -164,7 +164,7 @@ except ImportError:  # the server tests skip; the ones above still run
 @pytest.fixture(scope="module")
 def server(pipe):
     pytest.importorskip("gradio")
-    from mmpipe.app.demo import launch
+    from mmpipe.app.demo_page import launch
 
     recorder = StepRecorder(delay_s=0.02).install(pipe)
     demo, url = launch(ChatBackend(pipe, concurrency=4), port=free_port(), block=False, quiet=True)
@@ -226,7 +226,7 @@ def test_defaults_outside_the_slider_ranges_still_answer(pipe):
     import dataclasses
 
     pytest.importorskip("gradio")
-    from mmpipe.app.demo import launch
+    from mmpipe.app.demo_page import launch
 
     saved = pipe.defaults
     pipe.defaults = dataclasses.replace(saved, temperature=0.1, top_p=0.001, top_k=1, repetition_penalty=1.05)
@@ -244,7 +244,7 @@ def test_defaults_outside_the_slider_ranges_still_answer(pipe):
 def test_the_server_contacts_no_other_host(pipe):
     """Gradio's analytics and version check stay off: no name lookup but localhost's."""
     pytest.importorskip("gradio")
-    from mmpipe.app.demo import launch
+    from mmpipe.app.demo_page import launch
 
     lookups: list[str] = []
     sys.addaudithook(lambda event, args: lookups.append(str(args[0])) if event == "socket.getaddrinfo" else None)
@@ -352,7 +352,7 @@ def test_thirty_two_clients_at_once_each_get_their_own_answer(pipe):
     pytest.importorskip("gradio")
     import time as time_module
 
-    from mmpipe.app.demo import launch
+    from mmpipe.app.demo_page import launch
 
     names = sorted(EXPECTED)
     messages = [{"text": "Describe this image.", "files": [sample(n)]} for n in names]
@@ -410,11 +410,11 @@ def test_soak_two_thousand_answers_keep_memory_flat(tmp_path, monkeypatch):
     memory grows by less than a bound, and the per-session state stays bounded."""
     import concurrent.futures as futures
 
-    import mmpipe.app.demo as demo_module
+    from mmpipe.app import demo_chat
 
     from tests.helpers import random_image
 
-    monkeypatch.setattr(demo_module, "SESSIONS_KEPT", 256)
+    monkeypatch.setattr(demo_chat, "SESSIONS_KEPT", 256)
     images = []
     for i in range(40):
         path = tmp_path / f"img{i}.png"

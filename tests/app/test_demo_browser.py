@@ -27,7 +27,8 @@ STEP_DELAY_S = 0.12  # a large model's pace, so there is time to press stop mid-
 @pytest.fixture(scope="module")
 def demo_url():
     pytest.importorskip("gradio")
-    from mmpipe.app.demo import ChatBackend, launch
+    from mmpipe.app.demo_chat import ChatBackend
+    from mmpipe.app.demo_page import launch
 
     from mmpipe import Pipeline
 

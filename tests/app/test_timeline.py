@@ -56,12 +56,13 @@ def test_top_kernels_group_by_name_within_a_phase():
 def test_idle_split_and_busy_profile():
     run = from_trace_events(EVENTS)
     split = run.idle_split()
-    # First kernel at 100 (100 us idle before it); last ViT/prefill kernel ends at 700; after it,
-    # only the stray kernel (50 us) runs until 1000: 250 us idle in the tail; 650 - 100 - 250 left.
+    # In trace-clock units: the first kernel starts at 100 (idle for 100 before it); the last
+    # ViT/prefill kernel ends at 700; after it only the stray kernel (50 long) runs until 1000, so
+    # 250 of the tail are idle; 650 - 100 - 250 are left for the middle.
     assert split["idle_start_s"] == pytest.approx(100e-6)
     assert split["idle_tail_s"] == pytest.approx(250e-6)
     assert split["idle_middle_s"] == pytest.approx(700e-6 - 100e-6 - 250e-6)
-    profile = run.busy_profile(10)  # 100 us bins
+    profile = run.busy_profile(10)  # bins 100 long
     assert profile["decode"][1] == pytest.approx(1.0) and profile["decode"][0] == 0
     assert profile["vision"][1] == pytest.approx(0.5) and profile["vision"][2] == pytest.approx(0.5)
     assert profile["prefill"][6] == pytest.approx(1.0) and profile["other"][8] == pytest.approx(0.5)

@@ -1,0 +1,166 @@
+"""`mmpipe caption`'s command line: its flags, the combinations that cannot work (one clear message
+each), and the sampling and Pipeline settings the flags give (the same for a local run and the
+Ray job)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from mmpipe.app.caption_records import FORMATS
+from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
+from mmpipe.errors import InputError
+from mmpipe.integrations.ray_data import RAY_BATCH_SIZE, RAY_BATCHES_IN_FLIGHT
+from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
+
+DESCRIPTION = "Batch image captioning: files, directories or globs in; one caption per image out."
+FORMAT_NAMES = ["txt", *FORMATS, "parquet"]  # parquet: --ray only
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    from mmpipe.cli import CommandParser
+
+    parser = parser or CommandParser(prog="mmpipe caption", description=DESCRIPTION)
+    parser.add_argument("images", nargs="+", help="image files, directories (recursive) or glob patterns")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    out = parser.add_argument_group("outputs")
+    out.add_argument("--format", choices=FORMAT_NAMES, default=None,
+                     help="txt: a sidecar name.txt per image; jsonl: one line per image in --output; metadata: "
+                          "metadata.jsonl for Hugging Face imagefolder; csv (default: jsonl with --output, else "
+                          "print to stdout)")
+    out.add_argument("--output", default=None, help="the jsonl / csv / metadata.jsonl file")
+    out.add_argument("--output-dir", default=None, help="txt: write sidecars here, mirroring the input tree")
+    policy = out.add_mutually_exclusive_group()
+    policy.add_argument("--skip-existing", dest="policy", action="store_const", const="skip",
+                        help="images that already have a caption are skipped (default)")
+    policy.add_argument("--overwrite", dest="policy", action="store_const", const="overwrite",
+                        help="replace existing captions")
+    policy.add_argument("--append", dest="policy", action="store_const", const="append",
+                        help="add the new caption after an existing one (see --separator)")
+    out.add_argument("--separator", default="\n", help="between an existing caption and an appended one "
+                     "(default a newline; CSV keeps a caption on one line, so there every newline, this one "
+                     "included, becomes a space)")
+    out.add_argument("--prefix", default="", help="text put before every caption (e.g. a trigger word)")
+    out.add_argument("--suffix", default="", help="text put after every caption")
+    out.add_argument("--errors-file", default=None, help="JSON lines (image, error) for every image that failed in "
+                     "this run; each run starts the file afresh (a re-run retries earlier failures, so an image "
+                     "that fails again is listed again)")
+    prompts = parser.add_argument_group("prompt and sampling")
+    group = prompts.add_mutually_exclusive_group()
+    group.add_argument("--prompt", default=None, help="instruction (default: 'Describe this image.')")
+    group.add_argument("--prompt-file", default=None, help="read the instruction from this file")
+    prompts.add_argument("--dir-prompts", action="store_true",
+                         help="a prompt.txt in an image's folder (or the nearest parent within its input "
+                              "directory) overrides the prompt for the images below it")
+    prompts.add_argument("--max-new-tokens", type=_positive, default=64)
+    prompts.add_argument("--min-new-tokens", type=int, default=0)
+    prompts.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    prompts.add_argument("--top-p", type=float, default=None)
+    prompts.add_argument("--top-k", type=int, default=None)
+    prompts.add_argument("--repetition-penalty", type=float, default=None)
+    prompts.add_argument("--seed", type=int, default=None, help="makes sampled captions reproducible")
+    sizes = parser.add_argument_group("image size")
+    sizes.add_argument("--min-pixels", type=_positive, default=None,
+                       help="smallest image area in pixels (default: the checkpoint's); smaller images are enlarged")
+    sizes.add_argument("--max-pixels", type=_positive, default=None,
+                       help="largest image area in pixels (default: the checkpoint's); larger images are shrunk, "
+                            "giving fewer image tokens")
+    run_group = parser.add_argument_group("running")
+    run_group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    run_group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+    run_group.add_argument("--quantization", default=None, choices=list(RUNTIME_QUANTIZATIONS),
+                           help=QUANTIZATION_HELP)
+    run_group.add_argument("--workers", type=_positive, default=4, help="threads decoding images ahead")
+    run_group.add_argument("--batch-size", type=_positive, default=None,
+                           help="most requests decoding together (default: the engine's 256)")
+    run_group.add_argument("--gpus", type=_positive, default=None,
+                           help="data parallel: start one process per GPU (via accelerate); with --tp T, one "
+                                "per T GPUs (--gpus 4 --tp 2: two replicas of two GPUs each)")
+    run_group.add_argument("--tp", type=_positive, default=1,
+                           help="tensor parallel: split the language model over this many GPUs (the device's and "
+                                "the next ones)")
+    run_group.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL), help=VIT_PARALLEL_HELP)
+    run_group.add_argument("--gpu-decode", action="store_true",
+                           help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "
+                                "transformers' torchvision-backed processor does; other files use Pillow")
+    run_group.add_argument("--fail-fast", action="store_true", help="stop at the first image that fails")
+    run_group.add_argument("--ray", action="store_true",
+                           help="run as a Ray Data job; --output is then a directory of JSON lines (or --format "
+                                "parquet) files, on a filesystem every node sees (needs mmpipe[ray])")
+    run_group.add_argument("--ray-address", default=None,
+                           help="with --ray: the cluster (default: $RAY_ADDRESS, else a running one, else a local one)")
+    run_group.add_argument("--ray-actors", type=_positive, default=None,
+                           help="with --ray: pipelines (actors) to run, one GPU each (default: the cluster's GPUs)")
+    run_group.add_argument("--ray-batch-size", type=_positive, default=None,
+                           help=f"with --ray: images per Ray batch (default: {RAY_BATCH_SIZE})")
+    run_group.add_argument("--ray-batches-in-flight", type=_positive, default=None,
+                           help=f"with --ray: batches each actor captions at once (default: {RAY_BATCHES_IN_FLIGHT}); "
+                                "their requests share the actor's engine")
+    run_group.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,
+                           help="CUDA graphs for the vision encoder (default: on with CUDA)")
+    run_group.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
+                           help="CUDA graphs for the language model (default: full_and_piecewise on CUDA)")
+    run_group.add_argument("--quiet", action="store_true", help="no progress bars and no summary")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Command-line combinations that cannot work, as one clear message."""
+    fmt = args.format or ("jsonl" if args.output else None)
+    args.format = fmt
+    args.policy = args.policy or "skip"
+    if fmt in ("jsonl", "csv") and not args.output:
+        raise InputError(f"--format {fmt} needs --output FILE")
+    if fmt == "txt" and args.output:
+        raise InputError("--format txt writes one file per image: use --output-dir DIR, not --output")
+    if args.output_dir and fmt != "txt":
+        raise InputError("--output-dir is for --format txt")
+    if fmt is None and args.policy != "skip":
+        raise InputError("--overwrite / --append need an output (--format or --output)")
+    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
+        raise InputError(f"--min-pixels ({args.min_pixels}) must not be above --max-pixels ({args.max_pixels})")
+    if args.min_new_tokens < 0 or args.min_new_tokens > args.max_new_tokens:
+        raise InputError(f"--min-new-tokens must be between 0 and --max-new-tokens ({args.max_new_tokens})")
+    if args.output and os.path.isdir(args.output) and not args.ray:
+        raise InputError(f"--output {args.output} is a directory")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from mmpipe import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Pipeline settings the command's flags give, for the local run and the Ray job alike."""
+    options: dict[str, Any] = {"preprocess_workers": args.workers, "image_decode": "gpu" if args.gpu_decode else "cpu"}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    if args.tp > 1:
+        options["tensor_parallel_size"] = args.tp
+    if args.vit_parallel:
+        options["vit_parallel"] = args.vit_parallel
+    if args.batch_size:
+        options["max_running_requests"] = args.batch_size
+    for name in ("min_pixels", "max_pixels"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.vit_graphs is not None:
+        from mmpipe import EngineConfig
+
+        options["vit_graph"] = dataclasses.replace(EngineConfig().vit_graph, enabled=args.vit_graphs)
+    return options

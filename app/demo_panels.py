@@ -1,0 +1,57 @@
+"""The demo's statistics panels, as markdown tables: this answer's time to first token, speed and
+token counts; the shared engine's requests, KV pages, graphs and encoder cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def answer_panel(stream: Any, error: str | None = None) -> str:
+    """Markdown: this answer's time to first token, speed, and token counts."""
+    if stream is None:
+        return table("This answer", [("Not generated", error) if error else ("Status", "no answer yet")])
+    metrics = stream.metrics()
+    generated = stream.num_generated_tokens
+    finish = stream.finish_reason
+    rows = [
+        ("Time to first token", f"{metrics.time_to_first_token_s * 1e3:.0f} ms from the request, of which "
+                                f"{metrics.preprocess_s * 1e3:.0f} ms preparing it (template, images)"
+         if generated else "waiting"),
+        ("Decode speed", f"{metrics.decode_tokens_per_s:.1f} tokens/s" if generated > 1 else "-"),
+        ("Generated", f"{generated} tokens" + (f" ({finish})" if finish else " so far")),
+        ("Prompt", f"{stream.num_prompt_tokens} tokens, {stream.num_image_tokens} of them from "
+                   f"{stream.num_images} image{'s' if stream.num_images != 1 else ''}"),
+        ("Queued", f"{metrics.queued_s * 1e3:.0f} ms"),
+    ]
+    return table("This answer", rows)
+
+
+def engine_panel(pipe: Any) -> str:
+    """Markdown: the shared engine's requests, KV pages, graphs and encoder cache."""
+    stats = pipe.stats()
+    kv, requests, cache = stats["kv_pages"], stats["requests"], stats["encoder_cache"]
+    used = kv["total"] - kv["free"]
+    rows = [
+        ("Device", f"{pipe.device}, {str(pipe.dtype).removeprefix('torch.')}"),
+        ("Graph mode", stats["graph_mode"]),
+        ("Requests", f"{requests['running']} running, {requests['waiting']} waiting"),
+        ("KV pages", f"{used} / {kv['total']} used ({kv['page_size']} tokens each)"),
+        ("ViT graphs", _graphs(stats["vit"])),
+        ("Prefill graphs", _graphs(stats["prefill"])),
+        ("Decode graphs", _graphs(stats["decode"])),
+        ("Encoder cache", f"{cache['entries']} images, {cache['hits']} hits, {cache['misses']} misses"),
+    ]
+    return table("Engine", rows)
+
+
+def _graphs(part: dict[str, Any]) -> str:
+    if not part.get("enabled"):
+        return "off"
+    return (f"{part.get('graphs', 0)} live, {part.get('captures', 0)} captured, {part.get('replays', 0)} replays, "
+            f"{part.get('memory_bytes', 0) / 2**20:.0f} MiB")
+
+
+def table(title: str, rows: list[tuple[str, str]]) -> str:
+    lines = [f"| {title} | |", "| --- | --- |"]
+    lines += [f"| {name} | {value.replace('|', '&#124;')} |" for name, value in rows]
+    return "\n".join(lines)
