@@ -165,7 +165,8 @@ def console_main() -> int:
     return main(exit_at_once=True)
 
 
-def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
+def build_parser() -> CommandParser:
+    """`mmpipe`'s parser: caption, demo and info (`bench` parses its own arguments)."""
     from mmpipe.app import caption, demo
     from mmpipe.config import GraphMode
 
@@ -184,6 +185,13 @@ def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
                       help="fp8: the language model's linear layers in FP8; fp8-all: the vision tower's too "
                            "(compute capability 8.9+: Ada, Hopper and later)")
     sub.add_parser("bench", help="GPU benchmarks (see `mmpipe bench -h`)", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
+    from mmpipe.app import caption, demo
+
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         from mmpipe.app.bench.main import main as bench_main

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import torch
 from mmpipe.app.bench.results import write_json
@@ -41,22 +42,27 @@ BENCHMARKS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Any:
+    """`mmpipe bench`'s parser: one subcommand per benchmark module."""
     from mmpipe.cli import CommandParser  # a usage mistake is one line, as for every subcommand
 
     parser = CommandParser(prog="mmpipe bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True, parser_class=CommandParser)
-    modules = {}
     for name, help in BENCHMARKS.items():
-        modules[name] = importlib.import_module(f"mmpipe.app.bench.{name}")
         command = sub.add_parser(name, help=help)
-        if hasattr(modules[name], "add_arguments"):
-            modules[name].add_arguments(command)
+        module = importlib.import_module(f"mmpipe.app.bench.{name}")
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(command)
         command.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
-    result = getattr(modules[args.what], f"run_{args.what}")(args)
+    module = importlib.import_module(f"mmpipe.app.bench.{args.what}")
+    result = getattr(module, f"run_{args.what}")(args)
     write_json(args.json, result)
     return 0
