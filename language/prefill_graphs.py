@@ -43,20 +43,15 @@ import torch
 from mmpipe.language.attention import AttentionMetadata
 from mmpipe.language.attention.op import attention
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
-from mmpipe.language.prefill_schedule import STARTUP_PREFILL_SIZES, default_prefill_schedule, fine_prefill_schedule  # noqa: F401 TEMP re-export for tests
+from mmpipe.language.prefill_schedule import default_prefill_schedule
 
 from mmpipe.config import GraphConfig
 from mmpipe.engine.batch import ImageSpan, PrefillInputs
 from mmpipe.graphs.cache import bucket_for
 from mmpipe.graphs.capture import on_capture_stream
 from mmpipe.graphs.memory import GraphMemory
-from mmpipe.graphs.piecewise import (
-    PiecewiseBackend,
-    PiecewiseState,
-    default_cache_dir,
-    environment_key,
-    make_piece_compiler,
-)
+from mmpipe.graphs.compile_cache import default_cache_dir, environment_key, make_piece_compiler
+from mmpipe.graphs.piecewise import PiecewiseBackend, PiecewiseState
 from mmpipe.graphs.runner import GraphRunner
 from mmpipe.graphs.split_capture import SplitGraphs
 from mmpipe.graphs.transfer import PackedUploader

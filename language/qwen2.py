@@ -27,7 +27,8 @@ from mmpipe.language.attention.op import rope_attention  # also registers the mm
 from torch import nn
 
 from mmpipe.errors import CheckpointError, UnsupportedModelError
-from mmpipe.kernels import gemv
+from mmpipe.kernels import gemv, gemv_fp8
+from mmpipe.kernels.partial_sums import PartialSums
 from mmpipe.kernels.fused import add_rms_norm
 from mmpipe.layers.attention import AttentionBackend
 from mmpipe.layers.buffers import on_ambient_device
@@ -169,7 +170,7 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
-                ) -> torch.Tensor | gemv.PartialSums:
+                ) -> torch.Tensor | PartialSums:
         n = x.shape[0]
         qkv = _project(self.qkv_proj, x)
         k_cache, v_cache = kv_cache
@@ -188,18 +189,18 @@ class Qwen2Attention(nn.Module):
         return reduce_rows(self.tp, _project(self.o_proj, out.view(n, self.q_size), split=True))
 
 
-def _project(layer: nn.Module, x: torch.Tensor | Fp8Rows, split: bool = False) -> torch.Tensor | gemv.PartialSums:
+def _project(layer: nn.Module, x: torch.Tensor | Fp8Rows, split: bool = False) -> torch.Tensor | PartialSums:
     """A projection through `gemv` (few-row kernels for decode, K-split partial sums where `split`);
     an FP8 layer (`quantization="fp8"`) through gemv's FP8 kernels for decode rows, else itself
     (its FP8 product, K-split too where `split`; `Fp8Rows`, input the norm before it quantized, go
-    there too). A split one-row FP8 product may come pending (`gemv.PartialSums`): the decoder
+    there too). A split one-row FP8 product may come pending (`PartialSums`): the decoder
     layer hands it to `add_rms_norm` next, which launches it with the add and norm inside."""
     if isinstance(layer, Fp8Linear):
-        if isinstance(x, Fp8Rows) or not gemv.fp8_usable(x, layer.weight):
+        if isinstance(x, Fp8Rows) or not gemv_fp8.fp8_usable(x, layer.weight):
             return layer(x, split=split)
         if split and layer.bias is None:
-            return gemv.fp8_linear_split(x, layer.weight, layer.weight_scale, defer=True)
-        return gemv.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+            return gemv_fp8.fp8_linear_split(x, layer.weight, layer.weight_scale, defer=True)
+        return gemv_fp8.fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
     return (gemv.linear_split if split else gemv.linear)(x, layer.weight, layer.bias)
 
 

@@ -213,7 +213,7 @@ RUNTIME_QUANTIZATIONS = ("fp8", "fp8-all")
 LM_FP8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 VISION_FP8_LAYERS = ("qkv", "proj", "gate_up_proj", "down_proj", "fc1", "fc2")
 QUANTIZATION_HELP = ("fp8: the language model's linear layers in FP8; fp8-all: the vision tower's too (both need "
-                     "compute capability 8.9+, e.g. H100). FP8 checkpoints are read as published without it")
+                     "compute capability 8.9+: Ada or Hopper GPUs). FP8 checkpoints are read as published without it")
 
 
 def check_runtime_quantization(name: str | None, device: torch.device) -> str | None:

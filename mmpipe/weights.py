@@ -248,8 +248,8 @@ def prepare_for_kernels(module: nn.Module) -> nn.Module:
 
 def allocate(module: nn.Module, device: torch.device) -> None:
     """`module.to_empty(device=device)` without `torch.empty_like`: on meta tensors that runs
-    PyTorch's Python reference implementation, whose first call imports sympy (~2.3 s of every
-    process's start-up on the GPU machines, 2.6 s with the calls). A parameter or buffer shared
+    PyTorch's Python reference implementation, whose first call imports sympy (seconds of every
+    process's start-up). A parameter or buffer shared
     by several modules (tied embeddings) stays one object."""
     made: dict[int, torch.Tensor] = {}
 

@@ -47,8 +47,8 @@ def capture_session() -> Iterator[None]:
     """Around many captures in a row (a start-up schedule): every object frozen out of the
     collector's view and collection off, and `torch.cuda.empty_cache` a no-op (code that calls it
     between captures would return the pool's freed blocks to the driver, so the next capture
-    allocates afresh instead of reusing them). No collection first: it costs ~0.2 s per runner
-    once transformers is imported, and garbage frozen here is collected after `unfreeze`."""
+    allocates afresh instead of reusing them). No collection first: it is slow once transformers
+    is imported (docs/performance.md), and garbage frozen here is collected after `unfreeze`."""
     gc.freeze()
     empty_cache = torch.cuda.empty_cache
     torch.cuda.empty_cache = lambda: None

@@ -5,6 +5,9 @@
 - "shared": one graph memory pool for all captures (what vLLM and SGLang do for the LM; it works
   well when captures go largest first, poorly in arrival order).
 - "per_graph": a private pool per capture (PyTorch's default; memory grows with every shape).
+
+`weak_ref` holds a tensor made inside a capture without owning its memory, so its blocks go back
+to the pool for later captures while the graph, which keeps the pool, keeps them valid.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def device_memory_in_use(device: torch.device | None = None) -> int:
     """Bytes of GPU memory in use (the driver's view: graph pools and VMM pages included), after
     returning the caching allocator's unused blocks. For measurements, not for hot paths. (No
     garbage collection first: tensors are freed by reference counting, and a full collection of a
-    process that imported torch and transformers costs ~0.2 s, several times per start-up.)"""
+    process that imported torch and transformers is slow, several times per start-up.)"""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -116,8 +119,25 @@ def device_memory_in_use(device: torch.device | None = None) -> int:
 
 def reserved_bytes(device: torch.device) -> int:
     """The caching allocator's reserved bytes on `device`: `torch.cuda.memory_reserved` without
-    flattening every allocator statistic into a dict first (that costs ~0.25 ms, per capture)."""
+    flattening every allocator statistic into a dict first (costly on the host, once per capture)."""
     return int(torch.cuda.memory_stats_as_nested_dict(device)["reserved_bytes"]["all"]["current"])
+
+
+def weak_ref(value: Any) -> Any:
+    """A tensor that views `value`'s memory without owning it (non-tensors pass through). Its
+    memory stays valid only while something else (a graph's pool) keeps it."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    storage = value.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device, storage.nbytes())
+    return torch.empty(0, dtype=value.dtype, device=value.device).set_(weak, value.storage_offset(), value.shape,
+                                                                       value.stride())
+
+
+def weak_refs(outputs: Any) -> Any:
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(weak_ref(o) for o in outputs)
+    return weak_ref(outputs)
 
 
 def make_graph_memory(kind: str, device: torch.device) -> GraphMemory:

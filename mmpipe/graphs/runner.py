@@ -185,8 +185,8 @@ class GraphRunner:
         """On a machine whose Triton cache lacks this runner's kernels, compile them all in parallel
         before the captures. The first key is the probe: its kernels are compiled (or loaded from
         the disk cache) in parallel, and only if they took compile time, not load time, are the
-        other keys' kernels compiled too (a warm cache would pay a pass over every key for
-        nothing: ~2 s for the decode and prefill schedules). Keys `precompile_cold` did already
+        other keys' kernels compiled too (a warm cache would pay a pass over every key of the
+        decode and prefill schedules for nothing). Keys `precompile_cold` did already
         are left out."""
         keys = [k for k in keys if k not in self.precompiled_keys]
         if not keys or self.lockstep:

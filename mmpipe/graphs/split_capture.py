@@ -19,7 +19,7 @@ when it is made; that check serves the traced path, whose plans are recorded fro
 
 Memory. All pieces of a key capture into one `CaptureMemory` (for the language model, the pool its
 decode graphs share), largest key first. Split-point arguments and the final output are held as
-weak references (`piecewise.weak_ref`): their blocks go back to the pool when the forward drops
+weak references (`memory.weak_ref`): their blocks go back to the pool when the forward drops
 them, inside the captures, so the next key's captures reuse them and graph memory stays near the
 largest key's. The final output aliases graph memory: consume it before the next replay.
 """
@@ -35,8 +35,8 @@ import torch
 
 from mmpipe.graphs.cache import GraphCache
 from mmpipe.graphs.capture import capture_lock, gc_paused
-from mmpipe.graphs.memory import CaptureMemory, reserved_bytes
-from mmpipe.graphs.piecewise import ReplayPlan, weak_ref
+from mmpipe.graphs.memory import CaptureMemory, reserved_bytes, weak_ref
+from mmpipe.graphs.replay_plan import ReplayPlan
 
 log = logging.getLogger("mmpipe")
 

@@ -60,7 +60,7 @@ class PackedUploader:
 
     Every host call before a step's first kernel is on the critical path of its first token, and
     right after other work each costs several times its price in a tight loop (a tensor operation
-    there is ~5 us on an H100 host). So the arrays are written into a pinned host slot at 16-byte
+    there costs microseconds). So the arrays are written into a pinned host slot at 16-byte
     aligned offsets (what Triton specialises pointers on: a kernel reading them compiles once
     whatever the lengths), the slot's used bytes are copied into one device buffer, and the
     arrays' device views come from one `split` per dtype instead of a slice and casts per array.

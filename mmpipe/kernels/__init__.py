@@ -4,13 +4,15 @@
   microseconds of host time instead of tens); host `cdiv` / `next_power_of_2`.
 - `pdl`: programmatic dependent launch for the short kernels of a decode step (Hopper).
 - `gemv`: products of 1-32 rows (decode's projections) near memory bandwidth, with K-split
-  partial sums.
+  partial sums; `gemv_fp8` the same for FP8 weights, `gemv_kernels` their Triton kernels.
+- `partial_sums`: a K-split product's float32 slices, and the residual add + RMSNorm that a
+  one-row product's last program may do.
 - `fp8_quant`: FP8 quantization of activations (per row, per 128-column group), `Fp8Rows`.
 - `fp8_gemm`: an FP8 GEMM (per-channel or 128 x 128 block scales, K-split partial sums) for
   decode's 33-256-row products, where it beats cuBLASLt (`rule`).
 - `fused`: residual add + RMSNorm (adding those partial sums up), rotary of a fused qkv, SiLU product.
 - `rms_norm_row`: the residual add + RMSNorm of one row, shared by `fused`'s norm kernel and
-  `gemv`'s one-row products that norm in their last program.
+  `gemv_kernels`' one-row products that norm in their last program.
 - `rope_kv`: the language model's rotary embedding of q and k fused with the paged KV-cache write.
 - `decode_attention`, `extend_attention`, `attention_common`: paged attention of the language model.
 - `window_attention`: attention within short segments (the ViT's windows).

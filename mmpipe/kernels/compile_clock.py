@@ -16,8 +16,8 @@ from typing import Any
 
 from mmpipe.kernels import triton
 
-# Mean seconds per kernel above which Triton compiled rather than loaded from its disk cache (an
-# H100 host: ~0.3 s or more to compile one, milliseconds to load one).
+# Mean seconds per kernel above which Triton compiled rather than loaded from its disk cache:
+# compiling one takes far longer than this, loading one far less (docs/performance.md).
 COLD_COMPILE_SECONDS = 0.05
 
 
@@ -81,8 +81,8 @@ class TritonCompileClock:
     def cold(self) -> bool:
         """Whether Triton compiled in the block (its disk cache lacked a kernel). Without a
         compilation listener: whether the kernels took compile time (seconds each) rather than
-        load time; a process's first kernels also pay Triton's one-time set-up (~1 s, hashing its
-        own sources), which misleads that rule, not the listener."""
+        load time; a process's first kernels also pay Triton's one-time set-up (hashing its own
+        sources, as long as compiling), which misleads that rule, not the listener."""
         if self.compiled is not None:
             return self.compiled > 0
         return bool(self.kernels) and self.seconds / self.kernels > COLD_COMPILE_SECONDS

@@ -22,8 +22,8 @@ the split whose range holds the newest position rotates the new key, writes the 
 cache and passes a CTA barrier before its loop reads them back (no other program reads that
 position). The loop is the plain kernel's. A first version substituted the new K/V inside it (a
 select on every K/V tile): the tiles then went through registers instead of straight to shared
-memory, 94 -> 183 registers per thread in sm_90 code; decode steps got 2-5% slower at 1 and 128
-rows and stayed within +-1.3% at 8 and 32.
+memory, the kernel needed far more registers per thread, and decode steps measured slower
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def decode_num_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     is right for every replay. Large batches fill the GPU with one split each and skip the reduce;
     small ones split each sequence so that long contexts still use every SM. More than 64 splits
     would only make the partials and the reduce bigger (a lone sequence then gets about one program
-    per SM on an H100)."""
+    per SM on a Hopper GPU)."""
     rows = max(1, batch * kv_heads)
     return max(1, min(_MAX_SPLITS, math.ceil(_PROGRAMS_PER_SM * max(1, num_sms) / rows)))
 

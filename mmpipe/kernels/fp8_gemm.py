@@ -10,28 +10,29 @@ one per 128 x 128 tile; each 128-column step's product is scaled before it is ac
 
 The weight is read as it is stored ([N, K], K contiguous), which is the K-major layout Hopper's
 FP8 tensor-core instructions take for both operands. `Config.split_k` > 1 leaves the product as
-float32 partial sums over slices of K (scaled; `gemv.PartialSums`), for a consumer that adds them.
+float32 partial sums over slices of K (scaled; `partial_sums.PartialSums`), for a consumer that
+adds them.
 
 Where it runs (`pick`, `rule`): decode steps of 33-256 rows, the rows above the few-row kernels
 (`gemv.MAX_ROWS`). cuBLASLt multiplies every FP8 product with one 128 x 128-tile kernel, which
-leaves most SMs idle on such products: on an H100 (3B shape, weights from memory) o and qkv take
-~8.7 us at any row count up to 512 and down ~28.7 us, reading 0.5-0.8 TB/s of weights. Here
-64-row tiles, with K split into slices where the caller adds partial sums (o and down, into
-`add_rms_norm`) until there are about as many programs as SMs, take 4.3-6.4 us for o, 12.0-19.9
-for down and 6.8-8.0 for qkv (docs/bench/fp8_gemm_precision_h100.txt, 48-256 rows). Left to
-cuBLASLt: wide products (gate_up, 22016 columns: programs enough, Triton no faster above 64
-rows; from 8192 columns on, so a tensor-parallel shard of it, never swept, stays there too), prefill and ViT products (> 256 rows, where cuBLASLt reaches 1.1-1.4 PFLOP/s and this
-kernel does not beat it, docs/bench/fp8_gemm_sweep_h100.txt), large products above 128 rows (7B
-down) and block-scaled products other than split ones up to 128 rows (the per-step scaling).
-Only on Hopper (where the sweep was measured), in the language model's decode steps
+leaves most SMs idle on such products: o, qkv and down take about as long at any row count up to
+512, reading the weights far below the memory's bandwidth. Here 64-row tiles, with K split into
+slices where the caller adds partial sums (o and down, into `add_rms_norm`) until there are about
+as many programs as SMs, take markedly less. Left to cuBLASLt: wide products (gate_up, 22016
+columns: programs enough, Triton no faster above 64 rows; from 8192 columns on, so a
+tensor-parallel shard of it, never swept, stays there too), prefill and ViT products (> 256 rows,
+where cuBLASLt runs near the tensor cores' peak and this kernel does not beat it), large products
+above 128 rows (7B down) and block-scaled products other than split ones up to 128 rows (the
+per-step scaling). The rule was fitted to a sweep of row counts on the 3B and 7B shapes on Hopper
+GPUs (docs/performance.md), so it applies only on Hopper, in the language model's decode steps
 (`gemv.in_decode_step`: a prefill forward is compiled, and its eager form must compute the same
 bits; the ViT was not swept at these sizes), unless `MMPIPE_DISABLE` names `fp8-triton-gemm`.
 
 Accumulation: FP8 tensor cores add with fewer bits than float32; each 128-column step's sum goes
 into a float32 accumulator (`_PRECISE_EVERY`), as cuBLASLt's default and DeepSeek-V3's FP8 GEMMs
 do in their ways. Against accumulating a whole K loop in the tensor cores (Triton's default) that
-costs 0.1-1.8 us a product; promoting every 32 columns cost 2-7 us at 192-256 rows and lost to
-cuBLASLt there.
+costs a little time; promoting every 32 columns cost more and lost to cuBLASLt at 192-256 rows
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ import torch
 
 from mmpipe import settings
 from mmpipe.kernels import gemv, pdl, tl, triton
-from mmpipe.kernels.gemv import PartialSums
 from mmpipe.kernels.launch import cdiv, launch
+from mmpipe.kernels.partial_sums import PartialSums
 from mmpipe.kernels.pdl import pdl_enter
 
 __all__ = ["Config", "fp8_gemm", "pick", "rule", "usable"]
@@ -55,7 +56,7 @@ _SCALE_BLOCK = 128
 # added to a float32 accumulator, as DeepSeek-V3's FP8 GEMMs do (0: Triton's default, for A/B).
 _PRECISE_EVERY = 128
 MAX_ROWS = 256  # above this, cuBLASLt
-_PROGRAMS = 128  # about one program per SM (an H100 has 132)
+_PROGRAMS = 128  # about one program per SM (Hopper's SXM GPUs have 132)
 _MIN_SLICE = 512  # columns of K per slice, at least
 _WIDE_TILES = 128  # 64-column tiles (8192 columns) from which cuBLASLt's kernel has programs enough (gate_up)
 _LARGE_PRODUCT = 32 << 20  # N x K above which cuBLASLt wins at 129-256 rows
@@ -99,8 +100,8 @@ def pick(rows: int, n: int, k: int, block: bool, split: bool, device: torch.devi
 
 
 def rule(rows: int, n: int, k: int, block: bool, split: bool) -> Config | None:
-    """`pick`'s choice on a Hopper GPU in a decode step, fitted to the H100 sweep of the 3B and 7B
-    shapes (docs/bench/fp8_gemm_sweep_decode_rows_h100.txt; module docstring). Products the caller
+    """`pick`'s choice on a Hopper GPU in a decode step, fitted to a sweep of row counts on the 3B
+    and 7B shapes (docs/performance.md; module docstring). Products the caller
     takes as partial sums (o, down) split K four ways up to 128 rows and two ways above while that
     keeps about one program per SM; others (qkv) stay whole on 64 x 64 tiles. The choice depends
     on the row count, so an eager decode step and the graph of its (padded) bucket compute the

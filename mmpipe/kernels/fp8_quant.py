@@ -7,9 +7,9 @@ whose input comes unquantized.
 Both scale by the float32 reciprocal of 448 and multiply the values by the scale's float32
 reciprocal (each IEEE-rounded), so they agree bit for bit, on the CPU too. Multiplying, not dividing
 each value: an IEEE division is a dozen instructions on the GPU, and these kernels are as much
-issue-bound as memory-bound (a 1280-column norm writing FP8 rows took 62.7 us dividing, 38.2
-multiplying, H200; docs/bench/norm_silu_h200.md). The values differ from division's in the last
-float32 bit at most, which rounding to FP8's three mantissa bits almost never sees.
+issue-bound as memory-bound (a norm writing FP8 rows measured markedly slower dividing;
+docs/performance.md). The values differ from division's in the last float32 bit at most, which
+rounding to FP8's three mantissa bits almost never sees.
 The quantizer and the SiLU product hold a row up to ONE_PASS_COLUMNS wide in registers and
 read it once (`row_layout`); wider rows are read twice, the second time from cache. (Weights
 quantized at load per output channel go through `quantize_per_row` too.)
@@ -38,7 +38,7 @@ INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MA
 # Rows up to this many columns are quantized from registers in one pass (see row_layout).
 ONE_PASS_COLUMNS = 16384
 # Group-quantized activations come with their rows padded to this: cuBLASLt's block-scaled GEMM
-# takes only row counts that are multiples of 4 (H100, torch 2.11).
+# takes only row counts that are multiples of 4 (on Hopper, as of torch 2.11).
 GEMM_ROW_MULTIPLE = 4
 
 
@@ -117,10 +117,9 @@ def row_layout(cols: int, values_per_thread: int = 16) -> tuple[bool, int, int]:
     """(one pass, BLOCK, warps) of a kernel quantizing rows of `cols` values with a scale per row,
     a program per row: up to ONE_PASS_COLUMNS the row is held in registers, `values_per_thread`
     values a thread (more where 32 warps do not reach); wider rows go in two passes of 4096
-    columns. Measured on an H200 (docs/bench/norm_silu_h200.md): the quantizer at 16 values a
-    thread, 19.9 us for 16384 x 1280 against 26.3 at 8; the SiLU product, which holds gate and up,
-    at 8: 108.8 us for 16384 x 3420 against 123.1 at 16 and 156.2 in two passes; for 4096 x 11008
-    one pass 71.6 us against 88.7 in two."""
+    columns. Chosen by measurement on Hopper GPUs (docs/performance.md): the quantizer is
+    fastest at 16 values a thread, the SiLU product, which holds gate and up, at 8; one pass beat
+    two at every width measured."""
     block = next_power_of_2(cols)
     if block <= ONE_PASS_COLUMNS:
         return True, block, min(32, max(4, block // (32 * values_per_thread)))

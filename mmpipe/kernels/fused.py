@@ -7,8 +7,8 @@ on CUDA and keeps the reference's rounding order exactly (float32 math, rounding
 dtype where PyTorch rounds); elsewhere it runs the PyTorch reference.
 
 - `add_rms_norm(x, delta, w, eps)`: residual = x + delta (rounded), out = w * norm(residual);
-  delta may be a product left as K-split partial sums (`gemv.PartialSums`), added up here, or,
-  for one row, by the product's last program (`PartialSums.add_rms_norm_in_product`).
+  delta may be a product left as K-split partial sums (`partial_sums.PartialSums`), added up
+  here, or, for one row, by the product's last program (`PartialSums.add_rms_norm_in_product`).
 - `add_layer_norm(x, delta, w, b, eps)`: the same with LayerNorm (weight and bias), for the
   LayerNorm vision blocks of Qwen2-VL and Qwen3-VL.
 - `rotary_qk(qkv, cos, sin, heads)`: q and k of a fused qkv rotated (rotate-half form), contiguous.
@@ -40,8 +40,8 @@ from mmpipe.kernels.fp8_quant import (
     row_layout,
     rows_of,
 )
-from mmpipe.kernels.gemv import PartialSums
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
+from mmpipe.kernels.partial_sums import PartialSums
 from mmpipe.kernels.pdl import pdl_enter
 
 if triton is not None:

@@ -1,7 +1,7 @@
 """Launching Triton kernels with a few microseconds of host time instead of tens.
 
-`kernel[grid](*args, **constexprs)` costs 45-55 us of host time per launch in Triton 3.6 on an
-H100's host (argument binding, specialisation, the cache lookup; `triton.cdiv` and
+`kernel[grid](*args, **constexprs)` costs tens of microseconds of host time per launch in Triton
+3.6 (argument binding, specialisation, the cache lookup; `triton.cdiv` and
 `triton.next_power_of_2` are JIT "constexpr functions" that cost several microseconds each when
 called from host code). That is invisible inside a CUDA graph but not where kernels are launched
 eagerly: the attention at every split point of the piecewise prefill (36 per forward on the 3B
@@ -67,7 +67,7 @@ class DirectLauncher:
         self.compile_only_submits = 0
         # Launch keys already recorded in this compile-only block: a forward launches each
         # kernel once per layer with the same key, and binding Triton's arguments again for every
-        # one cost ~0.3 ms a launch, ~1.4 s of a fresh start-up's decode pass on the 3B shape.
+        # one cost a noticeable part of a fresh start-up's decode pass (docs/performance.md).
         self.compile_only_seen: set[tuple[Any, ...]] = set()
         # The block's launches with a new key and the device current at each, submitted when it
         # ends (`compile_in_parallel`).

@@ -12,15 +12,13 @@ so results are bit-identical with PDL on or off.
 The few-row products (`gemv`, 1-32 rows) take their first K step out of the loop and, with
 `PREFETCH` (on unless `MMPIPE_DISABLE` names `pdl-prefetch`), load its weight tile *before* `pdl_enter`:
 weights never change during a step, so that read overlaps the previous kernel's end; with it off
-they call `pdl_enter` first, as every other kernel does. H100, 3B shape, decode ms/step, that
-switch off -> on in one process (both the peeled kernel; docs/bench/pdl_prefetch_h100.md): FP8
-batch 8 2.73 -> 2.67, batch 32 3.36 -> 3.14, batch 1 1.93 / 1.92 -> 1.91 / 1.89; bfloat16 batch 32
-3.47 -> 3.39. Against the unpeeled kernels of eac0d5f it was not measured in one process (an
-older bfloat16 try found the peeling alone costly at batch 32: docs/bench/decode_experiments_h100.md;
-the decode FP8 GEMM of 33-256 rows keeps its unpeeled loop for that reason). Nothing a
-predecessor writes may be read before the wait (tests/unit/test_pdl.py fails when the one-row
-kernel reads its input early). Releasing the successor before waiting (a trigger-first order)
-was measured and rejected: batch 1 gained 1.4%, batch 8 lost 37%.
+they call `pdl_enter` first, as every other kernel does. With the peeled kernels, prefetching
+measured faster at every batch size tried, FP8 and bfloat16 (docs/performance.md). Peeling alone
+once measured costly for bfloat16 at large batches, so the decode FP8 GEMM of 33-256 rows keeps
+its unpeeled loop. Nothing a predecessor writes may be read before the wait
+(tests/unit/test_pdl.py fails when the one-row kernel reads its input early). Releasing the
+successor before waiting (a trigger-first order) was measured and rejected: it gained little at
+one row and lost much at eight (docs/performance.md).
 
 `enabled(tensor)`: PDL for launches on that tensor's device (compute capability >= 9.0, Triton
 with the griddepcontrol intrinsics, `MMPIPE_DISABLE` not naming `pdl`). Kernels take a `PDL: tl.constexpr`

@@ -1,9 +1,10 @@
 """Compiling a block's Triton kernels on a thread pool instead of one after another.
 
 A fresh machine (an empty Triton cache) compiles each kernel specialisation the first time it is
-launched, 0.3 s each on an H100 host, one after another: most of a first start-up's decode-graph
-phase. `compile_in_parallel()` runs a block in which every launch through `mmpipe.kernels.launch`
-does not run its kernel but is recorded (once per launch key); when the block ends, the recorded
+launched, a large fraction of a second each, one after another: most of a first start-up's
+decode-graph phase. `compile_in_parallel()` runs a block in which every launch through
+`mmpipe.kernels.launch` does not run its kernel but is recorded (once per launch key); when the
+block ends, the recorded
 kernels' compilations go to a thread pool (Triton's `AsyncCompileMode`; Triton's passes and
 `ptxas` release the GIL, so threads do compile in parallel), and the block waits for them all; the
 kernels are then in Triton's caches, so the real launches that follow (warm-ups, captures)
@@ -11,8 +12,8 @@ compile nothing.
 
 When the compilations are done, each new kernel is also loaded on the pool (its module into the
 CUDA context, and its C launcher, which Triton builds with the system's C compiler the first time
-a signature is launched: ~0.25 s each, 15 on the 3B shape's decode graphs, which the first
-captures otherwise built one after another).
+a signature is launched: a fraction of a second each, over a dozen for the decode graphs, which
+the first captures otherwise built one after another).
 
 The block must be safe to run with those kernels skipped: the data they would have written stays
 whatever the buffers held, so use it only on warm-up work whose results are thrown away and whose
@@ -82,8 +83,8 @@ def compile_in_parallel(workers: int | None = None) -> Iterator[bool]:
                 launch.compile_only_seen.clear()
                 launch.compile_only_thread = None  # last: a block another thread starts now starts clean
                 # Submitted only now, all at once: submitted as the block ran, the compiling
-                # threads (Triton's front end is Python) took the GIL from the block's own Python:
-                # its walk over the 3B model's start-up schedules took 4.4 s, against 1.3 s now.
+                # threads (Triton's front end is Python) took the GIL from the block's own Python,
+                # and its walk over the start-up schedules took several times as long.
                 if not failed:
                     for kernel, args, grid, kwargs, device in launches:
                         devices.add(device)

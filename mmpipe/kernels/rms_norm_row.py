@@ -1,8 +1,8 @@
 """The residual add + RMSNorm of one row as a Triton device function, shared by the norm kernel
-(`fused.add_rms_norm`) and the last program of a one-row K-split product (`gemv`, which adds the
-product's partial sums to the residual and norms the sum), so both round alike: bit for bit where
-they lay the row out alike (the same BLOCK and warps; the sum of squares is reduced in layout
-order).
+(`fused.add_rms_norm`) and the last program of a one-row K-split product
+(`gemv_kernels._row_kernel`, which adds the product's partial sums to the residual and norms the
+sum), so both round alike: bit for bit where they lay the row out alike (the same BLOCK and
+warps; the sum of squares is reduced in layout order).
 """
 
 from __future__ import annotations

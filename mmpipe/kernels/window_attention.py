@@ -2,7 +2,7 @@
 
 Qwen2.5-VL's windowed blocks attend within 8x8-patch windows: 64 tokens, head dim 80.
 FlashAttention tiles queries by 128 rows and pads the head dim to 96, so it computes on mostly
-empty tiles there and reaches a quarter of the memory bandwidth these layers need. Here a
+empty tiles there and falls far short of the memory bandwidth these layers could use. Here a
 segment of at most `BLOCK` tokens is loaded whole, scores and softmax are computed in float32,
 the probabilities are rounded to the input dtype before multiplying V (as FlashAttention
 does), and the output is normalised in float32. Boundaries are read from a device tensor, so a

@@ -44,8 +44,8 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
                  max_q: int, max_k: int, causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """FlashAttention's varlen forward over the sequences `cu_q` / `cu_k` bound (q [Tq, H, D],
     k/v [Tk, H, D]): the aten op that `torch.nn.attention.varlen.varlen_attn` runs, called without
-    that function's custom-op wrapper, whose first call imports `torch._dynamo` (2.3 s of a
-    process's start on an H100 machine) and whose every call fills a dropout-state tensor nothing
+    that function's custom-op wrapper, whose first call imports `torch._dynamo` (seconds of a
+    process's start) and whose every call fills a dropout-state tensor nothing
     reads. `causal` is FlashAttention's bottom-right aligned mask: the last query sees the last
     key, so a cached prefix placed before the new keys is visible to every new query."""
     return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,

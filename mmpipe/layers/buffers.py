@@ -5,8 +5,8 @@ Models are built under `torch.device("meta")` and filled from the checkpoint aft
 computed buffers are rebuilt by `init_buffers` once they have storage. Computing a buffer on the
 meta device itself sends `torch.arange` and friends, and `nn.Linear`'s own random
 initialisation, through PyTorch's Python reference implementations, whose first use imports
-`torch._dynamo`: ~1 s of every process's start-up on a CPU, more on the GPU machines, for values
-that are thrown away. So buffers are computed on the CPU and placed on the ambient device, and
+`torch._dynamo`: a noticeable part of every process's start-up, for values that are thrown
+away. So buffers are computed on the CPU and placed on the ambient device, and
 the initialisers do nothing in a thread while it builds a model (`no_init`).
 """
 

@@ -13,7 +13,7 @@ The arithmetic, for x [M, K] and W [N, K]:
 Everything is shaped by the rows only (no host sync), so it runs inside the CUDA graphs as is.
 Decode steps of up to `gemv.MAX_ROWS` rows take another path, chosen by the model's call sites
 (`language/qwen2.py`, `layers/mlp.py`): the few-row kernels read the FP8 weight, widen it in
-registers and apply the scales at the end, activations unquantized (`gemv.fp8_linear`).
+registers and apply the scales at the end, activations unquantized (`gemv_fp8.fp8_linear`).
 
 Block-scaled weights (FP8 checkpoints in the Qwen team's `weight_block_size: [128, 128]` format,
 kept as published): one scale per 128 x 128 tile of W, activations quantized per token and
@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe import settings
-from mmpipe.kernels import fp8_gemm, gemv
-from mmpipe.kernels.gemv import PartialSums
+from mmpipe.kernels import fp8_gemm, gemv_fp8
 from mmpipe.kernels.fp8_quant import (  # noqa: F401 (re-exported)
     FP8,
     FP8_MAX,
@@ -45,6 +44,7 @@ from mmpipe.kernels.fp8_quant import (  # noqa: F401 (re-exported)
     quantize_per_group,
     quantize_per_row,
 )
+from mmpipe.kernels.partial_sums import PartialSums
 
 BLOCK = 128  # the weight tile that block-scaled layers (and their kernels) take: 128 x 128
 
@@ -59,14 +59,14 @@ def fp8_input(layer: nn.Module | None, like: torch.Tensor, gated: bool = False) 
     """How `layer`'s product of an input shaped like `like` quantizes that input: 0 per row (a
     per-channel `Fp8Linear`), `BLOCK` per row and 128-column group (a block-scaled one), None when
     it does not, or may not (not FP8, `MMPIPE_DISABLE=fp8-fused-quant`, or rows the few-row kernels
-    would take: `gemv.fp8_usable`, also where the caller then multiplies otherwise, as the ViT
+    would take: `gemv_fp8.fp8_usable`, also where the caller then multiplies otherwise, as the ViT
     does with <= 32 rows, which only leaves those unfused). The kernel making the input may then
     hand it over quantized that way (`Fp8Rows`). `gated`: `like` is the fused [gate, up]
     projection whose SiLU product is the input. Code traced by `torch.compile` (the `inductor`
     prefill compiler) keeps the separate quantizer: the fused kernels are tested eagerly and in
     CUDA graphs only."""
     if (not isinstance(layer, Fp8Linear) or like.dim() != 2 or not settings.current().fp8_fused_quant
-            or torch.compiler.is_compiling() or gemv.fp8_usable(like, layer.weight, gated)):
+            or torch.compiler.is_compiling() or gemv_fp8.fp8_usable(like, layer.weight, gated)):
         return None
     return BLOCK if layer.block else 0
 

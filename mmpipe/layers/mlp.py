@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import CheckpointError
-from mmpipe.kernels import gemv
+from mmpipe.kernels import gemv, gemv_fp8
 from mmpipe.kernels.fused import silu_mul
+from mmpipe.kernels.partial_sums import PartialSums
 from mmpipe.layers.buffers import no_init
 from mmpipe.layers.fp8 import Fp8Linear, Fp8Rows, fp8_input
 from mmpipe.layers.parallel import reduce_rows
@@ -19,7 +20,7 @@ __all__ = ["GatedMLP", "activation", "padded_width"]
 
 # cuBLAS picks a fast (16-byte aligned) kernel only when a matmul's reduction dimension is a
 # multiple of 8 elements; Qwen2.5-VL's vision MLP width, 3420, is not, and its down projection
-# runs at a third of the speed (H100: 659 us vs 198 us at 16384 x 3456 x 1280).
+# measured several times slower than at a padded width (docs/performance.md).
 KERNEL_ALIGN = 64
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -65,7 +66,7 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul.
 
     With `few_row_kernels` (the language model's), products of up to `gemv.MAX_ROWS` rows run on
-    the decode kernels of `mmpipe.kernels.gemv` and the result may be `gemv.PartialSums` (for
+    the decode kernels of `mmpipe.kernels.gemv` and the result may be `PartialSums` (for
     `add_rms_norm` to add up; one row with FP8 weights: pending, for that add to launch, so the
     caller hands it there next).
 
@@ -84,19 +85,19 @@ class GatedMLP(nn.Module):
         self.silu = act in ("silu", "swish")
         self.tp: Any = None  # a tensor-parallel shard's group (`TPGroup`): the down product is summed over it
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | gemv.PartialSums:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | PartialSums:
         return reduce_rows(self.tp, self._product(x))
 
-    def _product(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | gemv.PartialSums:
+    def _product(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | PartialSums:
         up, down = self.gate_up_proj, self.down_proj
         few_rows = self.few_row_kernels and self.silu and not isinstance(x, Fp8Rows)  # (FP8 rows: never few-row)
         if (few_rows and isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear)
-                and down.bias is None and gemv.fp8_usable(x, up.weight)):
+                and down.bias is None and gemv_fp8.fp8_usable(x, up.weight)):
             # FP8 weights (`quantization="fp8"`), decode rows: the same kernels reading FP8.
-            gate_up = gemv.fp8_linear(x, up.weight, up.weight_scale, up.bias)
-            if x.shape[0] == 1 and gemv.fp8_usable(gate_up, down.weight, gated=True):
-                return gemv.fp8_gated_linear_split(gate_up, down.weight, down.weight_scale, defer=True)
-            return gemv.fp8_linear_split(silu_mul(gate_up), down.weight, down.weight_scale, defer=True)
+            gate_up = gemv_fp8.fp8_linear(x, up.weight, up.weight_scale, up.bias)
+            if x.shape[0] == 1 and gemv_fp8.fp8_usable(gate_up, down.weight, gated=True):
+                return gemv_fp8.fp8_gated_linear_split(gate_up, down.weight, down.weight_scale, defer=True)
+            return gemv_fp8.fp8_linear_split(silu_mul(gate_up), down.weight, down.weight_scale, defer=True)
         if (few_rows and isinstance(down, nn.Linear)
                 and gemv.usable(x, self.gate_up_proj.weight)):
             gate_up = gemv.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
@@ -104,7 +105,7 @@ class GatedMLP(nn.Module):
                     and gemv.usable(gate_up, self.down_proj.weight, gated=True)):
                 # One row: the SiLU product is formed as the weight is read (saves a launch). With
                 # more rows the computed operand stalls the tensor-core kernel's pipelined loads
-                # (H100, 3B shape, batch 32: +0.8 ms per step), so they keep silu_mul.
+                # (measured slower; docs/performance.md), so they keep silu_mul.
                 return gemv.gated_linear_split(gate_up, self.down_proj.weight)
             return gemv.linear_split(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
         gate_up = self.gate_up_proj(x)

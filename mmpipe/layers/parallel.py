@@ -124,7 +124,7 @@ def reduce_rows(tp: TPGroup | None, out: Any) -> Any:
     same order on every rank). `tp` None: unsharded, `out` as it is."""
     if tp is None:
         return out
-    from mmpipe.kernels.gemv import PartialSums
+    from mmpipe.kernels.partial_sums import PartialSums
 
     if isinstance(out, PartialSums):
         tp.all_reduce(out.sums)

@@ -259,7 +259,7 @@ def random_paged(lens, page_size, heads, kv_heads, dim, dtype, seed, width=None,
 def test_decode_num_splits():
     from mmpipe.kernels.decode_attention import decode_num_splits
 
-    assert [decode_num_splits(b, 2, 132) for b in (1, 32, 128, 256)] == [64, 5, 2, 1]  # 3B on an H100
+    assert [decode_num_splits(b, 2, 132) for b in (1, 32, 128, 256)] == [64, 5, 2, 1]  # 3B shape, 132 SMs
     for sms in (1, 78, 132, 144):
         previous = 64
         for batch in range(1, 600):

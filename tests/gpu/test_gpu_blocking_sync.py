@@ -26,8 +26,8 @@ def wait_behind_a_long_kernel(switch, flag: str) -> tuple[float, float, list[lis
         return time.thread_time() - cpu0, time.perf_counter() - wall0, ids
 
     # The same round once untimed: the first such round in a process waited before `get`,
-    # spinning (docs/bench/runs/blocking_sync_probe.py; most likely the first launch of the
-    # `tokens + 1` kernel, loaded while the GPU sleeps); later ones wait in `get` only.
+    # spinning (most likely the first launch of the `tokens + 1` kernel, loaded while the GPU
+    # sleeps); later ones wait in `get` only.
     one_round(100_000_000)
     return one_round(600_000_000)  # six times the first round: long against any host overhead
 

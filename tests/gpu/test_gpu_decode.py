@@ -52,7 +52,7 @@ def test_patches_match_transformers_torchvision_processor(size):
     """Resize and normalisation: transformers' torchvision-backed processor given the same decoded
     pixels gives the same patches (float rounding apart). Decoding: nvJPEG differs from Pillow's
     libjpeg-turbo (which transformers' processor decodes files with) by its own IDCT and chroma
-    upsampling: measured on an H100, a mean of 0.0013-0.015 (0.1-1 of 255 levels, the most for
+    upsampling: a mean difference of 0.0013-0.015 (0.1-1 of 255 levels, the most for
     small images enlarged to min_pixels) and at most 0.13, above the 5e-3 mean transformers'
     tests allow between its two processors for small 4:2:0 images. Bounded here at twice that
     worst mean, and transformers' 0.1 element bound for all but one element in a thousand."""

@@ -114,9 +114,9 @@ def test_an_exact_bucket_is_bit_identical_to_eager(checkpoint, eager, mode):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rotary_inside_decode_attention_changes_no_bit(checkpoint, switch, dtype):
     """Decode with the rotary + KV write inside the attention kernel (the default) and in their
-    own kernel (`MMPIPE_DISABLE=decode-rope-fusion`), eager and in graphs: in each mode the same tokens,
-    and logprobs to the bit in bfloat16. float32 within 1e-5: two float32 eager runs of the same
-    code, both unfused, differed by 1.2e-6 in a logprob (docs/bench/runs/decode_rope_f32_probe.py)."""
+    own kernel (`MMPIPE_DISABLE=decode-rope-fusion`), eager and in graphs: in each mode the same
+    tokens, and logprobs to the bit in bfloat16. float32 within 1e-5: two float32 eager runs of the
+    same unfused code were seen to differ in a logprob's last bits."""
     runs = {}
     for fused in ("1", "0"):
         switch("decode-rope-fusion", fused)
@@ -135,7 +135,7 @@ def test_norm_in_the_one_row_products_changes_no_bit(checkpoint_factory, switch,
     eager and in graphs: in each mode the same tokens, and logprobs to the bit in bfloat16 (hidden
     128: both lay the row out alike); float32 within 1e-5, as two float32 runs of one code may
     differ (see test_rotary_inside_decode_attention_changes_no_bit). The batch shrinks to one row."""
-    from mmpipe.kernels.gemv import PartialSums
+    from mmpipe.kernels.partial_sums import PartialSums
     from mmpipe.layers.fp8 import fp8_available
 
     if not fp8_available(torch.device("cuda")):

@@ -121,8 +121,9 @@ def test_few_row_kernels_read_fp8_weights_like_the_dequantized_product(rows, n, 
     """Decode's products on FP8 weights (weight-only: activations stay in the model dtype), with
     per-channel or 128 x 128 block scales: the rounded product, its K-split partial sums, and the
     gated down projection."""
-    from mmpipe.kernels import gemv
+    from mmpipe.kernels import gemv_fp8
     from mmpipe.kernels.fused import silu_mul
+    from mmpipe.kernels.partial_sums import PartialSums
 
     weight, scale, dense = _fp8_weight(n, k, seed=rows + n, block=scales == "block")
     gen = torch.Generator().manual_seed(7)
@@ -131,15 +132,15 @@ def test_few_row_kernels_read_fp8_weights_like_the_dequantized_product(rows, n, 
     expected = torch.nn.functional.linear(x.float(), dense, None if b is None else b.float())
     # float32: summation order only (K up to 11008, sums of order 10); bfloat16: one rounding of the output
     tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    assert gemv.fp8_usable(x, weight)
-    torch.testing.assert_close(gemv.fp8_linear(x, weight, scale, b).float(), expected, **tol)
+    assert gemv_fp8.fp8_usable(x, weight)
+    torch.testing.assert_close(gemv_fp8.fp8_linear(x, weight, scale, b).float(), expected, **tol)
     if not bias:
-        split = gemv.fp8_linear_split(x, weight, scale)
-        total = split.total() if isinstance(split, gemv.PartialSums) else split
+        split = gemv_fp8.fp8_linear_split(x, weight, scale)
+        total = split.total() if isinstance(split, PartialSums) else split
         torch.testing.assert_close(total.float(), expected, **tol)
         gate_up = torch.randn(rows, 2 * k, generator=gen).cuda().to(dtype)
-        gated = gemv.fp8_gated_linear_split(gate_up, weight, scale)
-        gated = gated.total() if isinstance(gated, gemv.PartialSums) else gated
+        gated = gemv_fp8.fp8_gated_linear_split(gate_up, weight, scale)
+        gated = gated.total() if isinstance(gated, PartialSums) else gated
         torch.testing.assert_close(gated.float(), torch.nn.functional.linear(silu_mul(gate_up).float(), dense), **tol)
 
 
@@ -267,7 +268,7 @@ def _quantized(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
                                        (9, 1536), (33, 2560), (3, 4096), (2, 8192)])
 def test_the_norm_writes_fp8_rows_bit_for_bit_as_quantizing_its_output(dtype, delta, rows, cols, group):
     from mmpipe.kernels.fused import add_rms_norm
-    from mmpipe.kernels.gemv import PartialSums
+    from mmpipe.kernels.partial_sums import PartialSums
 
     x = _rows_of_magnitudes(rows, cols, dtype, rows + cols)
     w = _rows_of_magnitudes(1, cols, dtype, 7)[0] + 1
@@ -384,8 +385,8 @@ def test_the_triton_fp8_gemm_equals_the_dequantized_product(rows, n, k, bias, dt
     what Hopper's FP8 tensor cores keep of a 128-product sum (2^-10 of the sum of |products|; the
     kernel adds each such sum to a float32 accumulator), plus one rounding of a bfloat16 output;
     partial sums add up to it."""
-    from mmpipe.kernels import gemv
     from mmpipe.kernels.fp8_gemm import Config, fp8_gemm
+    from mmpipe.kernels.partial_sums import PartialSums
 
     block = scales == "block"
     weight, scale, dense = _fp8_weight(n, k, seed=rows + n, block=block)
@@ -410,7 +411,7 @@ def test_the_triton_fp8_gemm_equals_the_dequantized_product(rows, n, k, bias, dt
         out = fp8_gemm(values, x_scale, weight, scale, config, dtype, b, group=128 if block else 0, rows=rows)
         if config.split_k > 1:
             slice_k = -(-(-(-k // config.split_k)) // 128) * 128
-            assert isinstance(out, gemv.PartialSums) and out.sums.shape[0] == -(-k // slice_k)  # none empty
+            assert isinstance(out, PartialSums) and out.sums.shape[0] == -(-k // slice_k)  # none empty
             out = out.total()
         assert out.shape == (rows, n) and out.dtype == dtype
         excess = ((out.float() - expected).abs() / bound).max().item()
@@ -430,6 +431,7 @@ def test_fp8_layers_take_the_triton_gemm_in_decode_steps_only(monkeypatch, block
     (`gemv.allowed(False)`), > 256 rows, or MMPIPE_DISABLE=fp8-triton-gemm keep cuBLASLt."""
     from mmpipe import settings
     from mmpipe.kernels import fp8_gemm, gemv
+    from mmpipe.kernels.partial_sums import PartialSums
 
     n, k = 2048, 11008
     weight, scale, _ = _fp8_weight(n, k, seed=5, block=block)
@@ -448,7 +450,7 @@ def test_fp8_layers_take_the_triton_gemm_in_decode_steps_only(monkeypatch, block
     whole, used = product()
     assert used == ([] if block else [1])
     split_out, used = product(split=True)
-    assert isinstance(split_out, gemv.PartialSums) and used == [4]
+    assert isinstance(split_out, PartialSums) and used == [4]
     monkeypatch.setenv("MMPIPE_DISABLE", "fp8-triton-gemm")
     settings.refresh()
     try:

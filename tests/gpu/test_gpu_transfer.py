@@ -52,7 +52,7 @@ def test_queued_kernels_read_their_own_step_while_the_ring_turns():
     # after them reuse (slot, size) keys of the buffers they replaced
     steps = [step_arrays(seed, t, 3) for seed, t in enumerate([50, 51, 900, 52, 4000, 53, 54])]
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s: every copy below is queued behind it
+    torch.cuda._sleep(200_000_000)  # a long sleep on the GPU: every copy below is queued behind it
     read = [[v.clone() for v in uploader.upload(arrays)] for arrays in steps]
     torch.cuda.synchronize()
     assert all(same(r, arrays) for r, arrays in zip(read, steps))

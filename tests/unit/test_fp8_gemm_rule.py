@@ -1,7 +1,6 @@
 """Where decode's FP8 products run (`mmpipe.kernels.fp8_gemm.rule`, the choice `pick` makes on a
-Hopper GPU in a decode step), checked on the CPU against the H100 sweep it encodes
-(docs/bench/fp8_gemm_sweep_decode_rows_h100.txt, docs/bench/fp8_gemm_precision_h100.txt) and
-against what the kernel can take."""
+Hopper GPU in a decode step), checked on the CPU against the sweep of decode row counts on
+Hopper GPUs it encodes (docs/performance.md) and against what the kernel can take."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def test_every_choice_is_a_launchable_tiling(shapes, split, block):
 
 
 def test_the_sweep_choices():
-    """What the H100 sweeps found: o and down split K four ways up to 128 rows, two ways above (3B o:
-    4.3-6.4 us against cuBLASLt's 8.5-8.7, down 12.0-19.9 against 28.6-29.0, with the committed
-    kernel); qkv stays whole; gate_up (22016 columns; also a tensor-parallel half of it, 11008,
+    """What the sweeps on Hopper GPUs found: o and down split K four ways up to 128 rows, two ways
+    above (both well ahead of cuBLASLt; docs/performance.md); qkv stays whole; gate_up (22016 columns; also a tensor-parallel half of it, 11008,
     not swept) and the 7B down projection above 128 rows stay on cuBLASLt, as do 128 x 128
     block-scaled products other than split ones up to 128 rows, and anything above 256 rows."""
     o, down, gate_up, qkv = (SHAPES_3B[name] for name in ("o", "down", "gate_up", "qkv"))

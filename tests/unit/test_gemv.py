@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmpipe.kernels import gemv
+from mmpipe.kernels import gemv, gemv_fp8, gemv_kernels, partial_sums
 from mmpipe.kernels.fused import add_rms_norm, rms_norm_reference
-from mmpipe.kernels.gemv import PartialSums
+from mmpipe.kernels.partial_sums import PartialSums
 
 # ------------------------------------------------------------------------------------------- CPU
 
@@ -70,10 +70,10 @@ def test_the_model_defers_exactly_the_products_add_rms_norm_reads(monkeypatch) -
         calls.append(("linear", None))
         return torch.zeros(x.shape[0], weight.shape[0])
 
-    monkeypatch.setattr(gemv, "fp8_usable", lambda *args, gated=False: gated_usable or not gated)
-    monkeypatch.setattr(gemv, "fp8_linear_split", split("split"))
-    monkeypatch.setattr(gemv, "fp8_gated_linear_split", split("gated"))
-    monkeypatch.setattr(gemv, "fp8_linear", linear)
+    monkeypatch.setattr(gemv_fp8, "fp8_usable", lambda *args, gated=False: gated_usable or not gated)
+    monkeypatch.setattr(gemv_fp8, "fp8_linear_split", split("split"))
+    monkeypatch.setattr(gemv_fp8, "fp8_gated_linear_split", split("gated"))
+    monkeypatch.setattr(gemv_fp8, "fp8_linear", linear)
 
     def fp8(n: int, k: int) -> Fp8Linear:
         return Fp8Linear(torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.ones(n), None)
@@ -93,30 +93,30 @@ def test_the_model_defers_exactly_the_products_add_rms_norm_reads(monkeypatch) -
 def test_split_rule_gives_every_slice_work_and_splits_only_narrow_products() -> None:
     for rows, fp8 in itertools.product((1, 2, 8, 32), (False, True)):
         for n, k in ((2048, 11008), (2048, 2048), (22016, 2048), (64, 64), (2048, 1024), (151936, 2048)):
-            splits = gemv._splits(rows, n, k, fp8)
+            splits = gemv_kernels.k_splits(rows, n, k, fp8)
             assert splits >= 1 and splits & (splits - 1) == 0
             assert k // splits >= 512 or splits == 1, (rows, n, k, fp8, splits)
     # An FP8 weight is half the bytes per slice: more slices keep as many bytes in flight.
-    assert gemv._splits(1, 2048, 11008, fp8=True) > gemv._splits(1, 2048, 11008)
-    assert gemv._splits(8, 2048, 11008, fp8=True) > gemv._splits(8, 2048, 11008)
-    assert gemv._splits(1, 2048, 11008) > 1  # long K, one row: the serial loop is split
-    assert gemv._splits(8, 2048, 2048) > 1  # few output tiles: more programs
-    assert gemv._splits(8, 22016, 2048) == 1  # enough tiles already
+    assert gemv_kernels.k_splits(1, 2048, 11008, fp8=True) > gemv_kernels.k_splits(1, 2048, 11008)
+    assert gemv_kernels.k_splits(8, 2048, 11008, fp8=True) > gemv_kernels.k_splits(8, 2048, 11008)
+    assert gemv_kernels.k_splits(1, 2048, 11008) > 1  # long K, one row: the serial loop is split
+    assert gemv_kernels.k_splits(8, 2048, 2048) > 1  # few output tiles: more programs
+    assert gemv_kernels.k_splits(8, 22016, 2048) == 1  # enough tiles already
 
 
 def test_configs_keep_the_kernels_assumptions_for_every_row_count_and_k() -> None:
-    """What `_run` launches: slices that cover K with none empty (the count `_split_product`
+    """What `gemv_kernels.run` launches: slices that cover K with none empty (the count `split_product`
     allocates), a one-row BLOCK_N that divides 128 and a several-row BLOCK_K of 128 starting each
     slice on a 128 boundary (both read one 128 x 128 block scale per tile), FP8 or not."""
     for rows, fp8 in itertools.product((1, 2, 8, 32), (False, True)):
         for k in (64, 129, 1000, 2048, 3584, 8960, 11008, 18944, 29568):
             for n in (2048, 22016):
-                splits = gemv._splits(rows, n, k, fp8)
-                k_split = gemv._k_split(rows, k, splits, fp8)
-                splits = gemv.cdiv(k, k_split)  # as _split_product rounds it
-                assert gemv._k_split(rows, k, splits, fp8) == k_split, (rows, fp8, k)
+                splits = gemv_kernels.k_splits(rows, n, k, fp8)
+                k_split = gemv_kernels.k_slice(rows, k, splits, fp8)
+                splits = gemv_kernels.cdiv(k, k_split)  # as split_product rounds it
+                assert gemv_kernels.k_slice(rows, k, splits, fp8) == k_split, (rows, fp8, k)
                 assert (splits - 1) * k_split < k <= splits * k_split  # covered, no empty slice
-                block_n, block_k, _ = gemv._config(rows, k, splits, fp8)
+                block_n, block_k, _ = gemv_kernels._config(rows, k, splits, fp8)
                 if rows == 1:
                     assert 128 % block_n == 0
                 elif k >= 128:
@@ -168,7 +168,7 @@ def test_split_products_are_partial_sums_of_the_same_product(rows: int) -> None:
     for n, k in ((2048, 11008), (2048, 2048)) if rows > 1 else ((2048, 11008), (64, 20000)):
         x, w, _ = _operands(rows, n, k, torch.float32, seed=rows + k)
         split = gemv.linear_split(x, w)
-        assert isinstance(split, PartialSums) and 1 < split.sums.shape[0] <= gemv._splits(rows, n, k)
+        assert isinstance(split, PartialSums) and 1 < split.sums.shape[0] <= gemv_kernels.k_splits(rows, n, k)
         exact = F.linear(x.double(), w.double())
         assert (split.total().double() - exact).abs().max().item() < 1e-5 * k**0.5
         assert split.sums.abs().sum(dim=(1, 2)).min() > 0  # every slice holds a share of K
@@ -203,12 +203,12 @@ def _tail_operands(n: int, k: int, gated: bool, dtype: torch.dtype, seed: int = 
     w8, scale = quantize_per_row(torch.randn(n, k // 2 if gated else k, device="cuda", generator=g) / 16)
     residual = (torch.randn(1, n, device="cuda", generator=g) * 4).to(dtype)
     norm_w = (torch.rand(n, device="cuda", generator=g) + 0.5).to(dtype)
-    product = gemv.fp8_gated_linear_split if gated else gemv.fp8_linear_split
+    product = gemv_fp8.fp8_gated_linear_split if gated else gemv_fp8.fp8_linear_split
     return x, residual, norm_w, lambda defer=True: product(x, w8, scale, defer=defer)
 
 
 def _counters_at_zero() -> bool:
-    return all(counter.item() == 0 for counter in gemv._counters.values())
+    return all(counter.item() == 0 for counter in partial_sums._counters.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -263,7 +263,7 @@ def test_one_row_tail_replays_in_a_cuda_graph_and_falls_back_where_it_cannot(swi
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         r1, h1 = add_rms_norm(residual, first(), norm_w, 1e-6)
-        return add_rms_norm(r1, gemv.fp8_linear_split(h1, w2, s2, defer=True), norm_w, 1e-6)
+        return add_rms_norm(r1, gemv_fp8.fp8_linear_split(h1, w2, s2, defer=True), norm_w, 1e-6)
 
     calls = []  # whether each add ran in the product's last program
     tail = PartialSums.add_rms_norm_in_product
@@ -299,12 +299,12 @@ def test_one_row_tail_replays_in_a_cuda_graph_and_falls_back_where_it_cannot(swi
     off = step()
     assert calls == [False, False] and torch.equal(off[0], want[0]) and torch.equal(off[1], want[1])
     switch("decode-norm-fusion", "1")
-    monkeypatch.setattr(gemv, "_counters", {})
+    monkeypatch.setattr(partial_sums, "_counters", {})
     calls.clear()
     graph2 = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph2, stream=stream):
         out2 = step()
-    assert calls == [False, False] and gemv._counters == {}  # none made inside a capture
+    assert calls == [False, False] and partial_sums._counters == {}  # none made inside a capture
     graph2.replay()
     torch.cuda.synchronize()
     assert torch.equal(out2[0], want[0]) and torch.equal(out2[1], want[1])

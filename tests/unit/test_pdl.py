@@ -1,8 +1,8 @@
 """Programmatic dependent launch (`mmpipe.kernels.pdl`): when it is on, and that a decode-shaped
 chain of PDL launches (norm -> product -> partial sums -> norm -> ...) replayed from a CUDA graph
 gives the same bits as the same chain launched without PDL, with the few-row products reading
-their first weight tile before the wait (the default; `MMPIPE_DISABLE=pdl-prefetch` turns it off) or after it, for
-bfloat16 and FP8 weights. A kernel that read anything a predecessor writes before its wait would
+their first weight tile before the wait (the default; `MMPIPE_DISABLE=pdl-prefetch` turns it off)
+or after it, for bfloat16 and FP8 weights. A kernel that read anything a predecessor writes before its wait would
 read the previous replay's values here: the input changes between replays."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmpipe.kernels import gemv, pdl
+from mmpipe.kernels import gemv, gemv_fp8, pdl
 from mmpipe.kernels.fused import add_rms_norm, silu_mul
 
 CUDA = torch.cuda.is_available()
@@ -31,11 +31,11 @@ def _chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm_w: tor
     residual, normed = add_rms_norm(x, None, norm_w, 1e-6)
     for o_w, gate_up_w, down_w in weights:
         residual, normed = add_rms_norm(residual, _split(normed, o_w), norm_w, 1e-6)
-        gate_up = gemv.linear(normed, gate_up_w) if isinstance(gate_up_w, torch.Tensor) else gemv.fp8_linear(
+        gate_up = gemv.linear(normed, gate_up_w) if isinstance(gate_up_w, torch.Tensor) else gemv_fp8.fp8_linear(
             normed, *gate_up_w)
         if x.shape[0] == 1:
             down = (gemv.gated_linear_split(gate_up, down_w) if isinstance(down_w, torch.Tensor)
-                    else gemv.fp8_gated_linear_split(gate_up, *down_w, defer=True))
+                    else gemv_fp8.fp8_gated_linear_split(gate_up, *down_w, defer=True))
         else:
             down = _split(silu_mul(gate_up), down_w)
         residual, normed = add_rms_norm(residual, down, norm_w, 1e-6)
@@ -45,7 +45,7 @@ def _chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm_w: tor
 def _split(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
     # FP8: deferred as the model asks, so one row's adds run in the product's last program (its tail)
     return (gemv.linear_split(x, weight) if isinstance(weight, torch.Tensor)
-            else gemv.fp8_linear_split(x, *weight, defer=True))
+            else gemv_fp8.fp8_linear_split(x, *weight, defer=True))
 
 
 def _weight(rows: int, cols: int, g: torch.Generator, fp8: bool):

@@ -13,12 +13,8 @@ import pytest
 import torch
 from mmpipe.language.attention.op import attention
 from mmpipe.language.kv_cache import KVCache
-from mmpipe.language.prefill_graphs import (
-    STARTUP_PREFILL_SIZES,
-    PrefillRunner,
-    default_prefill_schedule,
-    fine_prefill_schedule,
-)
+from mmpipe.language.prefill_graphs import PrefillRunner
+from mmpipe.language.prefill_schedule import STARTUP_PREFILL_SIZES, default_prefill_schedule, fine_prefill_schedule
 
 from mmpipe import GraphConfig, GraphMode, Pipeline, SamplingParams
 from mmpipe.graphs import cache as graph_cache_module
@@ -419,7 +415,7 @@ def test_a_replay_plan_is_made_only_from_piece_outputs_and_constants():
     a piece that ran without its graph, an output that is not a piece's."""
     from types import SimpleNamespace
 
-    from mmpipe.graphs.piecewise import Recording
+    from mmpipe.graphs.replay_plan import Recording
 
     a, b, fresh = torch.ones(2), torch.zeros(2), torch.ones(2)
     entry = SimpleNamespace(output=(a, b))

@@ -1,8 +1,8 @@
 """How a row quantized with one scale per row is laid out (`fp8_quant.row_layout`: the quantizer
 at 16 values a thread, the FP8 SiLU product, holding gate and up, at 8), checked on the CPU
-against the H200 measurements it encodes (docs/bench/norm_silu_h200.md): one pass, the row in
-registers, was faster at every measured shape up to 16384 columns; the 7B's 18944 columns are
-wider than a row held in registers."""
+against the measurements it encodes (docs/performance.md): one pass, the row in registers, was
+faster at every measured shape up to 16384 columns; the 7B's 18944 columns are wider than a row
+held in registers."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from mmpipe.kernels.fp8_quant import row_layout
 
 
 @pytest.mark.parametrize("cols,per_thread,layout", [
-    (3420, 8, (True, 4096, 16)),  # ViT SiLU: 16384 rows 108.8 us, 16 values a thread 123.1, two passes 156.2
-    (11008, 8, (True, 16384, 32)),  # 3B LM SiLU: 4096 rows 71.6 us, two passes 88.7; 64 rows 3.1 (best)
-    (1280, 16, (True, 2048, 4)),  # ViT attention output: 16384 rows 19.9 us, 8 values a thread 26.3
-    (2048, 16, (True, 2048, 4)),  # 3B LM attention output: 4096 rows 5.7 us, 8 values a thread 7.1
+    (3420, 8, (True, 4096, 16)),  # ViT SiLU: one pass at 8 values a thread beat 16, and two passes
+    (11008, 8, (True, 16384, 32)),  # 3B LM SiLU: one pass beat two, at many rows and at few
+    (1280, 16, (True, 2048, 4)),  # ViT attention output: 16 values a thread beat 8
+    (2048, 16, (True, 2048, 4)),  # 3B LM attention output: 16 values a thread beat 8
     (64, 16, (True, 64, 4)), (16384, 16, (True, 16384, 32)),
     (16385, 16, (False, 4096, 8)), (18944, 8, (False, 4096, 8)),  # 7B: two passes of 4096 columns
 ])
