@@ -47,7 +47,7 @@ from mmpipe.language.sampler import (
 )
 
 from mmpipe.config import GraphConfig
-from mmpipe.engine.batch import PendingDecode
+from mmpipe.step_io import PendingDecode
 from mmpipe.graphs.cache import bucket_for
 from mmpipe.graphs.memory import GraphMemory
 from mmpipe.graphs.runner import GraphRunner, capturable

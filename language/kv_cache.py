@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mmpipe.engine.kv_pages import DUMMY_PAGE  # noqa: F401  (the layout's reserved page, re-exported)
+from mmpipe.step_io import DUMMY_PAGE  # noqa: F401  (the layout's reserved page, re-exported)
 
 
 class KVCache:

@@ -46,7 +46,7 @@ from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
 from mmpipe.language.prefill_schedule import default_prefill_schedule
 
 from mmpipe.config import GraphConfig
-from mmpipe.engine.batch import ImageSpan, PrefillInputs
+from mmpipe.step_io import ImageSpan, PrefillInputs
 from mmpipe.graphs.cache import bucket_for
 from mmpipe.graphs.capture import on_capture_stream
 from mmpipe.graphs.memory import GraphMemory

@@ -8,7 +8,7 @@ from __future__ import annotations
 from mmpipe.language.sampler import HostTokens
 
 from mmpipe import SamplingParams
-from mmpipe.engine.batch import PendingDecode
+from mmpipe.step_io import PendingDecode
 from tests.helpers import random_image
 
 IMAGES = [random_image(60 + 41 * (i % 5), 50 + 23 * (i % 4), seed=300 + i) for i in range(6)]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mmpipe.config import EngineConfig
-from mmpipe.engine.batch import PendingDecode
+from mmpipe.step_io import PendingDecode
 from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request

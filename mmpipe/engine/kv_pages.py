@@ -8,8 +8,8 @@ padding never touches a real sequence.
 from __future__ import annotations
 
 from mmpipe.errors import InputError
+from mmpipe.step_io import DUMMY_PAGE
 
-DUMMY_PAGE = 0
 
 
 class PageAllocator:

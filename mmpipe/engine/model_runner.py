@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from mmpipe.config import EngineConfig, GraphMode, effective_graph_mode, graphs_wanted
-from mmpipe.engine.batch import DecodeOutput, ImageInput, PendingDecode, PrefillChunk, PrefillInputs
+from mmpipe.engine.batch import ImageInput, PrefillChunk, build_prefill_inputs
+from mmpipe.step_io import DecodeOutput, PendingDecode, PrefillInputs
 from mmpipe.engine.kv_pages import PageAllocator
 from mmpipe.engine.request import Request, logprob_dict
 from mmpipe.errors import DeviceMemoryError
@@ -296,7 +297,7 @@ class ModelRunner:
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """Run the chunks as one extend forward; returns logits [n, vocab] for the chunks that
         complete their sequence, in order."""
-        inputs = PrefillInputs.build(chunks, self.page_size)
+        inputs = build_prefill_inputs(chunks, self.page_size)
         logits = self.forward_prefill(inputs)
         for chunk in chunks:
             chunk.request.num_computed = chunk.end

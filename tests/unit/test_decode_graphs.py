@@ -370,7 +370,7 @@ def test_two_pipelines_in_two_threads(checkpoint, checkpoint_factory):
 def test_prefill_inputs_are_built_on_the_host_and_uploaded_once(pipe):
     from mmpipe.language.prefill_graphs import upload_inputs
 
-    from mmpipe.engine.batch import PrefillChunk, PrefillInputs
+    from mmpipe.engine.batch import PrefillChunk, build_prefill_inputs
     from tests.helpers import random_image
 
     image = random_image(90, 60, seed=5)
@@ -380,7 +380,7 @@ def test_prefill_inputs_are_built_on_the_host_and_uploaded_once(pipe):
     request.pages = [7, 3, 9, 12, 5, 6, 8, 2][: -(-request.prompt_len // pipe.runner.page_size)]
     request.image_embeds = [torch.randn(request.images[0].num_tokens, 8)]
     half = request.prompt_len // 2
-    inputs = PrefillInputs.build([PrefillChunk(request, half, request.prompt_len)], pipe.runner.page_size)
+    inputs = build_prefill_inputs([PrefillChunk(request, half, request.prompt_len)], pipe.runner.page_size)
     ps = pipe.runner.page_size
     index = np.arange(half, request.prompt_len)
     assert inputs.slot_mapping.tolist() == [request.pages[i // ps] * ps + i % ps for i in index]
@@ -403,7 +403,7 @@ def test_prefill_writes_text_and_image_rows_into_the_fixed_input_buffers(pipe):
     token embeddings, each image's rows its embeddings (rows before the chunk's start skipped)."""
     from mmpipe.language.prefill_graphs import upload_inputs
 
-    from mmpipe.engine.batch import PrefillChunk, PrefillInputs
+    from mmpipe.engine.batch import PrefillChunk, build_prefill_inputs
     from tests.helpers import random_image
 
     lm, prefiller = pipe.model.language, pipe.runner.prefiller
@@ -417,7 +417,7 @@ def test_prefill_writes_text_and_image_rows_into_the_fixed_input_buffers(pipe):
     start = request.image_starts[0]
     cut = start + tokens // 2  # the chunk begins inside the image
     buffer_before = prefiller.input_embeds.data_ptr()
-    inputs = PrefillInputs.build([PrefillChunk(request, cut, request.prompt_len)], pipe.runner.page_size)
+    inputs = build_prefill_inputs([PrefillChunk(request, cut, request.prompt_len)], pipe.runner.page_size)
     ids, pos, meta, _, count = upload_inputs(inputs, PackedUploader(CPU))
     prefiller.forward(ids, pos, inputs.images, meta, count)
     n = request.prompt_len - cut

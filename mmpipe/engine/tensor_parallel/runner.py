@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from mmpipe.config import EngineConfig
-from mmpipe.engine.batch import PendingDecode, PrefillInputs
+from mmpipe.step_io import PendingDecode, PrefillInputs
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
 from mmpipe.engine.tensor_parallel.workers import Workers, abort_group, join_group

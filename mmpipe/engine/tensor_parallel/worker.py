@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmpipe.engine.batch import ImageSpan
+from mmpipe.step_io import ImageSpan
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.tensor_parallel.runner import embedding_tail
 from mmpipe.engine.tensor_parallel.workers import TIMEOUT, WorkerSpec, join_group, rank_device
