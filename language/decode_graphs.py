@@ -103,7 +103,10 @@ class DecodeGraphRunner(DecodeBatch, GraphRunner):
             return 0
         before = self.cache.stats.captures
         for variant in _variants(sampling):
-            missing = [(b, variant) for b in sorted(self.buckets, reverse=True) if self.lookup((b, variant)) is None]
+            serving = [self.lookup((b, variant)) for b in sorted(self.buckets, reverse=True)]
+            for live in filter(None, serving):
+                self.cache.touch(live)  # kept ahead of other graphs while the missing ones are captured
+            missing = [(b, variant) for b, live in zip(sorted(self.buckets, reverse=True), serving) if live is None]
             if missing:  # only these: capturing a live key again would replace its graph
                 super().capture_all(missing, progress, "batch sizes")
         return self.cache.stats.captures - before

@@ -40,7 +40,7 @@ from mmpipe.vision.preprocess import ImageProcessorConfig, patches_on_device, pr
 from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransformer
 from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer, qwen3_vision_config
-from mmpipe.vision.tensor_parallel import shard_vision_tower
+from mmpipe.vision.tensor_parallel import check_vision_shardable, shard_vision_tower
 from mmpipe.weights import (
     load_checkpoint,
     materialize,
@@ -115,15 +115,17 @@ def spec_for(hf_config: dict[str, Any], where: str) -> ModelSpec:
         f"supported: {', '.join(f'{spec.family} ({arch})' for arch, spec in REGISTRY.items())}")
 
 
-def check_tensor_parallel_split(path: str, size: int) -> None:
+def check_tensor_parallel_split(path: str, size: int, vision: bool = False) -> None:
     """An `UnsupportedModelError` naming what `size` ranks cannot split in the checkpoint's language
-    model (head counts, MLP width), read from its config.json before any process starts or any
-    weight loads."""
+    model (head counts, MLP width) and, with `vision` (`vit_parallel="tensor"`), the vision tower's
+    heads, read from its config.json before any process starts or any weight loads."""
     from mmpipe.layers.parallel import TPGroup
 
     hf_config = read_json(path, "config.json")
     spec = spec_for(hf_config, path)
     spec.shard_slices(spec.text_config(hf_config), TPGroup(0, size))
+    if vision:
+        check_vision_shardable(spec.vision_config(hf_config), size)
 
 
 @dataclass

@@ -102,6 +102,7 @@ class Pipeline:
         graphs captured at start-up are those it needs (default: greedy's; other settings capture
         theirs at `warm_up` or on first use). `engine_options` override fields of `engine_config`
         (e.g. `kv_page_size=32`)."""
+        settings.current()  # a malformed or retired MMPIPE_* variable is refused before anything loads
         path = os.fspath(path) if path is not None else default_model_path()
         limits = min_pixels is not None or max_pixels is not None
         if limits and os.path.isdir(path):  # a mistake is reported before the weights load
@@ -132,7 +133,7 @@ class Pipeline:
             check_tensor_parallel(config.tensor_parallel_size, dev, config)
             if not os.path.isdir(path):
                 raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
-            check_tensor_parallel_split(path, config.tensor_parallel_size)  # before the workers start
+            check_tensor_parallel_split(path, config.tensor_parallel_size, config.vit_parallel == "tensor")
             workers = Workers(path, dev, dt, config)  # they load their weights beside this process
         try:
             with startup.phase("weights"):

@@ -24,8 +24,8 @@ class ImageSpan(NamedTuple):
 
 @dataclass
 class PrefillInputs:
-    """The host side of one prefill forward, plain numpy; `upload` moves it to the device in one
-    transfer."""
+    """The host side of one prefill forward, plain numpy (the prefill runner moves it to the device
+    in one transfer)."""
 
     token_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [3, T] int64 (M-RoPE)

@@ -33,6 +33,8 @@ def switch():
     patch = pytest.MonkeyPatch()
 
     def set_switch(name: str, value: str) -> None:
+        if name not in settings.DISABLE_NAMES and not name.startswith("MMPIPE_"):
+            raise ValueError(f"switch({name!r}): not a name MMPIPE_DISABLE takes, nor an MMPIPE_* variable")
         if name in settings.DISABLE_NAMES:
             off = {n for n in os.environ.get("MMPIPE_DISABLE", "").split(",") if n} - {name}
             patch.setenv("MMPIPE_DISABLE", ",".join(sorted(off | ({name} if value in ("0", "off") else set()))))

@@ -28,12 +28,17 @@ from mmpipe.layers.mlp import GatedMLP
 from mmpipe.layers.parallel import TPGroup, column_parallel, head_rows, row_parallel, shard_gated_mlp
 
 
+def check_vision_shardable(cfg: Any, size: int) -> None:
+    """An `UnsupportedModelError` when `size` ranks cannot split the tower's heads."""
+    heads = cfg.num_heads
+    if heads % size:
+        raise UnsupportedModelError(f"vit_parallel='tensor' with tensor_parallel_size={size}: does not divide the "
+                                    f"vision tower's {heads} attention heads (use vit_parallel='data')")
+
+
 def shard_vision_tower(vit: nn.Module, tp: TPGroup) -> nn.Module:
     """Make a loaded tower rank `tp.rank`'s shard, in place; returns it."""
-    n, cfg = tp.size, vit.cfg
-    if cfg.num_heads % n:
-        raise UnsupportedModelError(f"vit_parallel='tensor' with tensor_parallel_size={n}: does not divide the vision "
-                                    f"tower's {cfg.num_heads} attention heads (use vit_parallel='data')")
+    check_vision_shardable(vit.cfg, tp.size)
     for block in vit.blocks:
         _shard_attention(block.attn, tp)
         mlp = block.mlp

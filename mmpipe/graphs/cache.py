@@ -151,6 +151,9 @@ class GraphCache:
         """Keep a graph captured elsewhere (a piece of `split_capture.SplitGraphs`) under `key`;
         the caller accounts its capture time and memory."""
         entry = CapturedGraph(key, graph, output, memory, owns_memory=owns_memory)
+        replaced = self.graphs.pop(key, None)
+        if replaced is not None:  # a second capture of a live key: the first graph goes, not leaks
+            self._destroy(replaced)
         self.graphs[key] = entry
         self.stats.captures += 1
         self.stats.graphs_live = len(self.graphs)

@@ -329,6 +329,23 @@ def test_graph_runner_captures_replays_evicts_and_tears_down_in_order(monkeypatc
     assert FakeGraph.log.count("close") == 1 and cache.stats.graphs_live == 0
 
 
+def test_capturing_a_live_key_again_destroys_the_graph_it_replaces(monkeypatch):
+    """A second capture of a live key (no caller should make one) frees the first graph and its
+    memory instead of dropping the reference to a graph still holding them."""
+    monkeypatch.setattr(graph_cache_module, "capture",
+                        lambda body, memory, device, warmups=1, shared=None: (FakeGraph(body()), body(), memory.open()))
+    monkeypatch.setattr(graph_runner_module, "can_capture_on", lambda device: True)
+    FakeGraph.log = []
+    runner = EchoRunner(FakeMemory(), max_graphs=4)
+    runner.outputs[2] = "first"
+    assert runner.capture(2)
+    runner.outputs[2] = "second"
+    assert runner.capture(2)
+    assert FakeGraph.log == ["reset first", "release"] and runner.cache.stats.graphs_live == 1
+    assert runner.replay(2) == "second"
+    runner.close()
+
+
 # ---------------------------------------------------------------------------- threads
 
 def test_two_pipelines_in_two_threads(checkpoint, checkpoint_factory):

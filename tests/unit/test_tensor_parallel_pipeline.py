@@ -161,9 +161,11 @@ def test_settings_it_cannot_serve_are_refused_by_name(tp_checkpoint, monkeypatch
         check_tensor_parallel(2, torch.device("cuda", 0), EngineConfig())
 
 
-def test_a_split_the_heads_do_not_allow_is_refused_before_any_worker_starts(tp_checkpoint, monkeypatch):
-    """4 query heads over 3 ranks: one line naming the heads, and no worker process started (a
-    worker would print its own traceback of the same error)."""
+def test_a_split_the_heads_do_not_allow_is_refused_before_any_worker_starts(tp_checkpoint, checkpoint_factory,
+                                                                           monkeypatch):
+    """4 query heads over 3 ranks, or a one-head vision tower split over 2 (`vit_parallel="tensor"`):
+    one line naming the heads, and no worker process started (a worker would print its own
+    traceback of the same error)."""
     from mmpipe.engine.tensor_parallel import Workers
 
     def no_workers(*args, **kwargs):
@@ -172,6 +174,9 @@ def test_a_split_the_heads_do_not_allow_is_refused_before_any_worker_starts(tp_c
     monkeypatch.setattr(Workers, "__init__", no_workers)
     with pytest.raises(UnsupportedModelError, match="tensor_parallel_size=3 does not divide 4 attention heads"):
         Pipeline.from_pretrained(tp_checkpoint, device="cpu", tensor_parallel_size=3)
+    one_head_tower = checkpoint_factory(vision={"num_heads": 1})
+    with pytest.raises(UnsupportedModelError, match="does not divide the vision tower's 1 attention heads"):
+        Pipeline.from_pretrained(one_head_tower, device="cpu", tensor_parallel_size=2, vit_parallel="tensor")
 
 
 def test_the_bundled_model_captions_the_same_on_two_ranks():

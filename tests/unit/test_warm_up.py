@@ -21,7 +21,7 @@ from tests.unit.test_decode_graphs import FakeGraph, FakeMemory, simulated_graph
 CPU = torch.device("cpu")
 
 
-def _runner(pipe, monkeypatch, max_patches: int, max_images: int) -> ViTGraphRunner:
+def _runner(pipe, monkeypatch, max_patches: int, max_images: int, max_graphs: int = 64) -> ViTGraphRunner:
     def fake_capture(body, memory, device, warmups=1, shared=None):
         return FakeGraph("vit"), body(), shared or memory.open()
 
@@ -29,7 +29,7 @@ def _runner(pipe, monkeypatch, max_patches: int, max_images: int) -> ViTGraphRun
     monkeypatch.setattr(graph_runner_module, "can_capture_on", lambda device: True)
     monkeypatch.setattr(graph_runner_module, "capturable", lambda backend: True)
     vit = pipe.model.vision
-    return ViTGraphRunner(vit, CPU, default_buckets(max_patches, vit.cfg.merge_unit), max_graphs=64,
+    return ViTGraphRunner(vit, CPU, default_buckets(max_patches, vit.cfg.merge_unit), max_graphs=max_graphs,
                           memory=FakeMemory(), max_images=max_images)
 
 
@@ -56,6 +56,28 @@ def test_packs_of_warmed_sizes_capture_nothing_during_a_run(pipe, monkeypatch):
     other = preprocess_image(random_image(280, 280, seed=3), cfg)  # not warmed: captured when first met
     meta = build_pack_meta([other.grid_thw], vit.cfg.spatial_merge_size, vit.cfg.window_size, vit.cfg.patch_size)
     assert runner.forward(other.pixel_values, meta)[1] and runner.cache.stats.captures == captures + 1
+
+
+def test_a_warm_up_keeps_to_the_cache_and_evicts_other_graphs_first(pipe, monkeypatch):
+    """Room for 6 graphs, 8 pack shapes wanted: the 6 packs of fewest images are captured, and a
+    second warm-up captures nothing (no churn). After two lazy captures evicted two of them, a
+    warm-up captures those two again by evicting the lazily captured graphs, not its other ones."""
+    runner = _runner(pipe, monkeypatch, 2048, 8, max_graphs=6)
+    cfg, vit = pipe.model.image_processor, pipe.model.vision
+    small = preprocess_image(random_image(112, 112, seed=1), cfg)
+    wanted = [runner.key_for(k * small.num_patches, k) for k in range(1, 7)]
+    assert len(set(wanted)) == 6 and runner.key_for(8 * small.num_patches, 8) not in wanted
+    assert runner.capture_packs([small.grid_thw], 2048) == 6 and set(runner.cache.live_keys()) == set(wanted)
+    assert runner.capture_packs([small.grid_thw], 2048) == 0
+    others = []
+    for size in ((280, 280), (200, 140)):  # one-image packs of other sizes, captured when met
+        image = preprocess_image(random_image(*size, seed=2), cfg)
+        meta = build_pack_meta([image.grid_thw], vit.cfg.spatial_merge_size, vit.cfg.window_size, vit.cfg.patch_size)
+        assert runner.forward(image.pixel_values, meta)[1]
+        others.append(runner.key_for(image.num_patches, 1))
+    assert set(others) <= set(runner.cache.live_keys()) and len(set(wanted) & set(runner.cache.live_keys())) == 4
+    assert runner.capture_packs([small.grid_thw], 2048) == 2
+    assert set(runner.cache.live_keys()) == set(wanted)
 
 
 # ---------------------------------------------------------------------------- Pipeline.warm_up
