@@ -67,7 +67,6 @@ def run_vit(args: argparse.Namespace) -> dict[str, Any]:
     from mmpipe.vision.preprocess import ImageProcessorConfig, preprocess_image
     from PIL import Image
 
-
     shape = SHAPES[args.shape]
     hf, ours = vision_pair(shape=args.shape)
     runner = ViTGraphRunner(ours, torch.device("cuda"), default_buckets(16384))
