@@ -13,6 +13,11 @@ class ImageLoadError(InputError):
     """An image could not be read: missing, empty, corrupt, truncated or not an image."""
 
 
+class VideoLoadError(InputError):
+    """A video could not be read: missing, empty, corrupt, truncated, no video stream, unsupported
+    codec, or shorter than asked."""
+
+
 class CheckpointError(MmpipeError):
     """A model directory is incomplete or inconsistent (config, weights, tokenizer)."""
 
