@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mmpipe.errors import ImageLoadError, InputError
+from mmpipe.video_parts import ChatVideo, video_of_part
 from mmpipe.vision.preprocess import ImageSize
 
 ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Image.Image, np.ndarray]
@@ -269,18 +270,19 @@ class ChatImage:
 class ParsedConversation:
     """A conversation with its images pulled out, in the order they appear."""
 
-    template_messages: list[dict[str, Any]]  # images replaced by {"type": "image"} markers
-    images: list[ChatImage]  # sources and size options, decoded later
+    template_messages: list[dict[str, Any]]  # images and videos replaced by {"type": ...} markers
+    images: list[ChatImage | ChatVideo]  # images and videos in order, read later
 
 
 def parse_conversation(conversation: Sequence[dict[str, Any]], where: str = "conversation") -> ParsedConversation:
-    """Validate a list of {"role", "content"} messages and separate the images from the text."""
+    """Validate a list of {"role", "content"} messages and separate the images and videos from
+    the text."""
     if isinstance(conversation, dict) or not isinstance(conversation, (list, tuple)):
         raise InputError(f"{where}: must be a list of messages like {{'role': 'user', 'content': ...}}")
     if not conversation:
         raise InputError(f"{where}: has no messages")
     messages: list[dict[str, Any]] = []
-    images: list[ChatImage] = []
+    images: list[ChatImage | ChatVideo] = []
     for index, message in enumerate(conversation):
         here = f"{where}, message {index}"
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
@@ -298,14 +300,14 @@ def parse_conversation(conversation: Sequence[dict[str, Any]], where: str = "con
             image = _image_of_part(part, f"{here}, part {part_index}")
             if image is not None:
                 images.append(image)
-                parts.append({"type": "image"})
+                parts.append({"type": "video" if isinstance(image, ChatVideo) else "image"})
             else:
                 parts.append({"type": "text", "text": part["text"]})
         messages.append({"role": role, "content": parts})
     return ParsedConversation(messages, images)
 
 
-def _image_of_part(part: Any, where: str) -> ChatImage | None:
+def _image_of_part(part: Any, where: str) -> ChatImage | ChatVideo | None:
     if isinstance(part, str):
         raise InputError(f"{where}: parts must be dicts, e.g. {{'type': 'text', 'text': ...}}")
     if not isinstance(part, dict):
@@ -325,7 +327,10 @@ def _image_of_part(part: Any, where: str) -> ChatImage | None:
         if not isinstance(url, str):
             raise InputError(f"{where}: an image_url part needs 'image_url': {{'url': ...}}")
         return ChatImage(url)
-    raise InputError(f"{where}: unsupported part type {kind!r} (use 'text' or 'image')")
+    video = video_of_part(part, where)
+    if video is not None:
+        return video
+    raise InputError(f"{where}: unsupported part type {kind!r} (use 'text', 'image' or 'video')")
 
 
 def _check_keys(part: dict[str, Any], accepted: tuple[str, ...], what: str, accepted_text: str,

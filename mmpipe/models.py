@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from mmpipe.errors import CheckpointError, InputError, UnsupportedModelError
 from mmpipe.language.attention import make_lm_attention
 from mmpipe.language.decode_graphs import DecodeGraphRunner
 from mmpipe.language.kv_cache import KVCache
-from mmpipe.language.mrope import mrope_positions
+from mmpipe.language.mrope import mrope_positions_of_runs
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
@@ -41,6 +42,7 @@ from mmpipe.vision.qwen2_5_vl import Qwen25VisionTransformer, VisionConfig
 from mmpipe.vision.qwen2_vl import FullAttentionVisionConfig, Qwen2VisionTransformer
 from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer, qwen3_vision_config
 from mmpipe.vision.tensor_parallel import check_vision_shardable, shard_vision_tower
+from mmpipe.vision.video_frames import build_video
 from mmpipe.weights import (
     load_checkpoint,
     materialize,
@@ -51,6 +53,7 @@ from mmpipe.weights import (
 )
 
 log = logging.getLogger("mmpipe")
+DEFAULT_TOKENS_PER_SECOND = 4  # transformers' Qwen2.5-VL vision config default, where a checkpoint names none
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,12 @@ class ModelSpec:
     # (JPEG bytes, source, ImageProcessorConfig) -> an ImageInput the GPU decodes, or None (Pillow)
     defer_jpeg: Callable[..., Any]
     patches: Callable[..., Any]  # (ImageInputs of a pack, device) -> the ViT's input [patches, patch_dim] there
-    positions: Callable[..., Any]  # (ids, grids, image token, merge) -> (positions, delta)
+    positions: Callable[..., Any]  # (prompt length, VisualRuns, merge) -> (positions, delta)
+    # (resized frames, ImageProcessorConfig, frame indices, video fps, sample fps) -> the video's groups
+    preprocess_video: Callable[..., Any]
+    # How a video's time reaches the model: "index" (the temporal position counts frame groups),
+    # "seconds" (it counts tokens_per_second x seconds), "timestamps" (each group's time as text)
+    video_time: str
     pack_meta: Callable[..., Any]  # (grids, merge, window, patch) -> the ViT pack's layout
     vit_runner: Callable[..., Any]  # a GraphRunner over the ViT
     vit_buckets: Callable[..., list[int]]  # (max patches, merge unit) -> graph sizes
@@ -83,25 +91,26 @@ class ModelSpec:
 
 def _qwen_vl(architecture: str, family: str, vision_config: Callable[[dict[str, Any]], Any],
              vision_model: Callable[..., nn.Module], text_config: Callable[[dict[str, Any]], Any],
-             language_model: Callable[..., nn.Module]) -> ModelSpec:
+             language_model: Callable[..., nn.Module], video_time: str) -> ModelSpec:
     """A Qwen-VL family: its own towers and configs; the Qwen preprocessing, M-RoPE positions and
     pack layout (windows only where the tower has them), and the common runners and KV cache."""
     return ModelSpec(
         architecture=architecture, family=family, vision_config=vision_config, vision_model=vision_model,
         text_config=text_config, language_model=language_model, preprocess=preprocess_image,
         defer_jpeg=deferred_jpeg, patches=patches_on_device,
-        positions=mrope_positions, pack_meta=build_pack_meta, vit_runner=ViTGraphRunner,
+        positions=mrope_positions_of_runs, preprocess_video=build_video, video_time=video_time,
+        pack_meta=build_pack_meta, vit_runner=ViTGraphRunner,
         vit_buckets=default_buckets, prefill_runner=PrefillRunner, decode_runner=DecodeGraphRunner, kv_cache=KVCache,
         shard_language=shard_language_model, shard_slices=shard_slices, shard_vision=shard_vision_tower)
 
 
 REGISTRY: dict[str, ModelSpec] = {spec.architecture: spec for spec in (
     _qwen_vl("Qwen2_5_VLForConditionalGeneration", "Qwen2.5-VL", VisionConfig.from_hf, Qwen25VisionTransformer,
-             TextConfig.from_hf, Qwen2LanguageModel),
+             TextConfig.from_hf, Qwen2LanguageModel, "seconds"),
     _qwen_vl("Qwen2VLForConditionalGeneration", "Qwen2-VL", FullAttentionVisionConfig.qwen2_vl,
-             Qwen2VisionTransformer, TextConfig.from_hf, Qwen2LanguageModel),
+             Qwen2VisionTransformer, TextConfig.from_hf, Qwen2LanguageModel, "index"),
     _qwen_vl("Qwen3VLForConditionalGeneration", "Qwen3-VL", qwen3_vision_config, Qwen3VisionTransformer,
-             qwen3_text_config, Qwen3LanguageModel),
+             qwen3_text_config, Qwen3LanguageModel, "timestamps"),
 )}
 
 
@@ -139,6 +148,8 @@ class LoadedModel:
     language: nn.Module
     image_processor: ImageProcessorConfig
     image_token_id: int
+    video_token_id: int | None  # None: the checkpoint takes no video
+    tokens_per_second: float  # Qwen2.5-VL's temporal positions per second of video
     device: torch.device
     dtype: torch.dtype
     quantization: str | None = None  # how the checkpoint's weights were stored, and what was done with them
@@ -229,6 +240,10 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     image_token_id = hf_config.get("image_token_id")
     if image_token_id is None:
         raise CheckpointError(f"{path}: config.json has no image_token_id")
+    video_token_id = hf_config.get("video_token_id")
+    tokens_per_second = (hf_config.get("vision_config") or {}).get("tokens_per_second", DEFAULT_TOKENS_PER_SECOND)
     return LoadedModel(path=path, spec=spec, hf_config=hf_config, vision=vision, language=language,
                        image_processor=ImageProcessorConfig.from_dir(path), image_token_id=int(image_token_id),
-                       device=device, dtype=dtype, quantization=stored, tp=tp)
+                       video_token_id=None if video_token_id is None else int(video_token_id),
+                       tokens_per_second=float(tokens_per_second), device=device, dtype=dtype, quantization=stored,
+                       tp=tp)

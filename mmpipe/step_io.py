@@ -1,7 +1,8 @@
 """What one model step reads and returns, shared by the engine (which builds the inputs and reads
 the results) and the model runners (which consume them): the rows of a prefill step that take image
 embeddings, a prefill forward's host inputs, a launched sampling step's results, and the KV page
-reserved for padding. Plain data and numpy; it imports nothing of mmpipe, so both rooms can.
+reserved for padding; and where a prompt's images and videos lie for its rotary positions. Plain
+data and numpy; it imports nothing of mmpipe, so both rooms can.
 """
 
 from __future__ import annotations
@@ -13,6 +14,23 @@ import numpy as np
 
 # The KV page no sequence is given: padded rows of a batch write their K/V there.
 DUMMY_PAGE = 0
+
+
+@dataclass(frozen=True)
+class VisualRun:
+    """The tokens of one image or video in a prompt: where they start, the grid in patches, and
+    the temporal interval between frame groups (float32; see `temporal_interval`)."""
+
+    start: int
+    grid: tuple[int, int, int]
+    time_interval: float = 1.0
+
+
+def temporal_interval(tokens_per_second: float, seconds_per_group: float) -> float:
+    """Qwen2.5-VL's temporal position step between frame groups, float32(tokens_per_second x
+    seconds a group spans), as transformers computes it from the checkpoint's tokens_per_second and
+    the processor's float32 `second_per_grid_ts`."""
+    return float(np.float32(tokens_per_second) * np.float32(seconds_per_group))
 
 
 class ImageSpan(NamedTuple):
@@ -46,9 +64,9 @@ class DecodeOutput:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
 
-    def select(self, indices: list[int]) -> "DecodeOutput":
+    def select(self, indices: list[int]) -> DecodeOutput:
         """The results of these requests only, in this order."""
-        pick = lambda values: [values[i] for i in indices] if values is not None else None  # noqa: E731
+        pick = lambda values: [values[i] for i in indices] if values is not None else None
         return DecodeOutput(pick(self.tokens), pick(self.token_logprobs), pick(self.top_ids),  # type: ignore[arg-type]
                             pick(self.top_logprobs))
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,13 +66,21 @@ def hf_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32)
     return model_class(config).from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def hf_inputs(path: str, conversation: Sequence[dict[str, Any]], device: str = "cpu") -> dict[str, torch.Tensor]:
+def hf_inputs(path: str, conversation: Sequence[dict[str, Any]], device: str = "cpu",
+              videos: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
     """What transformers' Qwen-VL processors produce: the chat template rendered, each
-    <|image_pad|> repeated once per merged patch, then tokenised; pixels from the PIL processor."""
-    from transformers import AutoTokenizer
+    <|image_pad|> repeated once per merged patch, then tokenised; pixels from the PIL processor.
+    A video part's frames are `videos` (mmpipe's `PreprocessedVideo`s, in order: the frames it
+    sampled and resized, patches by the host arithmetic); its placeholder is expanded as the
+    family's transformers processor does it (Qwen3-VL: each frame group's time as text), with
+    transformers' own timestamp rule and `second_per_grid_ts`."""
+    import re
+
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    family = AutoConfig.from_pretrained(path, local_files_only=True).model_type
     messages, images = [], []
     for message in conversation:
         content = message["content"]
@@ -83,25 +92,50 @@ def hf_inputs(path: str, conversation: Sequence[dict[str, Any]], device: str = "
             if part["type"] == "image":
                 images.append(part["image"])
                 parts.append({"type": "image"})
+            elif part["type"] in ("video", "video_url"):
+                parts.append({"type": "video"})
             else:
                 parts.append(part)
         messages.append({"role": message["role"], "content": parts})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     out: dict[str, torch.Tensor] = {}
+    image_grids = []
     if images:
         processor = Qwen2VLImageProcessorPil.from_pretrained(path)
         pil = [im if isinstance(im, Image.Image) else Image.open(im) for im in images]
         processed = processor(images=pil, return_tensors="pt")
-        merge = processor.merge_size ** 2
-        pieces = text.split("<|image_pad|>")
-        text = pieces[0]
-        for grid, rest in zip(processed["image_grid_thw"], pieces[1:]):
-            text += "<|image_pad|>" * (int(grid.prod()) // merge) + rest
+        image_grids = list(processed["image_grid_thw"])
         out["pixel_values"] = processed["pixel_values"]
         out["image_grid_thw"] = processed["image_grid_thw"]
+    if videos:
+        out["pixel_values_videos"] = torch.cat([g.pixel_values for v in videos for g in v.groups])
+        out["video_grid_thw"] = torch.tensor([v.grid_thw for v in videos])
+        if family == "qwen2_5_vl":  # the processor's rule: temporal_patch_size / fps, as a float32 tensor
+            out["second_per_grid_ts"] = torch.tensor([2 / v.sample_fps for v in videos])
+    pieces = re.split(r"(<\|image_pad\|>|<\|video_pad\|>)", text)
+    image_it, video_it = iter(image_grids), iter(videos)
+    text = ""
+    for piece in pieces:
+        if piece == "<|image_pad|>":
+            text += piece * (int(next(image_it).prod()) // 4)
+        elif piece == "<|video_pad|>":
+            video = next(video_it)
+            t, h, w = video.grid_thw
+            if family == "qwen3_vl":
+                from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+                times = Qwen3VLProcessor._calculate_timestamps(None, list(video.frame_indices), video.video_fps, 2)
+                text += "".join(f"<{times[k]:.1f} seconds><|vision_start|>" + piece * (h * w // 4) + "<|vision_end|>"
+                                for k in range(t))
+            else:
+                text += piece * (t * h * w // 4)
+        else:
+            text += piece
     ids = tokenizer([text], return_tensors="pt", add_special_tokens=False)["input_ids"]
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    out.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == image_token).int())
+    video_token = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    types = (ids == image_token).int() + 2 * (ids == video_token).int()
+    out.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types)
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -237,9 +271,9 @@ class HostKernels:
 
         self.calls, self._mode = calls, _Mode()
 
-    def __enter__(self) -> "HostKernels":
+    def __enter__(self) -> HostKernels:
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)

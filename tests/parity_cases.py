@@ -39,7 +39,7 @@ def assert_matches(pipe: Pipeline, reference, path: str, conversation, device: s
                    logprob_tol: float = 1e-4) -> None:
     """First-step logits within 1e-4 relative, 32 greedy tokens identical, every step's top
     logprobs within `logprob_tol` of transformers' (`reference`, on `device`)."""
-    inputs = hf_inputs(path, conversation, device=device)
+    inputs = hf_inputs(path, conversation, device=device, videos=videos_of(pipe, conversation))
     ref_logits, ref_tokens, ref_steps = hf_generate(reference, inputs, 32)
     ours = first_logits(pipe, conversation)
     assert rel_err(ours, ref_logits) <= 1e-4
@@ -49,3 +49,13 @@ def assert_matches(pipe: Pipeline, reference, path: str, conversation, device: s
     # Every step's distribution, not just the argmax: catches position or cache errors in decode.
     assert len(out.logprobs) == 32
     assert max_logprob_diff(out.logprobs, ref_steps) <= logprob_tol
+
+
+def videos_of(pipe: Pipeline, conversation) -> list:
+    """The conversation's videos as mmpipe samples and resizes them (what transformers' model is
+    fed in the comparison; the sampling and the patches have their own oracles)."""
+    from mmpipe.inputs import parse_conversation
+    from mmpipe.video_parts import ChatVideo
+
+    return [pipe.processor.load_image(item, "test") for item in parse_conversation(conversation).images
+            if isinstance(item, ChatVideo)]

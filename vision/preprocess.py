@@ -21,8 +21,9 @@ import json
 import math
 import numbers
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ class ImageProcessorConfig:
                        **_limits(self, size.min_pixels, size.max_pixels, "the pipeline's"))
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ImageProcessorConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> ImageProcessorConfig:
         cfg = cfg.get("image_processor", cfg)  # processor_config.json nests it
         size = cfg.get("size") or {}
         min_pixels = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", cls.min_pixels)))
@@ -141,7 +142,7 @@ class ImageProcessorConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str) -> "ImageProcessorConfig":
+    def from_dir(cls, path: str) -> ImageProcessorConfig:
         for name in ("preprocessor_config.json", "processor_config.json"):
             file = os.path.join(path, name)
             if os.path.isfile(file):
@@ -169,7 +170,8 @@ class PreprocessedImage:
     so only the uint8 bytes cross to the GPU); `pixel_values` makes them on the host, the
     reference (transformers' arithmetic)."""
 
-    pixels: torch.Tensor | None  # [H, W, C] uint8, resized; None: a JPEG the GPU decodes (`jpeg`)
+    # [H, W, C] uint8, resized, or a video's frame group [T, H, W, C]; None: a JPEG the GPU decodes
+    pixels: torch.Tensor | None
     grid_thw: tuple[int, int, int]  # in patches
     merge_size: int
     key: str = ""  # content hash: same key, same pixel values (the encoder cache's key)
@@ -224,12 +226,13 @@ def patches_on_device(images: Sequence[PreprocessedImage], device: torch.device)
         pixels = pixels_on_device(images, device)
     else:
         pixels = [im.pixels for im in images]
-    channels = pixels[0].shape[2]
-    table = np.zeros((len(images), 4), dtype=np.int64)
+    channels = pixels[0].shape[-1]
+    table = np.zeros((len(images), 6), dtype=np.int64)
     offset = rows = 0
     for i, (im, p) in enumerate(zip(images, pixels)):
         _, gh, gw = im.grid_thw
-        table[i] = (offset, gh, gw, rows)
+        group = p.dim() == 4  # a video's frame group [T, H, W, C]
+        table[i] = (offset, gh, gw, rows, p[0].numel() if group else 0, int(group))
         offset += p.numel()
         rows += gh * gw
     # One pinned buffer: the table's bytes first (8-byte aligned), then the pixels on the host.
@@ -258,7 +261,7 @@ def patches_on_device(images: Sequence[PreprocessedImage], device: torch.device)
                 start += p.numel()
         flat = torch.cat(parts)
     constants = _constants(cfg, channels, device)
-    return patchify(flat, on_device[:head].view(torch.int64).view(len(images), 4), rows,
+    return patchify(flat, on_device[:head].view(torch.int64).view(len(images), 6), rows,
                     max(im.num_patches for im in images), cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size,
                     channels, *constants)
 
@@ -268,13 +271,16 @@ _CONSTANTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def _constants(cfg: ImageProcessorConfig, channels: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rescale factor (float64) and the mean and std rounded to float32 as the host rounds
-    them, on `device` (made once per normalisation and device)."""
+    """The rescale factor (float64), and the mean and std [2, C] on `device`: row 0 rounded to
+    float32 as the host rounds them (images), row 1 those times 1/rescale in float32 (the video
+    processors' folded normalisation), made once per normalisation and device."""
     key = (_layout(cfg), channels, str(device))
     if key not in _CONSTANTS:
+        mean = torch.tensor(cfg.image_mean[:channels], dtype=torch.float64).to(torch.float32)
+        std = torch.tensor(cfg.image_std[:channels], dtype=torch.float64).to(torch.float32)
+        unscale = 1.0 / cfg.rescale_factor
         _CONSTANTS[key] = (torch.tensor([cfg.rescale_factor], dtype=torch.float64, device=device),
-                           torch.tensor(cfg.image_mean[:channels], dtype=torch.float64).to(torch.float32).to(device),
-                           torch.tensor(cfg.image_std[:channels], dtype=torch.float64).to(torch.float32).to(device))
+                           torch.stack([mean, mean * unscale]).to(device), torch.stack([std, std * unscale]).to(device))
     return _CONSTANTS[key]
 
 

@@ -35,6 +35,8 @@ CHAT_TEMPLATE = r"""
     {%- for part in message['content'] -%}
       {%- if part['type'] == 'image' -%}
         {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+      {%- elif part['type'] == 'video' -%}
+        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
       {%- elif part['type'] == 'text' -%}
         {{- part['text'] -}}
       {%- endif -%}

@@ -5,8 +5,9 @@ the model runners read too). Plain data and numpy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -28,6 +29,21 @@ class ImageInput(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+
+@runtime_checkable
+class VideoInput(Protocol):
+    """A preprocessed video as the engine sees it: frame groups the tower encodes like images,
+    and what its prompt tokens and positions need (`ModelSpec.video_time` says which)."""
+
+    groups: list[ImageInput]
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def timestamps(self) -> list[float]: ...
+
+    @property
+    def seconds_per_group(self) -> float: ...
 
 
 @dataclass

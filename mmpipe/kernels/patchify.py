@@ -7,13 +7,19 @@ order of operations): rescale in float64, round to float32, subtract the mean an
 standard deviation in float32 (IEEE division, `div_rn`), and lay the values out as rows of
 [C, T, P, P] in merge-block order, each still image repeated over the T temporal frames.
 
-A pack is one flat uint8 buffer (images [H, W, C] back to back) plus a [images, 4] int64 table:
-(byte offset, patch rows gh, patch columns gw, first output row). One program writes one patch row.
+A video's frame group holds T frames of its own, [T, H, W, C], and is normalised as transformers'
+video processors do it (rescale folded into the mean and std: `(u - mean * 255) / (std * 255)` in
+float32), so its patches equal theirs bit for bit too.
+
+A pack is one flat uint8 buffer (images [H, W, C] and frame groups [T, H, W, C] back to back) plus
+a [images, 6] int64 table: (byte offset, patch rows gh, patch columns gw, first output row, bytes
+from one frame to the next (0: a still image), 1 for a video's folded normalisation). One program
+writes one patch row.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -23,28 +29,37 @@ from mmpipe.kernels.launch import launch, next_power_of_2
 
 def patchify_reference(image: torch.Tensor, patch: int, temporal: int, merge: int, rescale: float,
                        mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """One uint8 image [H, W, C] (any device) -> float32 patches [gh*gw, C*T*P*P], merge-block
-    order: the host arithmetic (transformers': float64 rescale, float32 normalise)."""
-    channels = image.shape[2]
-    scale = torch.full((channels,), rescale, dtype=torch.float64, device=image.device)
+    """One uint8 image [H, W, C] or frame group [T, H, W, C] (any device) -> float32 patches
+    [gh*gw, C*T*P*P], merge-block order: the host arithmetic (transformers': for an image, float64
+    rescale and float32 normalise; for a frame group, the video processors' folded one)."""
+    channels = image.shape[-1]
     mean32 = torch.tensor(mean, dtype=torch.float64).to(torch.float32).to(image.device)
     std32 = torch.tensor(std, dtype=torch.float64).to(torch.float32).to(image.device)
-    values = (image.to(torch.float64) * scale).to(torch.float32)
-    values = (values - mean32) / std32
-    height, width = image.shape[:2]
+    if image.dim() == 4:
+        if image.shape[0] != temporal:
+            raise ValueError(f"a frame group has {image.shape[0]} frames; the tower takes {temporal}")
+        frames = image
+        values = (frames.to(torch.float32) - mean32 * (1.0 / rescale)) / (std32 * (1.0 / rescale))
+    else:
+        scale = torch.full((channels,), rescale, dtype=torch.float64, device=image.device)
+        values = (image.to(torch.float64) * scale).to(torch.float32)
+        values = ((values - mean32) / std32).unsqueeze(0)
+    height, width = image.shape[-3:-1]
     gh, gw = height // patch, width // patch
-    x = values.permute(2, 0, 1).reshape(channels, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P]
-    x = x.unsqueeze(5).expand(*x.shape[:5], temporal, patch, patch)  # a still image repeats over time
+    x = values.permute(0, 3, 1, 2).reshape(values.shape[0], channels, gh // merge, merge, patch, gw // merge, merge,
+                                           patch)
+    x = x.permute(2, 5, 3, 6, 1, 0, 4, 7)  # [gh/m, gw/m, m, m, C, T, P, P]
+    x = x.expand(*x.shape[:5], temporal, patch, patch)  # a still image repeats over time
     return x.reshape(gh * gw, channels * temporal * patch * patch).contiguous()
 
 
 def patchify(flat: torch.Tensor, table: torch.Tensor, rows: int, max_rows: int, patch: int, temporal: int,
              merge: int, channels: int, scale: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Patches [rows, C*T*P*P] float32 of a pack on CUDA. `flat`: the images' uint8 bytes back to
-    back; `table`: int64 [images, 4] (byte offset, gh, gw, first row); `max_rows`: the most rows
-    of one image; `scale` float64 [1], `mean`/`std` float32 [C] (the values the reference rounds
-    to), all on `flat`'s device."""
+    back; `table`: int64 [images, 6] (byte offset, gh, gw, first row, frame stride, folded);
+    `max_rows`: the most rows of one image; `scale` float64 [1], `mean`/`std` float32 [2, C] (row
+    0: the values the image reference rounds to; row 1: mean and std times 1/rescale, the video
+    processors' folded values), all on `flat`'s device."""
     width = channels * temporal * patch * patch
     out = torch.empty(rows, width, dtype=torch.float32, device=flat.device)
     images = table.shape[0]
@@ -61,10 +76,12 @@ if triton is not None:
                          T: tl.constexpr, M: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         image = tl.program_id(1).to(tl.int64)
-        offset = tl.load(table_ptr + image * 4)
-        gh = tl.load(table_ptr + image * 4 + 1)
-        gw = tl.load(table_ptr + image * 4 + 2)
-        first = tl.load(table_ptr + image * 4 + 3)
+        offset = tl.load(table_ptr + image * 6)
+        gh = tl.load(table_ptr + image * 6 + 1)
+        gw = tl.load(table_ptr + image * 6 + 2)
+        first = tl.load(table_ptr + image * 6 + 3)
+        stride = tl.load(table_ptr + image * 6 + 4)
+        folded = tl.load(table_ptr + image * 6 + 5)
         if r < gh * gw:
             block, within = r // (M * M), r % (M * M)
             py = (block // (gw // M)) * M + within // M
@@ -75,12 +92,20 @@ if triton is not None:
             dy = (k % (P * P)) // P
             dx = k % P
             pixel = (py * P + dy) * (gw * P) + px * P + dx
-            u = tl.load(src_ptr + offset + pixel * C + c, mask=mask, other=0)
-            v = (u.to(tl.float64) * tl.load(scale_ptr)).to(tl.float32)
-            mean = tl.load(mean_ptr + c, mask=mask, other=0.0)
-            std = tl.load(std_ptr + c, mask=mask, other=1.0)
-            v = tl.math.div_rn(v - mean, std)
             row = out_ptr + (first + r) * (C * T * P * P)
             col = c * (T * P * P) + dy * P + dx
-            for t in tl.static_range(T):
-                tl.store(row + col + t * P * P, v, mask=mask)
+            if folded == 0:
+                mean = tl.load(mean_ptr + c, mask=mask, other=0.0)
+                std = tl.load(std_ptr + c, mask=mask, other=1.0)
+                u = tl.load(src_ptr + offset + pixel * C + c, mask=mask, other=0)
+                v = (u.to(tl.float64) * tl.load(scale_ptr)).to(tl.float32)
+                v = tl.math.div_rn(v - mean, std)
+                for t in tl.static_range(T):
+                    tl.store(row + col + t * P * P, v, mask=mask)
+            else:
+                mean = tl.load(mean_ptr + C + c, mask=mask, other=0.0)
+                std = tl.load(std_ptr + C + c, mask=mask, other=1.0)
+                for t in tl.static_range(T):
+                    u = tl.load(src_ptr + offset + t * stride + pixel * C + c, mask=mask, other=0)
+                    v = tl.math.div_rn(u.to(tl.float32) - mean, std)
+                    tl.store(row + col + t * P * P, v, mask=mask)
