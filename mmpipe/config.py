@@ -175,8 +175,11 @@ class EngineConfig:
     # decoded and resized again: a chat's later turns, repeated images), in bytes of resized pixels;
     # 0 turns it off.
     preprocessed_cache_bytes: int = 256 << 20
-    # Threads decoding and preprocessing images ahead of the engine.
+    # Threads decoding and preprocessing images and videos ahead of the engine.
     preprocess_workers: int = 4
+    # Resized pixels that requests read ahead of the engine may hold (images, video frames), in
+    # bytes: no further input is read while unfinished requests hold more (long videos).
+    input_bytes_ahead: int = 4 << 30
     # Where JPEG files are decoded and resized: "cpu" (Pillow, matching transformers'
     # Qwen2VLImageProcessorPil exactly) or "gpu" (nvJPEG and torchvision's resize on the GPU,
     # matching its torchvision-backed Qwen2VLImageProcessor; needs CUDA and torchvision). Other
@@ -244,7 +247,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("kv_page_size", "max_running_requests", "max_prefill_tokens", "max_vision_patches",
                      "cpu_kv_tokens", "preprocess_workers", "vit_graph_max_images", "max_banned_tokens",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "input_bytes_ahead"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")

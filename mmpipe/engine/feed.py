@@ -48,6 +48,8 @@ class RequestFeed:
         done: deque[Request] = deque()
         failed: deque[RequestOutput] = deque()
         lookahead = max(8, 2 * self.engine.cfg.max_running_requests)
+        budget = self.engine.cfg.input_bytes_ahead
+        held = 0  # the resized pixels of the requests in the engine (`running`)
         # Conversations are prepared (chat template, tokens) a burst per loop, not the whole window
         # at once, so the first images start loading and the GPU gets work at once (a whole window
         # prepared up front kept the GPU idle at the start of a run).
@@ -65,7 +67,7 @@ class RequestFeed:
         def refill() -> None:
             nonlocal exhausted
             for _ in range(burst):
-                if len(window) >= lookahead:
+                if len(window) >= lookahead or (window and held + _loaded_bytes(window) > budget):
                     return
                 item = next(it, None)
                 if item is None:
@@ -95,6 +97,8 @@ class RequestFeed:
                         fail(pending.prepared.index, exc)
                         continue
                     request.on_finish = done.append
+                    request.input_bytes = sum(_pixel_bytes(image) for image in request.images)
+                    held += request.input_bytes
                     running.add(request)
                     with self.engine.lock:
                         self.engine.add(request)
@@ -103,6 +107,7 @@ class RequestFeed:
                 while done:
                     request = done.popleft()
                     running.discard(request)
+                    held -= request.input_bytes
                     with self.engine.lock:
                         output = request.to_output()
                     yield output
@@ -124,3 +129,21 @@ class RequestFeed:
             for pending in window:
                 for future in pending.images:
                     future.cancel()
+
+
+def _pixel_bytes(item: object) -> int:
+    """Host bytes of a loaded image or video: its resized pixels (a video: every frame group's),
+    or a JPEG the GPU decodes."""
+    groups = getattr(item, "groups", None)
+    if groups is not None:
+        return sum(_pixel_bytes(group) for group in groups)
+    pixels = getattr(item, "pixels", None)
+    if pixels is not None:
+        return pixels.numel() * pixels.element_size()
+    return len(getattr(item, "jpeg", None) or b"")
+
+
+def _loaded_bytes(window: deque[_Pending]) -> int:
+    """Bytes of the inputs loaded so far for requests not yet in the engine."""
+    return sum(_pixel_bytes(f.result()) for pending in window for f in pending.images
+               if f.done() and not f.cancelled() and f.exception() is None)

@@ -43,6 +43,7 @@ class Request:
     error: str | None = None
     preemptions: int = 0
     on_finish: Callable[["Request"], None] | None = None  # set by whoever waits for the result
+    input_bytes: int = 0  # its images' and videos' resized pixels, counted against input_bytes_ahead
 
     submitted: float | None = None  # the caller's call (None: the engine's arrival)
     arrival: float = field(default_factory=time.monotonic)  # the engine received it

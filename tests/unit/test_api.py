@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -247,3 +248,26 @@ def test_startup_report_times_each_phase(checkpoint, monkeypatch):
         line = pipe.startup_report()
         assert line.startswith(f"start-up {total:.1f} s: weights") and f"tokenizer {phases['tokenizer']:.1f} s" in line
         assert "prefill graphs" in line and "no graphs" in line  # the CPU runs eagerly
+
+
+@pytest.mark.parametrize("budget, most", [(1, 2), (1 << 30, 6)])
+def test_inputs_read_ahead_stay_within_their_byte_budget(checkpoint, budget, most):
+    """With a budget below one image, at most one request's inputs are read beyond the one in the
+    engine; with room for all, every image is read ahead (the bound is what holds them back)."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", input_bytes_ahead=budget, max_running_requests=1)
+    lock, live, peak = threading.Lock(), [0], [0]
+    load = pipe.processor.load_image
+
+    def counted(source, where):
+        out = load(source, where)
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        return out
+
+    pipe.processor.load_image = counted
+    for _ in pipe.chat_stream([image_chat(seed) for seed in range(6)], SamplingParams(max_new_tokens=2)):
+        with lock:
+            live[0] -= 1
+    pipe.close()
+    assert peak[0] == most
