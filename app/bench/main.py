@@ -9,7 +9,7 @@ and every comparison is measured in the same process.
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded). This module is
 the command; each benchmark is a module of its own (`kernels`, `throughput`, `vit`, `decode`,
-`prefill`, `caption`, `startup`, `ttft`, `ray`), their shared timing is `timing`, their tables and
+`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`), their shared timing is `timing`, their tables and
 JSON `results`.
 """
 
@@ -39,6 +39,8 @@ BENCHMARKS = {
     "ttft": "an image request's time to first token from the call, vs its GPU kernel time and its metrics",
     "ray": "the Ray Data stage vs `mmpipe caption` on the same files: wall, files / wall and the marginal "
            "rate",
+    "video": "video clips: mmpipe vs transformers (clips/s, CPU s per clip, GPU busy); host memory of one long "
+             "video",
 }
 
 
