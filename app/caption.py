@@ -1,4 +1,5 @@
-"""Batch image captioning: files, directories or globs in; one caption per image out.
+"""Batch captioning of images and video clips: files, directories or globs in; one caption per file
+out (a video file, known by its extension, is captioned as a video).
 
     mmpipe caption assets/images                                  # print "path<TAB>caption"
     mmpipe caption photos/ --format txt                           # photos/a.jpg -> photos/a.txt
@@ -33,7 +34,7 @@ import time
 from typing import Any, Sequence
 
 from mmpipe.app import caption_processes as processes
-from mmpipe.app.caption_args import build_parser, check_args, engine_options, sampling_params
+from mmpipe.app.caption_args import build_parser, check_args, engine_options, sampling_params, video_options
 from mmpipe.app.caption_files import remove_stale_temporaries, unwritable
 from mmpipe.app.caption_inputs import ImageItem, PromptResolver, collect_images, read_prompt_file, shard
 from mmpipe.app.caption_records import FORMATS
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         check_args(args)
         prompt = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
         sampling = sampling_params(args)
+        video = video_options(args)
     except (InputError, ValueError) as exc:
         print(f"mmpipe caption: {exc}", file=sys.stderr)
         return 2
@@ -104,12 +106,12 @@ def run(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"mmpipe caption: {problem}", file=sys.stderr)
     if not items:
-        print("mmpipe caption: no images to caption", file=sys.stderr)
+        print("mmpipe caption: no images or videos to caption", file=sys.stderr)
         return 2
     if state is None:
         from mmpipe.app.caption_ray import run_ray
 
-        return run_ray(args, [item.path for item in items], prompt, sampling)
+        return run_ray(args, [item.path for item in items], prompt, sampling, video)
     if args.format == "metadata" and args.output:
         folder = os.path.dirname(os.path.abspath(args.output))
         outside = [i.path for i in items if os.path.relpath(i.path, folder).startswith("..")]
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     errors = ErrorLog(errors_path)
     tally = Tally(unmatched_inputs=len(problems) if state.is_main_process else 0)
     try:
-        code = _caption(args, state, mine, prompt, sampling, sink, errors, tally)
+        code = _caption(args, state, mine, prompt, sampling, video, sink, errors, tally)
         if world > 1:
             processes.mark_shard_captioned(rank)
     except OSError as exc:  # a write failed mid-run (disk full, the folder gone, ...)
@@ -154,12 +156,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], prompt: str | None, sampling: Any,
-             sink: Sink, errors: ErrorLog, tally: Tally) -> int:
+             video: Any, sink: Sink, errors: ErrorLog, tally: Tally) -> int:
     from tqdm import tqdm
 
     from mmpipe import Pipeline
+    from mmpipe.captioning import (
+        DEFAULT_CAPTION_PROMPT,
+        DEFAULT_VIDEO_PROMPT,
+        caption_conversation,
+        caption_result,
+    )
     from mmpipe.errors import MmpipeError
-    from mmpipe.captioning import caption_conversation, caption_result
 
     if isinstance(sink, SidecarSink):
         remove_stale_temporaries(os.path.dirname(sink.target(i)) for i in items)
@@ -177,7 +184,8 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
         items = [i for i in items if i.key not in clashing]
     todo = [i for i in items if not sink.done(i)]
     tally.already = len(items) - len(todo)
-    resolve = PromptResolver(prompt or "Describe this image.", args.dir_prompts)
+    resolve = PromptResolver(prompt or DEFAULT_CAPTION_PROMPT, args.dir_prompts,
+                             args.video_prompt or prompt or DEFAULT_VIDEO_PROMPT)
     options = {**engine_options(args), "startup_progress": not args.quiet}
     if not todo:
         sink.finish()
@@ -198,13 +206,14 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
         return 2
     # The ViT graphs packs of these images will use and the decode graphs of this sampling,
     # captured before the first step (a run of equal-sized images then captures nothing once started).
-    pipe.warm_up([item.path for item in todo[:WARM_UP_SAMPLE]], sampling)
+    # Videos are left out: warm_up takes images, and a clip would be decoded twice.
+    pipe.warm_up([item.path for item in todo if not item.is_video][:WARM_UP_SAMPLE], sampling)
     captures_at_start = _captures(pipe)
     start = time.monotonic()
-    bar = tqdm(total=len(todo), unit="img", disable=args.quiet or not todo, file=sys.stderr, dynamic_ncols=True,
+    bar = tqdm(total=len(todo), unit="file" if any(i.is_video for i in todo) else "img", disable=args.quiet or not todo, file=sys.stderr, dynamic_ncols=True,
                position=state.process_index, desc=f"rank {state.process_index}" if state.num_processes > 1 else None)
     stopped = False
-    conversations = (caption_conversation(item.path, resolve(item)) for item in todo)
+    conversations = (caption_conversation(item.path, resolve(item), video) for item in todo)
     stream = pipe.chat_stream(conversations, sampling)
     try:
         for output in stream:
@@ -223,6 +232,7 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
                 bar.clear()
             sink.write(item, f"{args.prefix}{text}{args.suffix}")
             tally.captioned += 1
+            tally.videos += item.is_video
     finally:
         stream.close()
         bar.close()

@@ -10,12 +10,24 @@ import os
 from typing import Any
 
 from mmpipe.app.caption_records import FORMATS
+from mmpipe.vision.video_sampling import (
+    CONTEXT_TOKENS,
+    FPS,
+    FRAME_MAX_TOKENS,
+    FRAME_MIN_TOKENS,
+    MAX_FRAMES,
+    MIN_FRAMES,
+    VideoOptions,
+)
+
+from mmpipe.captioning import DEFAULT_VIDEO_PROMPT, VIDEO_EXTENSIONS, caption_video_options, frame_min_pixels
 from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
 from mmpipe.errors import InputError
 from mmpipe.integrations.ray_data import RAY_BATCH_SIZE, RAY_BATCHES_IN_FLIGHT
 from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
-DESCRIPTION = "Batch image captioning: files, directories or globs in; one caption per image out."
+DESCRIPTION = ("Batch captioning of images and video clips: files, directories or globs in; one caption per file "
+               "out. Video files (.mp4, .mov, .mkv, .webm, ...) are found among the images and captioned as videos.")
 FORMAT_NAMES = ["txt", *FORMATS, "parquet"]  # parquet: --ray only
 
 
@@ -29,11 +41,28 @@ def _positive(value: str) -> int:
     return number
 
 
+def _positive_number(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return number
+
+
+def _frames(value: str) -> int:
+    number = _positive(value)
+    if number < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (frames are sampled in pairs), got {number}")
+    return number
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     from mmpipe.cli import CommandParser
 
     parser = parser or CommandParser(prog="mmpipe caption", description=DESCRIPTION)
-    parser.add_argument("images", nargs="+", help="image files, directories (recursive) or glob patterns")
+    parser.add_argument("images", nargs="+", help="image and video files, directories (recursive) or glob patterns")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     out = parser.add_argument_group("outputs")
     out.add_argument("--format", choices=FORMAT_NAMES, default=None,
@@ -59,11 +88,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                      "that fails again is listed again)")
     prompts = parser.add_argument_group("prompt and sampling")
     group = prompts.add_mutually_exclusive_group()
-    group.add_argument("--prompt", default=None, help="instruction (default: 'Describe this image.')")
+    group.add_argument("--prompt", default=None, help="instruction (default: 'Describe this image.'; for videos "
+                       "see --video-prompt)")
     group.add_argument("--prompt-file", default=None, help="read the instruction from this file")
     prompts.add_argument("--dir-prompts", action="store_true",
-                         help="a prompt.txt in an image's folder (or the nearest parent within its input "
-                              "directory) overrides the prompt for the images below it")
+                         help="a prompt.txt in a file's folder (or the nearest parent within its input "
+                              "directory) overrides the prompt for the images and videos below it")
     prompts.add_argument("--max-new-tokens", type=_positive, default=64)
     prompts.add_argument("--min-new-tokens", type=int, default=0)
     prompts.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -77,6 +107,24 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     sizes.add_argument("--max-pixels", type=_positive, default=None,
                        help="largest image area in pixels (default: the checkpoint's); larger images are shrunk, "
                             "giving fewer image tokens")
+    videos = parser.add_argument_group(
+        "videos", "files ending in " + " ".join(VIDEO_EXTENSIONS) + " (any case) are captioned as videos: frames "
+        "sampled and sized as Qwen's qwen_vl_utils does; every 2 frames cost the tokens of one image of the frame size")
+    videos.add_argument("--video-prompt", default=None,
+                        help=f"instruction for videos (default: --prompt or --prompt-file if given, else "
+                             f"'{DEFAULT_VIDEO_PROMPT}'); a --dir-prompts prompt.txt still wins")
+    videos.add_argument("--fps", type=_positive_number, default=None,
+                        help=f"frames sampled per second of video (default: {FPS:g})")
+    videos.add_argument("--max-frames", type=_frames, default=None,
+                        help=f"most frames sampled from one video (default: {MAX_FRAMES}); at least {MIN_FRAMES} "
+                             "are sampled from a short clip unless this is lower")
+    videos.add_argument("--video-max-pixels", type=_positive, default=None,
+                        help=f"largest area of one sampled frame in pixels (default: {FRAME_MAX_TOKENS} merged "
+                             "tokens' worth, e.g. 602112 for 28-pixel tokens, less when --video-total-pixels "
+                             "is shared by many frames); --max-pixels is for images only")
+    videos.add_argument("--video-total-pixels", type=_positive, default=None,
+                        help="pixel budget of all of a video's frames together (default: Qwen's, 90%% of a "
+                             f"{CONTEXT_TOKENS}-token context); a frame never goes below {FRAME_MIN_TOKENS} tokens")
     run_group = parser.add_argument_group("running")
     run_group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     run_group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
@@ -95,7 +143,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group.add_argument("--gpu-decode", action="store_true",
                            help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "
                                 "transformers' torchvision-backed processor does; other files use Pillow")
-    run_group.add_argument("--fail-fast", action="store_true", help="stop at the first image that fails")
+    run_group.add_argument("--fail-fast", action="store_true", help="stop at the first file that fails")
     run_group.add_argument("--ray", action="store_true",
                            help="run as a Ray Data job; --output is then a directory of JSON lines (or --format "
                                 "parquet) files, on a filesystem every node sees (needs mmpipe[ray])")
@@ -135,6 +183,34 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--min-new-tokens must be between 0 and --max-new-tokens ({args.max_new_tokens})")
     if args.output and os.path.isdir(args.output) and not args.ray:
         raise InputError(f"--output {args.output} is a directory")
+
+
+def video_options(args: argparse.Namespace) -> VideoOptions:
+    """How every video is sampled and sized (`--fps`, `--max-frames`, `--video-max-pixels`,
+    `--video-total-pixels`), checked before the model loads: a --video-max-pixels below a frame's
+    smallest area (for the checkpoint's patch size) is refused here, not once per video."""
+    given = {"fps": args.fps, "max_frames": args.max_frames, "max_pixels": args.video_max_pixels,
+             "total_pixels": args.video_total_pixels}
+    options = caption_video_options(given, where="video options")
+    factor = _checkpoint_factor(args.model) if args.video_max_pixels is not None else None
+    if factor is not None and args.video_max_pixels < frame_min_pixels(factor):
+        raise InputError(f"--video-max-pixels {args.video_max_pixels} is below a video frame's smallest area, "
+                         f"{frame_min_pixels(factor)} pixels ({FRAME_MIN_TOKENS} tokens of {factor}x{factor} pixels)")
+    return options
+
+
+def _checkpoint_factor(model: str | None) -> int | None:
+    """The checkpoint's patch size x merge size, from its preprocessor config (None when it
+    cannot be read: the model load reports that)."""
+    from mmpipe.vision.preprocess import ImageProcessorConfig
+
+    from mmpipe.errors import MmpipeError
+    from mmpipe.pipeline import default_model_path
+
+    try:
+        return ImageProcessorConfig.from_dir(model or default_model_path()).factor
+    except (MmpipeError, OSError, ValueError):
+        return None
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

@@ -1,7 +1,7 @@
-"""What `mmpipe caption` reads: the images behind its inputs (files, directories, globs) and the
-prompt of each.
+"""What `mmpipe caption` reads: the images and video files behind its inputs (files, directories,
+globs) and the prompt of each.
 
-Images are known by one canonical key (the absolute path with symlinks resolved), so `imgs`,
+Files are known by one canonical key (the absolute path with symlinks resolved), so `imgs`,
 `./imgs` and `imgs/*.png` name the same files and resume finds them whatever was typed. Several
 processes each take a deterministic shard of them.
 """
@@ -13,7 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from mmpipe.captioning import VIDEO_EXTENSIONS, is_video
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+VIDEO_SUFFIXES = set(VIDEO_EXTENSIONS)  # captioned as videos (`mmpipe.captioning.is_video`)
 DIR_PROMPT_FILE = "prompt.txt"
 
 
@@ -23,6 +26,10 @@ class ImageItem:
     key: str  # canonical: symlinks resolved; identifies the image in every output
     root: str  # the dataset root it was found under (an input directory, or a file's folder)
     rel: str  # path relative to root, '/'-separated
+
+    @property
+    def is_video(self) -> bool:
+        return is_video(self.path)
 
     @classmethod
     def make(cls, path: str, root: str) -> "ImageItem":
@@ -34,8 +41,8 @@ class ImageItem:
 
 
 def collect_images(inputs: Iterable[str]) -> tuple[list[ImageItem], list[str]]:
-    """Expand files, directories (recursively; hidden entries skipped) and globs into images,
-    each once (first input wins). Returns the images and one message per input that yields
+    """Expand files, directories (recursively; hidden entries skipped) and globs into image and
+    video files, each once (first input wins). Returns the images and one message per input that yields
     nothing, so no input vanishes silently."""
     items: list[ImageItem] = []
     seen: set[str] = set()
@@ -54,7 +61,8 @@ def collect_images(inputs: Iterable[str]) -> tuple[list[ImageItem], list[str]]:
 def _expand(raw: str) -> tuple[list[ImageItem], str | None]:
     if os.path.isdir(raw):
         found = list(_walk(raw))
-        return found, None if found else f"directory has no images ({', '.join(sorted(IMAGE_SUFFIXES))})"
+        return found, None if found else (f"directory has no images or videos ({', '.join(sorted(IMAGE_SUFFIXES))}; "
+                                          f"{', '.join(VIDEO_EXTENSIONS)})")
     if os.path.isfile(raw):
         return [ImageItem.make(raw, os.path.dirname(raw) or ".")], None  # given by name: always tried
     if glob.has_magic(raw):
@@ -68,7 +76,7 @@ def _expand(raw: str) -> tuple[list[ImageItem], str | None]:
                 found.append(ImageItem.make(match, base))
         if found:
             return found, None
-        return [], "matches nothing" if not matches else f"matches {len(matches)} path(s) but no image"
+        return [], "matches nothing" if not matches else f"matches {len(matches)} path(s) but no image or video"
     if os.path.lexists(raw):
         return [], "not a file or a directory"
     return [], "no such file or directory"
@@ -83,7 +91,7 @@ def _walk(root: str) -> Iterator[ImageItem]:
 
 
 def _is_image_name(path: str) -> bool:
-    return os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES
+    return os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES
 
 
 def _glob_base(pattern: str) -> str:
@@ -98,7 +106,7 @@ def _glob_base(pattern: str) -> str:
 
 
 def shard(items: list[ImageItem], rank: int, world: int) -> list[ImageItem]:
-    """Rank r's deterministic share of the images: every world-th of them sorted by key."""
+    """Rank r's deterministic share of the files: every world-th of them sorted by key."""
     return sorted(items, key=lambda i: i.key)[rank::world]
 
 
@@ -106,24 +114,27 @@ def shard(items: list[ImageItem], rank: int, world: int) -> list[ImageItem]:
 
 
 class PromptResolver:
-    """The prompt of each image: the nearest `prompt.txt` in its folder or an ancestor up to its
-    dataset root when `per_directory`, else the global one."""
+    """The prompt of each file: the nearest `prompt.txt` in its folder or an ancestor up to its
+    dataset root when `per_directory` (for images and videos alike), else the global one of its
+    kind (`video_default` for videos; None: `default`)."""
 
-    def __init__(self, default: str, per_directory: bool) -> None:
+    def __init__(self, default: str, per_directory: bool, video_default: str | None = None) -> None:
         self.default = default
+        self.video_default = video_default or default
         self.per_directory = per_directory
         self._cache: dict[str, str | None] = {}
 
     def __call__(self, item: ImageItem) -> str:
+        default = self.video_default if item.is_video else self.default
         if not self.per_directory:
-            return self.default
+            return default
         folder = os.path.dirname(item.path)
         while True:
             found = self._read(folder)
             if found is not None:
                 return found
             if folder == item.root or os.path.dirname(folder) == folder:
-                return self.default
+                return default
             folder = os.path.dirname(folder)
 
     def _read(self, folder: str) -> str | None:

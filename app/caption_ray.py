@@ -1,6 +1,6 @@
 """`mmpipe caption --ray [ADDRESS]`: the same captioning as a Ray Data job
 (`mmpipe.integrations.ray_data.caption_files`) on a running Ray cluster, or a local one: the
-output is a directory of JSON lines (or Parquet) files, one row per image, and the same command
+output is a directory of JSON lines (or Parquet) files, one row per image or video, and the same command
 started again captions only what is missing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from mmpipe.errors import InputError, MmpipeError
 
 
-def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, sampling: Any) -> int:
+def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, sampling: Any, video: Any = None) -> int:
     from mmpipe.integrations.ray_data import RAY_BATCH_SIZE, RAY_BATCHES_IN_FLIGHT, _ray, caption_files
 
     problem = _unsupported(args)
@@ -47,7 +47,8 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
         summary = caption_files(paths, args.output, model=args.model, prompt=prompt,
                                 sampling={name: getattr(sampling, name) for name in fields}, engine=engine,
                                 format=args.format or "jsonl", concurrency=actors, num_gpus=args.tp if gpus else 0,
-                                device=args.device, dtype=args.dtype,
+                                device=args.device, dtype=args.dtype, video_prompt=args.video_prompt,
+                                video=video.given() if video is not None else None,
                                 batch_size=args.ray_batch_size or RAY_BATCH_SIZE,
                                 batches_in_flight=args.ray_batches_in_flight or RAY_BATCHES_IN_FLIGHT)
     except MmpipeError as exc:
@@ -57,7 +58,10 @@ def run_ray(args: argparse.Namespace, paths: list[str], prompt: str | None, samp
         print(f"mmpipe caption: the Ray job failed: {_root_cause(exc)}", file=sys.stderr)
         return 1
     if not args.quiet:
-        print(f"captioned {summary['captioned']} image(s) with {actors} Ray actor(s), {summary['failed']} failed, "
+        from mmpipe.captioning import is_video
+
+        noun = "file(s)" if any(is_video(path) for path in paths) else "image(s)"
+        print(f"captioned {summary['captioned']} {noun} with {actors} Ray actor(s), {summary['failed']} failed, "
               f"{summary['already']} already in {args.output}; {summary['error_rows']} error row(s) there in all "
               "(an error row is not retried)", file=sys.stderr)
     return 1 if summary["error_rows"] else 0

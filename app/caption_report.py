@@ -1,4 +1,4 @@
-"""What a `mmpipe caption` run tells its user: a line on stderr for each image that failed (and a
+"""What a `mmpipe caption` run tells its user: a line on stderr for each file that failed (and a
 JSON line in `--errors-file`), and the closing summary of what was captioned, skipped and failed."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ class Tally:
     """What a run counted, for its summary and its exit code."""
 
     captioned: int = 0
+    videos: int = 0  # of the captioned, the videos
     already: int = 0
     failed: int = 0
     unmatched_inputs: int = 0
@@ -27,7 +28,8 @@ class Tally:
 
 
 class ErrorLog:
-    """`--errors-file`: one JSON line (image, error) per image that failed in this run."""
+    """`--errors-file`: one JSON line (image, error) per file that failed in this run (`image`
+    holds a video's path too, as the record files do)."""
 
     def __init__(self, path: str | None) -> None:
         if path:  # its folder is made as the outputs' are (`unwritable` checked it can be)
@@ -46,10 +48,12 @@ class ErrorLog:
 
 
 def report_failure(item: ImageItem, reason: str, errors: ErrorLog, bar: Any) -> None:
-    """One failed image: a line on stderr (above the progress bar) and one in the errors file."""
+    """One failed file: a line on stderr (above the progress bar) and one in the errors file."""
     from mmpipe.captioning import per_file_error
 
     reason = per_file_error(reason)  # the line names the file
+    if item.is_video and "(max_model_len)" in reason:
+        reason += " (sample fewer or smaller frames: --fps, --max-frames, --video-total-pixels)"
     line = f"failed {item.path}: {reason}"
     if bar is not None:
         bar.write(line, file=sys.stderr)
@@ -60,9 +64,12 @@ def report_failure(item: ImageItem, reason: str, errors: ErrorLog, bar: Any) -> 
 
 def summary(tally: Tally, seconds: float, sink: Sink, args: argparse.Namespace, state: Any) -> None:
     who = f"rank {state.process_index}: " if state.num_processes > 1 else ""
-    parts = [f"{who}captioned {tally.captioned} image(s)"]
+    if tally.videos:
+        parts = [f"{who}captioned {tally.captioned - tally.videos} image(s) and {tally.videos} video(s)"]
+    else:
+        parts = [f"{who}captioned {tally.captioned} image(s)"]
     if seconds > 0:
-        parts[0] += (f" in {seconds:.1f} s ({tally.captioned / seconds:.1f} images/s, "
+        parts[0] += (f" in {seconds:.1f} s ({tally.captioned / seconds:.1f} {'files' if tally.videos else 'images'}/s, "
                      f"{tally.tokens / seconds:.0f} generated tokens/s)")
     if tally.already:
         parts.append(f"{tally.already} already captioned")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from mmpipe import settings
-from mmpipe.captioning import caption_conversation
+from mmpipe.captioning import caption_conversation, caption_prompt, caption_video_options
 from mmpipe.config import EngineConfig, GraphMode, SamplingParams, resolve_device, resolve_dtype
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.feed import RequestFeed
@@ -42,6 +42,7 @@ from mmpipe.text_stream import TextStream
 from mmpipe.tokenizer import generation_defaults, load_tokenizer
 from mmpipe.vision.gpu_decode import require_gpu_decode
 from mmpipe.vision.preprocess import ImageProcessorConfig
+from mmpipe.vision.video_sampling import VideoOptions
 from mmpipe.weights import read_json
 
 log = logging.getLogger("mmpipe")
@@ -259,10 +260,21 @@ class Pipeline:
         return self._execute(((i, spec(i)) for i in range(len(prompt_list))), len(prompt_list), errors, progress)
 
     def caption(self, images: Sequence[Any] | Any, prompt: str | None = None, sampling: SamplingParams | None = None,
-                errors: str = "return", progress: bool | None = None) -> list[str | None]:
-        """Caption each image; an image that cannot be read gives None (errors="raise" raises)."""
-        image_list = list(images) if isinstance(images, (list, tuple)) else [images]
-        outputs = self.chat([caption_conversation(image, prompt) for image in image_list], sampling, errors, progress)
+                errors: str = "return", progress: bool | None = None, *, video_prompt: str | None = None,
+                video: VideoOptions | dict[str, Any] | None = None) -> list[str | None]:
+        """Caption each image or video file (a path or file:// URI ending in a video extension,
+        `mmpipe.captioning.VIDEO_EXTENSIONS`, any case); a file that cannot be read gives None
+        (errors="raise" raises). `prompt`: the question (default "Describe this image."); videos
+        are asked `video_prompt`, else `prompt`, else "Describe this video.". `video`: how every
+        video is sampled and sized, a dict of `VideoOptions` keys (fps or nframes, min_frames,
+        max_frames, min_pixels, max_pixels, total_pixels, resized_height + resized_width,
+        video_start, video_end; default Qwen's: 2 fps, 4 to 768 frames), checked before any
+        request runs."""
+        options = caption_video_options(video, self.model.image_processor.factor, "caption: video")
+        sources = list(images) if isinstance(images, (list, tuple)) else [images]
+        conversations = [caption_conversation(source, caption_prompt(source, prompt, video_prompt), options)
+                         for source in sources]
+        outputs = self.chat(conversations, sampling, errors, progress)
         return [o.text.strip() if o.ok else None for o in outputs]
 
     def stream(self, conversation: Sequence[dict[str, Any]], sampling: SamplingParams | None = None) -> "TextStream":

@@ -8,7 +8,10 @@ arrays (`ray.data.read_images`) or paths (a table of files), adding `caption`, `
 batches may be in flight in one actor (`batches_in_flight`, a threaded actor): their requests are
 batched together by the one Pipeline, so the engine stays busy between batches.
 
-`caption_files` builds the whole job: the image files under directories (or listed), minus those
+Video files are captioned as videos: a path with a video extension, or bytes whose row has such a
+`path` (`read_binary_files(..., include_paths=True)`).
+
+`caption_files` builds the whole job: the image and video files under directories (or listed), minus those
 already in the output, as rows of paths that the actors read, captioned, written as JSON lines
 (`*.json`) or Parquet files with Ray's writers into an output directory; started again with the
 same output it captions only what is missing (every image once across runs). Inputs and output
@@ -24,11 +27,13 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from mmpipe.captioning import VIDEO_EXTENSIONS
 from mmpipe.config import SamplingParams
 from mmpipe.errors import InputError
 
 log = logging.getLogger("mmpipe")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+FILE_EXTENSIONS = IMAGE_EXTENSIONS + tuple(ext[1:] for ext in VIDEO_EXTENSIONS)  # what caption_files lists
 RESULT_COLUMNS = ("caption", "num_tokens", "finish_reason", "error")
 FORMATS = ("jsonl", "parquet")
 # Rows an actor holds at once: batches_in_flight x batch_size = 1024, four times the engine's 256
@@ -51,29 +56,40 @@ class CaptionStage:
     """One Pipeline per actor; `__call__` captions a batch (a dict of numpy columns) and returns
     it with the result columns, an image column of bytes or arrays left out (`image_column`:
     "bytes", "image" or "path"; None: the first of those the batch has). Paths are read by the
-    Pipeline itself, so a file that cannot be read is an error row too."""
+    Pipeline itself, so a file that cannot be read is an error row too. A video (a path with a
+    video extension, or bytes beside such a `path`) is sampled by `video`, a dict of
+    `VideoOptions` keys as `Pipeline.caption` takes it, and asked `video_prompt` (else `prompt`,
+    else "Describe this video.")."""
 
     def __init__(self, model: str | None = None, prompt: str | None = None, sampling: dict[str, Any] | None = None,
                  engine: dict[str, Any] | None = None, image_column: str | None = None,
-                 device: str | None = None, dtype: str | None = None) -> None:
+                 device: str | None = None, dtype: str | None = None, video_prompt: str | None = None,
+                 video: dict[str, Any] | Any = None) -> None:
+        from mmpipe.captioning import caption_video_options
         from mmpipe.pipeline import Pipeline
 
-        self.prompt = prompt
+        self.prompt, self.video_prompt = prompt, video_prompt
+        self.video = caption_video_options(video, where="CaptionStage: video")  # before the model loads
         self.sampling = SamplingParams(**{"max_new_tokens": 64, **(sampling or {})})
         self.image_column = image_column
         self.pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype, startup_sampling=self.sampling,
                                              **{"startup_progress": False, **(engine or {})})
+        caption_video_options(self.video, self.pipe.model.image_processor.factor, "CaptionStage: video")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from mmpipe.captioning import caption_conversation, caption_result, per_file_error
+        from mmpipe.captioning import caption_conversation, caption_prompt, caption_result, per_file_error
 
         column = self.image_column or next((c for c in ("bytes", "image", "path") if c in batch), None)
         if column is None or column not in batch:
             raise InputError(f"CaptionStage: the batch has no image column (columns: {sorted(batch)}; "
                              "expected 'bytes', 'image' or 'path', or name one with image_column)")
         images = [_image(value) for value in batch[column]]
-        outputs = self.pipe.chat([caption_conversation(image, self.prompt) for image in images], self.sampling,
-                                 progress=False)
+        # A bytes cell is known for a video by the row's path (read_binary_files' include_paths).
+        paths = batch["path"] if column != "path" and "path" in batch else [None] * len(images)
+        names = [str(p) if isinstance(image, bytes) and p is not None else None for image, p in zip(images, paths)]
+        conversations = [caption_conversation(image, caption_prompt(name or image, self.prompt, self.video_prompt),
+                                              self.video, name) for image, name in zip(images, names)]
+        outputs = self.pipe.chat(conversations, self.sampling, progress=False)
         captions, errors = zip(*(caption_result(o) for o in outputs)) if outputs else ((), ())
         out = {name: values for name, values in batch.items() if name != column or column == "path"}
         out["caption"] = np.array(captions, dtype=object)
@@ -98,8 +114,8 @@ def _image(value: Any) -> Any:
 
 
 def image_files(inputs: str | Sequence[str]) -> list[str]:
-    """Absolute paths of the image files under `inputs` (directories walked, hidden entries
-    skipped; files taken as given), each once, sorted."""
+    """Absolute paths of the image and video files (`FILE_EXTENSIONS`) under `inputs`
+    (directories walked, hidden entries skipped; files taken as given), each once, sorted."""
     found: dict[str, None] = {}
     for entry in [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs:
         entry = os.fspath(entry)
@@ -107,7 +123,7 @@ def image_files(inputs: str | Sequence[str]) -> list[str]:
             for root, dirs, files in os.walk(entry):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(files):
-                    if not name.startswith(".") and os.path.splitext(name)[1][1:].lower() in IMAGE_EXTENSIONS:
+                    if not name.startswith(".") and os.path.splitext(name)[1][1:].lower() in FILE_EXTENSIONS:
                         found.setdefault(os.path.realpath(os.path.join(root, name)))
         elif os.path.isfile(entry):
             found.setdefault(os.path.realpath(entry))
@@ -155,15 +171,17 @@ def caption_files(inputs: str | Sequence[str], output: str, *, model: str | None
                   sampling: dict[str, Any] | None = None, engine: dict[str, Any] | None = None,
                   format: str = "jsonl", concurrency: int = 1, num_gpus: float = 0, num_cpus: float = 1,
                   batch_size: int = RAY_BATCH_SIZE, batches_in_flight: int = RAY_BATCHES_IN_FLIGHT,
-                  device: str | None = None, dtype: str | None = None) -> dict[str, int]:
-    """Caption every image file under `inputs` not yet in `output` (a directory of JSON lines or
+                  device: str | None = None, dtype: str | None = None, video_prompt: str | None = None,
+                  video: dict[str, Any] | Any = None) -> dict[str, int]:
+    """Caption every image and video file under `inputs` not yet in `output` (a directory of JSON lines or
     Parquet files, one row per image: path, caption, num_tokens, finish_reason, error) on the
     running Ray cluster (or a local one). Inputs and output are paths every node sees alike (one
     machine, or a shared filesystem): the driver lists the files and reads the output back to
     resume. An error row counts as done (`error_rows` in the result counts them all): `concurrency` actors of `num_gpus` GPUs and `num_cpus`
     CPUs each (leave CPUs for Ray's read and write tasks); an actor of several GPUs splits its model
     over them (`tensor_parallel_size`, unless `engine` names one). Returns counts: files, already
-    done, captioned, failed."""
+    done, captioned, failed. `video_prompt` and `video` (a dict of `VideoOptions` keys) are the
+    videos' question and sampling, as `Pipeline.caption` takes them."""
     ray = _ray()
     if format not in FORMATS:
         raise InputError(f"format {format!r}: use one of {', '.join(FORMATS)}")
@@ -180,8 +198,11 @@ def caption_files(inputs: str | Sequence[str], output: str, *, model: str | None
         return _with_written(summary, output, files, set())
     if num_gpus > 1 and float(num_gpus).is_integer() and "tensor_parallel_size" not in (engine or {}):
         engine = {**(engine or {}), "tensor_parallel_size": int(num_gpus)}  # an actor's GPUs hold one model
+    from mmpipe.captioning import caption_video_options
+
+    videos = caption_video_options(video, where="caption_files: video").given()  # refused here, not in each actor
     stage = dict(model=model, prompt=prompt, sampling=sampling, engine=engine, device=device, dtype=dtype,
-                 image_column="path")
+                 image_column="path", video_prompt=video_prompt, video=videos or None)
     # Several batches per actor at once, on threads: the one Pipeline batches their requests
     # together, so the engine does not idle while a batch's last captions finish and the next
     # batch's images are read.

@@ -64,6 +64,49 @@ def test_a_batch_without_an_image_column_is_refused(stage):
         stage({"id": np.arange(2)})
 
 
+def _clips(folder: Path) -> list[str]:
+    """Two short clips (64x48, 5 s and 3 s at 8 fps) written with PyAV."""
+    from tests.video_helpers import make_video
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return [make_video(folder / "one.mp4", 40, 64, 48, fps=8, seed=1),
+            make_video(folder / "two.MKV", 24, 64, 48, fps=8, seed=2)]
+
+
+def test_the_stage_captions_video_rows_by_path_and_by_bytes_beside_a_path(stage, tmp_path, monkeypatch):
+    """A row's path with a video extension makes it a video; so does the path beside a bytes
+    cell (read_binary_files with include_paths). The captions are Pipeline.caption's."""
+    from mmpipe import SamplingParams
+
+    videos = _clips(tmp_path)
+    image = str(SCENES / "scene_1.png")
+    oracle = stage.pipe.caption([videos[0], image, videos[1]], sampling=SamplingParams(max_new_tokens=64))
+    by_path = stage({"path": np.array([videos[0], image, videos[1]])})
+    assert list(by_path["caption"]) == oracle and list(by_path["error"]) == [None] * 3
+    cells = [np.frombuffer(Path(p).read_bytes(), dtype=np.uint8) for p in (videos[0], image, videos[1])]
+    by_bytes = stage({"bytes": np.array(cells + [cells[0]], dtype=object),
+                      "path": np.array([videos[0], image, videos[1], "unnamed.bin"])})
+    assert list(by_bytes["caption"][:3]) == oracle
+    # Bytes whose path says nothing are an image: a clip's bytes then fail as one.
+    assert by_bytes["error"][3] == "not a recognised image format (corrupt or not an image)"
+    seen = []
+    chat = stage.pipe.chat
+    monkeypatch.setattr(stage.pipe, "chat", lambda convs, *a, **kw: seen.extend(convs) or chat(convs, *a, **kw))
+    monkeypatch.setattr(stage, "video", stage.video.__class__(max_frames=4))
+    monkeypatch.setattr(stage, "video_prompt", "What happens?")
+    stage({"path": np.array([videos[0], image])})
+    assert [c[0]["content"] for c in seen] == [
+        [{"type": "video", "video": videos[0], "max_frames": 4}, {"type": "text", "text": "What happens?"}],
+        [{"type": "image", "image": image}, {"type": "text", "text": "Describe this image."}]]
+
+
+def test_bad_video_options_are_refused_before_any_actor_starts(tmp_path):
+    with pytest.raises(InputError, match="caption_files: video: fps must be positive"):
+        caption_files(str(SCENES), str(tmp_path / "out"), video={"fps": -1})
+    with pytest.raises(InputError, match="CaptionStage: video: unknown option 'frames'"):
+        CaptionStage(device="cpu", video={"frames": 4})
+
+
 def test_resume_reads_what_was_written_and_skips_a_torn_line(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -143,6 +186,30 @@ def _actor_pids(name: str) -> list[int]:
             except OSError:
                 continue
     return sorted(pids)
+
+
+def test_the_job_captions_videos_among_images_with_the_commands_video_flags(ray_cluster, stage, images, tmp_path,
+                                                                           capsys):
+    """`mmpipe caption --ray` over a folder with clips: each clip a row captioned as
+    Pipeline.caption captions it with the same video options, a broken clip an error row, and a
+    re-run captions nothing."""
+    from mmpipe import SamplingParams
+
+    videos = _clips(images)
+    (images / "broken.webm").write_bytes(b"\x1aE\xdf\xa3 not really a webm")
+    output = str(tmp_path / "rows")
+    args = ["caption", str(images), "--ray", "--output", output, "--device", "cpu", "--ray-actors", "1",
+            "--max-frames", "4", "--video-prompt", "What happens?"]
+    assert main(args) == 1  # broken.jpg and broken.webm are error rows
+    assert "captioned 8 file(s) with 1 Ray actor(s), 2 failed, 0 already in" in capsys.readouterr().err
+    rows = _by_path(written_rows(output))
+    assert set(rows) == set(image_files(str(images))) and len(rows) == 10
+    oracle = stage.pipe.caption(videos, sampling=SamplingParams(max_new_tokens=64), video={"max_frames": 4},
+                                video_prompt="What happens?")
+    assert [rows[os.path.realpath(v)]["caption"] for v in videos] == oracle
+    assert rows[str(images / "broken.webm")]["error"].startswith("not a recognised video container")
+    assert main(args) == 1
+    assert "captioned 0 file(s) with 1 Ray actor(s), 0 failed, 10 already in" in capsys.readouterr().err
 
 
 def test_an_actor_killed_mid_job_still_gives_every_image_once(ray_cluster, tmp_path):
@@ -282,7 +349,14 @@ def test_the_ray_batching_flags_reach_the_job_and_need_ray(images, tmp_path, cap
     assert [(c["batch_size"], c["batches_in_flight"]) for c in calls] == [(32, 3), (ray_data.RAY_BATCH_SIZE,
                                                                                ray_data.RAY_BATCHES_IN_FLIGHT)]
     assert calls[0]["num_gpus"] == 1 and calls[0]["concurrency"] == 1
+    assert calls[0]["video"] == {} and calls[0]["video_prompt"] is None
+    calls.clear()
+    assert main(base + ["--fps", "1.5", "--max-frames", "8", "--video-max-pixels", "200704", "--video-total-pixels",
+                        "9000000", "--video-prompt", "Clip?"]) == 0
+    assert calls[0]["video"] == {"fps": 1.5, "max_frames": 8, "max_pixels": 200704, "total_pixels": 9000000}
+    assert calls[0]["video_prompt"] == "Clip?"
+    calls.clear()
     for flag in ("--ray-batch-size", "--ray-batches-in-flight", "--ray-actors"):
         assert main(["caption", str(images), "--device", "cpu", flag, "2"]) == 2
         assert f"{flag} need(s) --ray" in capsys.readouterr().err
-    assert len(calls) == 2
+    assert not calls
