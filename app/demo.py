@@ -4,13 +4,14 @@
     mmpipe demo --model ~/models/Qwen2.5-VL-3B-Instruct --concurrency 8 --port 8000
     python -m mmpipe.app.demo                     # the same (python -m app.demo from a checkout)
 
-Built on Gradio's own chat components (`gr.ChatInterface(multimodal=True)`): several images per
-turn, multi-turn history whose earlier images stay in the conversation (the encoder cache makes
-them free to resend), retry / undo / clear, and a stop button that aborts the request and frees
-its KV pages. Everyone who opens the page shares one Pipeline; up to `--concurrency` answers are
-generated at once and the engine batches them together. A bad image gets an error reply in that
-chat only. Nothing is fetched from the network: analytics are off and the fonts are Gradio's
-bundled ones.
+Built on Gradio's own chat components (`gr.ChatInterface(multimodal=True)`): several images or
+videos per turn (a video plays in the chat and is sampled at Qwen's 2 frames a second unless the
+settings say otherwise), multi-turn history whose earlier images and videos stay in the
+conversation (the encoder cache makes them cheap to resend), retry / undo / clear, and a stop
+button that aborts the request and frees its KV pages. Everyone who opens the page shares one
+Pipeline; up to `--concurrency` answers are generated at once and the engine batches them
+together. A bad image or video gets an error reply in that chat only. Nothing is fetched from
+the network: analytics are off and the fonts are Gradio's bundled ones.
 
 `demo_chat.ChatBackend` holds everything but the page (turning Gradio's history into a
 conversation, streaming, the statistics panels of `demo_panels`), so it runs and is tested without
@@ -23,11 +24,12 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # `from mmpipe.app.demo import ChatBackend, launch` is how a program embeds the demo (docs/demo.md).
 from mmpipe.app.demo_chat import ChatBackend
 from mmpipe.app.demo_page import launch
+
 from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, EngineConfig, GraphMode
 from mmpipe.errors import MmpipeError
 from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS

@@ -1,14 +1,23 @@
-"""The demo's Gradio page around a `ChatBackend`: the chat with multimodal input and a stop button,
-the generation settings, the statistics panels, example turns from the bundled sample scenes, and
+"""The demo's Gradio page around a `ChatBackend`: the chat with multimodal input (images and videos,
+shown in the chat: videos as players) and a stop button, the generation settings (video sampling
+among them), the statistics panels, example turns from the bundled sample scenes, and
 the server that serves it (analytics off, nothing fetched from the network)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from mmpipe.app.demo_chat import IMAGE_ONLY_PROMPT, ChatBackend
 from mmpipe.app.demo_panels import answer_panel
+from mmpipe.vision.video_sampling import FPS, MAX_FRAMES
+
+from mmpipe.captioning import VIDEO_EXTENSIONS
+
+# What the upload box takes: images, and videos by MIME type or by the extensions `mmpipe caption`
+# reads as video (Python's MIME table misses some, e.g. .ts, .3gp).
+UPLOAD_TYPES = ["image", "video", *VIDEO_EXTENSIONS]
 
 SAMPLE_IMAGES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "images")
 
@@ -44,14 +53,19 @@ def build_ui(backend: ChatBackend, title: str | None = None) -> Any:
                   step=0.01, label="Repetition penalty", render=False),
         # A text field: a Number field shows and sends 0 when left empty, which would seed every answer.
         gr.Textbox("", label="Seed (empty = random)", placeholder="random", max_lines=1, render=False),
+        # How a video is sampled (Qwen's defaults): fewer frames, fewer prompt tokens.
+        gr.Slider(0.25, 8.0, value=FPS, step=0.25, label="Video frames per second", render=False),
+        gr.Slider(2, MAX_FRAMES, value=MAX_FRAMES, step=2, label="Video max frames", render=False),
     ]
     answer_md = gr.Markdown(answer_panel(None), elem_id="mmpipe-answer-stats", render=False)
     engine_md = gr.Markdown(backend.engine_panel(), elem_id="mmpipe-engine-stats", render=False)
     def respond(message: Any, history: list[dict[str, Any]], system_prompt: Any = "", max_new_tokens: Any = None,
                 temperature: Any = None, top_p: Any = None, top_k: Any = None, repetition_penalty: Any = None,
-                seed: Any = None, request: gr.Request = None) -> Iterator[Any]:
+                seed: Any = None, video_fps: Any = None, video_max_frames: Any = None,
+                request: gr.Request = None) -> Iterator[Any]:
         yield from backend.respond(message, history, system_prompt, max_new_tokens, temperature, top_p, top_k,
-                                   repetition_penalty, seed, session=getattr(request, "session_hash", "") or "")
+                                   repetition_penalty, seed, video_fps, video_max_frames,
+                                   session=getattr(request, "session_hash", "") or "")
 
     def after_stop(request: gr.Request) -> Any:
         panel = backend.final_answer_panel(getattr(request, "session_hash", "") or "")
@@ -61,14 +75,14 @@ def build_ui(backend: ChatBackend, title: str | None = None) -> Any:
     respond.__annotations__["request"] = after_stop.__annotations__["request"] = gr.Request
 
     with gr.Blocks(title=f"mmpipe: {name}", analytics_enabled=False, fill_height=True) as demo:
-        gr.Markdown(f"## mmpipe demo: {name}\nDrop images, ask about them, watch the answer stream. "
+        gr.Markdown(f"## mmpipe demo: {name}\nDrop images or a video, ask about them, watch the answer stream. "
                     f"Running on {pipe.device} ({str(pipe.dtype).removeprefix('torch.')}).")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
                 chat = gr.ChatInterface(
                     respond, multimodal=True, analytics_enabled=False,
-                    textbox=gr.MultimodalTextbox(file_types=["image"], file_count="multiple", sources=["upload"],
-                                                 placeholder="Ask about an image, or drop images here",
+                    textbox=gr.MultimodalTextbox(file_types=UPLOAD_TYPES, file_count="multiple", sources=["upload"],
+                                                 placeholder="Ask about an image or a video, or drop them here",
                                                  stop_btn=True),
                     chatbot=gr.Chatbot(label=name, height=520, elem_id="mmpipe-chat", buttons=["copy", "copy_all"]),
                     additional_inputs=settings, additional_outputs=[answer_md, engine_md],

@@ -6,21 +6,23 @@ from __future__ import annotations
 from typing import Any
 
 
-def answer_panel(stream: Any, error: str | None = None) -> str:
-    """Markdown: this answer's time to first token, speed, and token counts."""
+def answer_panel(stream: Any, error: str | None = None, media: tuple[int, int] | None = None) -> str:
+    """Markdown: this answer's time to first token, speed, and token counts. `media`: the
+    conversation's (images, videos) (the engine counts a video's frame groups as images)."""
     if stream is None:
         return table("This answer", [("Not generated", error) if error else ("Status", "no answer yet")])
     metrics = stream.metrics()
     generated = stream.num_generated_tokens
     finish = stream.finish_reason
+    images, videos = (stream.num_images, 0) if media is None else media
+    sources, preparing = _media(images, videos), "images, videos" if videos else "images"
     rows = [
         ("Time to first token", f"{metrics.time_to_first_token_s * 1e3:.0f} ms from the request, of which "
-                                f"{metrics.preprocess_s * 1e3:.0f} ms preparing it (template, images)"
+                                f"{metrics.preprocess_s * 1e3:.0f} ms preparing it (template, {preparing})"
          if generated else "waiting"),
         ("Decode speed", f"{metrics.decode_tokens_per_s:.1f} tokens/s" if generated > 1 else "-"),
         ("Generated", f"{generated} tokens" + (f" ({finish})" if finish else " so far")),
-        ("Prompt", f"{stream.num_prompt_tokens} tokens, {stream.num_image_tokens} of them from "
-                   f"{stream.num_images} image{'s' if stream.num_images != 1 else ''}"),
+        ("Prompt", f"{stream.num_prompt_tokens} tokens, {stream.num_image_tokens} of them from {sources}"),
         ("Queued", f"{metrics.queued_s * 1e3:.0f} ms"),
     ]
     return table("This answer", rows)
@@ -42,6 +44,13 @@ def engine_panel(pipe: Any) -> str:
         ("Encoder cache", f"{cache['entries']} images, {cache['hits']} hits, {cache['misses']} misses"),
     ]
     return table("Engine", rows)
+
+
+def _media(images: int, videos: int) -> str:
+    """'2 images', '1 video', '1 image and 1 video'."""
+    named = [f"{n} {kind}{'s' if n != 1 else ''}" for n, kind in ((images, "image"), (videos, "video"))
+             if n or kind == "image" and not videos]
+    return " and ".join(named)
 
 
 def _graphs(part: dict[str, Any]) -> str:

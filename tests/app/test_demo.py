@@ -1,5 +1,6 @@
 """The Gradio demo: history -> conversation, settings -> sampling, streaming and stop on the
-backend, and the real server on a localhost port driven by gradio_client."""
+backend, and the real server on a localhost port driven by gradio_client, with images and videos
+(the demo under load is test_demo_load.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import threading
 import time
 
 import pytest
-from mmpipe.app.demo_chat import ERROR_TITLE, IMAGE_ONLY_PROMPT, ChatBackend, Settings, to_conversation
+from mmpipe.app.demo_chat import (
+    ERROR_TITLE,
+    IMAGE_ONLY_PROMPT,
+    VIDEO_ONLY_PROMPT,
+    ChatBackend,
+    Settings,
+    to_conversation,
+)
 
 from mmpipe import Pipeline, SamplingParams
 from tests.demo_helpers import EXPECTED, StepRecorder, free_port, sample, wait_for
@@ -24,6 +32,14 @@ def pipe():
     p = Pipeline.from_pretrained(device="cpu")
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    """A 3-second H.264 mp4 (24 frames at 8 fps): 6 frames, 3 frame groups at the demo's 2 fps."""
+    from tests.video_helpers import make_video
+
+    return make_video(tmp_path_factory.mktemp("video") / "clip.mp4", 24, 64, 48, fps=8)
 
 
 def respond_all(backend, message, history=(), **settings):
@@ -65,6 +81,38 @@ def test_error_turns_are_dropped_and_an_image_alone_gets_the_caption_question():
                                    {"type": "text", "text": IMAGE_ONLY_PROMPT}]
     with pytest.raises(ValueError, match="empty"):
         to_conversation({"text": "  ", "files": []}, history)
+
+
+def test_video_uploads_become_video_parts_with_the_page_sampling_and_stay_in_later_turns():
+    image, video = sample("scene_0.png"), "/tmp/upload/clip.mp4"
+    webm = "/tmp/upload/blob"  # no extension: the browser's MIME type says what it is
+    browser_history = [{"role": "user", "content": [{"type": "file", "file": {"path": video, "mime_type": "video/mp4"}}]},
+                       {"role": "user", "content": [{"type": "text", "text": "What happens?"}]},
+                       {"role": "assistant", "content": [{"type": "text", "text": "a scene"}]},
+                       {"role": "user", "content": [{"type": "file", "file": {"path": webm, "mime_type": "video/webm"}}]},
+                       {"role": "assistant", "content": "another"}]
+    api_history = [{"role": "user", "content": [{"path": video}, "What happens?"]},
+                   {"role": "assistant", "content": "a scene"},
+                   {"role": "user", "content": {"path": webm, "mime_type": "video/webm"}},
+                   {"role": "assistant", "content": "another"}]
+    keys = {"fps": 1.5, "max_frames": 8}
+    expected = [{"role": "user", "content": [{"type": "video", "video": video, **keys},
+                                             {"type": "text", "text": "What happens?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "a scene"}]},
+                {"role": "user", "content": [{"type": "video", "video": webm, **keys},
+                                             {"type": "text", "text": VIDEO_ONLY_PROMPT}]},  # a video alone, replayed
+                {"role": "assistant", "content": [{"type": "text", "text": "another"}]},
+                {"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "video", "video": "/tmp/upload/b.MKV", **keys},
+                                             {"type": "text", "text": VIDEO_ONLY_PROMPT}]}]
+    for history in (browser_history, api_history):
+        assert to_conversation({"text": "", "files": [image, "/tmp/upload/b.MKV"]}, history, video=keys) == expected
+    assert Settings().video() == Settings.from_inputs("", 8, 0, 1, 0, 1, None).video() == {"fps": 2.0,
+                                                                                           "max_frames": 768}
+    assert Settings.from_inputs("", 8, 0, 1, 0, 1, None, "0.5", 16.0).video() == {"fps": 0.5, "max_frames": 16}
+    for bad in ((0, 16), (2, 1), (2, 3.5)):
+        with pytest.raises(ValueError, match="fps|frames"):
+            Settings.from_inputs("", 8, 0, 1, 0, 1, None, *bad).video()
 
 
 def test_each_setting_reaches_its_own_sampling_field():
@@ -120,7 +168,7 @@ def test_max_new_tokens_and_seed_reach_the_sampler(pipe):
     message = {"text": "Describe this image.", "files": [sample("scene_5.png")]}
     short = respond_all(backend, message, max_new_tokens=4)[-1]
     assert "Generated | 4 tokens (length)" in short[1]
-    hot = dict(temperature=1.8, top_p=1.0, top_k=0, max_new_tokens=24)
+    hot = {"temperature": 1.8, "top_p": 1.0, "top_k": 0, "max_new_tokens": 24}
     same = {respond_all(backend, message, seed=11, **hot)[-1][0] for _ in range(2)}
     assert len(same) == 1
     varied = {respond_all(backend, message, seed=s, **hot)[-1][0] for s in range(6)}
@@ -133,7 +181,7 @@ def test_closing_an_answer_aborts_it_and_frees_its_pages(pipe):
     backend = ChatBackend(pipe, update_interval_s=0.0)
     gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_0.png")]}, [],
                           max_new_tokens=200)
-    text, panel, _ = next(gen)
+    next(gen)
     assert pipe.stats()["requests"]["running"] == 1
     assert pipe.stats()["kv_pages"]["free"] < pipe.stats()["kv_pages"]["total"]
     gen.close()
@@ -146,11 +194,23 @@ def test_bad_input_is_an_error_reply_naming_the_file(pipe, tmp_path):
     corrupt = tmp_path / "broken.png"
     corrupt.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really" * 20)
     backend = ChatBackend(pipe)
-    (reply, panel, _), = respond_all(backend, {"text": "What is this?", "files": [str(corrupt)]})
+    (reply, _, _), = respond_all(backend, {"text": "What is this?", "files": [str(corrupt)]})
     assert reply["metadata"]["title"] == ERROR_TITLE
     assert "'broken.png'" in reply["content"] and str(tmp_path) not in reply["content"]
     (reply, _, _), = respond_all(backend, {"text": "hi", "files": []}, top_p=0.0)
     assert "top_p" in reply["content"]
+
+
+def test_a_video_too_long_for_the_context_says_how_to_send_fewer_frames(pipe, tmp_path):
+    from tests.video_helpers import make_video
+
+    long = make_video(tmp_path / "long.mp4", 160, 64, 48, fps=8)  # 20 s: 40 frames at 2 fps
+    backend = ChatBackend(pipe)
+    (reply, _, _), = respond_all(backend, {"text": "", "files": [long]})
+    assert reply["metadata"]["title"] == ERROR_TITLE and "max_model_len" in reply["content"], reply
+    assert "'Video max frames'" in reply["content"]
+    answer = respond_all(backend, {"text": "", "files": [long]}, video_max_frames=8)[-1][1]
+    assert "from 1 video" in answer and re.search(r"Generated \| \d+ tokens \((length|stop)\)", answer), answer
 
 
 # ---------------------------------------------------------------------- the real server
@@ -260,7 +320,8 @@ def test_the_server_contacts_no_other_host(pipe):
 def test_corrupt_upload_gets_an_error_reply_and_the_server_keeps_serving(server, tmp_path):
     url, _, _ = server
     corrupt = tmp_path / "corrupt.png"
-    corrupt.write_bytes(open(sample("scene_2.png"), "rb").read()[:200])  # a truncated PNG
+    with open(sample("scene_2.png"), "rb") as png:
+        corrupt.write_bytes(png.read()[:200])  # a truncated PNG
     client = gradio_client.Client(url, verbose=False)
     reply = ask(client, "What is this?", str(corrupt))[0]
     assert reply["metadata"]["title"] == ERROR_TITLE and "corrupt.png" in reply["content"]
@@ -268,6 +329,44 @@ def test_corrupt_upload_gets_an_error_reply_and_the_server_keeps_serving(server,
     assert ask(other, "Describe this image.", sample("scene_3.png"))[0] == EXPECTED["scene_3.png"]
     # The same chat goes on: the failed turn is left out of its history.
     assert ask(client, "Describe this image.", sample("scene_4.png"))[0] == EXPECTED["scene_4.png"]
+
+
+def test_server_answers_about_a_video_and_keeps_it_in_later_turns(server, pipe, clip):
+    """A video turn is answered as `Pipeline.chat` answers the same video part (the demo's 2 fps);
+    a text-only follow-up still has the video in its prompt (its frame groups come from the
+    encoder cache); the page's max-frames setting reaches the sampling."""
+    url, _, _ = server
+    first = [{"role": "user", "content": [{"type": "video", "video": clip}, {"type": "text", "text": VIDEO_ONLY_PROMPT}]}]
+    with pipe.stream(first) as reference:
+        want = "".join(reference)
+        video_tokens, groups = reference.num_image_tokens, reference.num_images
+    assert groups == 3 and video_tokens > 0
+    client = gradio_client.Client(url, verbose=False)
+    reply, answer, engine = ask(client, "", clip)
+    assert reply == want and f"{video_tokens} of them from 1 video" in answer, answer
+    hits = int(re.search(r"(\d+) hits", engine).group(1))
+    follow_up = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    reply, answer, engine = ask(client, "And then?")
+    assert reply == pipe.chat([follow_up])[0].text
+    assert f"{video_tokens} of them from 1 video" in answer, answer
+    assert int(re.search(r"(\d+) hits", engine).group(1)) == hits + groups  # not encoded again
+    fewer = ask(client, "And then?", video_max_frames=4)[1]
+    assert re.search(r"(\d+) of them from 1 video", fewer).group(1) == str(video_tokens * 2 // 3), fewer
+
+
+def test_corrupt_video_gets_an_error_reply_and_the_chat_goes_on(server, clip, tmp_path):
+    url, _, _ = server
+    broken = tmp_path / "broken.mp4"
+    with open(clip, "rb") as good:
+        broken.write_bytes(good.read()[:300])  # a truncated mp4
+    client = gradio_client.Client(url, verbose=False)
+    reply, answer, _ = ask(client, "What happens?", str(broken))
+    assert reply["metadata"]["title"] == ERROR_TITLE and "'broken.mp4'" in reply["content"], reply
+    assert "internal error" not in reply["content"] and str(tmp_path) not in reply["content"]
+    assert "Not generated" in answer
+    # The same chat goes on without the failed turn, with an image and then a good video.
+    assert ask(client, "Describe this image.", sample("scene_4.png"))[0] == EXPECTED["scene_4.png"]
+    assert "from 1 image and 1 video" in ask(client, "", clip)[1]
 
 
 @pytest.mark.slow
@@ -289,161 +388,8 @@ def test_demo_command_starts_a_server_and_rejects_bad_flags():
         proc.terminate()
         proc.wait(30)
     bad = subprocess.run([sys.executable, "-m", "mmpipe.cli", "demo", "--concurrency", "0"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+                         check=False, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--concurrency" in bad.stderr and "Traceback" not in bad.stderr
-
-
-def drive_from_pool(gen, pool):
-    """Gradio calls a sync generator's next() from whichever worker thread is free: do the same."""
-    updates = []
-    while True:
-        item = pool.submit(next, gen, None).result()
-        if item is None:
-            return updates
-        updates.append(item)
-
-
-@pytest.mark.gpu
-def test_gpu_demo_answers_with_graphs_from_many_threads_and_stops_cleanly():
-    import concurrent.futures as futures
-
-    cuda = Pipeline.from_pretrained(device="cuda", dtype="float32", num_kv_pages=2048)
-    try:
-        backend = ChatBackend(cuda, update_interval_s=0.0)
-        names = ["scene_0.png", "scene_1.png", "scene_5.png"]
-        recorder = StepRecorder(delay_s=0.0).install(cuda)
-        gens = [backend.respond({"text": "Describe this image.", "files": [sample(n)]}, []) for n in names]
-        with futures.ThreadPoolExecutor(8) as steps, futures.ThreadPoolExecutor(len(gens)) as drivers:
-            results = list(drivers.map(lambda g: drive_from_pool(g, steps), gens))
-        assert [r[-1][0] for r in results] == [EXPECTED[n] for n in names]
-        assert recorder.max_running >= 2
-        engine = results[-1][-1][2]
-        for part in ("Prefill graphs", "Decode graphs"):
-            live = re.search(part + r" \| (\d+) live", engine)
-            assert live and int(live.group(1)) > 0, engine
-        assert "Graph mode | full_and_piecewise" in engine
-        gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_2.png")]}, [],
-                              max_new_tokens=200)
-        next(gen)
-        assert cuda.stats()["requests"]["running"] == 1
-        gen.close()
-        stats = cuda.stats()
-        assert stats["requests"]["running"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
-    finally:
-        cuda.close()
-    # In bfloat16 the ViT runs as graphs too (its float32 attention path cannot be captured).
-    bf16 = Pipeline.from_pretrained(device="cuda", dtype="bfloat16", num_kv_pages=2048)
-    try:
-        reply, _, engine = respond_all(ChatBackend(bf16), {"text": "Describe this image.",
-                                                           "files": [sample("scene_3.png")]})[-1]
-        assert reply == bf16.caption([sample("scene_3.png")])[0]
-        live = re.search(r"ViT graphs \| (\d+) live", engine)
-        assert live and int(live.group(1)) > 0, engine
-    finally:
-        bf16.close()
-
-
-@pytest.mark.slow
-def test_thirty_two_clients_at_once_each_get_their_own_answer(pipe):
-    """32 gradio_client users at once, mixed images and text, every fourth one stopping mid-answer:
-    every streamed update is a prefix of that user's own expected answer (never another's), every
-    user who did not stop gets all of it, and the engine ends with no running request and every KV
-    page free."""
-    pytest.importorskip("gradio")
-    import time as time_module
-
-    from mmpipe.app.demo_page import launch
-
-    names = sorted(EXPECTED)
-    messages = [{"text": "Describe this image.", "files": [sample(n)]} for n in names]
-    messages += [{"text": "What is a scene?", "files": []}, {"text": "Name three colours.", "files": []}]
-    reference = ChatBackend(pipe, update_interval_s=0.0)
-    expected = [respond_all(reference, m)[-1][0] for m in messages]
-    assert expected[:len(names)] == [EXPECTED[n] for n in names]
-    demo, url = launch(ChatBackend(pipe, concurrency=8), port=free_port(), block=False, quiet=True)
-    try:
-        start = time_module.monotonic()
-        clients = [gradio_client.Client(url, verbose=False) for _ in range(32)]
-        jobs = []
-        for i, client in enumerate(clients):
-            m = messages[i % len(messages)]
-            payload = {"text": m["text"], "files": [gradio_client.handle_file(f) for f in m["files"]]}
-            jobs.append((i, client.submit(payload, api_name="/chat")))
-        stopped = set()
-        for i, job in jobs:
-            if i % 4 == 3:  # this user stops as soon as the first words arrive
-                wait_for(lambda: job.outputs() or job.done(), 120, "a first update")
-                job.cancel()
-                stopped.add(i)
-        for i, job in jobs:
-            want = expected[i % len(messages)]
-            if i not in stopped:
-                assert job.result(timeout=300)[0] == want, i
-            else:
-                wait_for(job.done, 120, "the stopped job to end")
-            for update in job.outputs():
-                assert want.startswith(update[0]), (i, update[0], want)
-        wall = time_module.monotonic() - start
-
-        def idle() -> bool:
-            stats = pipe.stats()
-            return stats["requests"]["running"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
-
-        wait_for(idle, 60, "the engine to be idle with every page free")
-        print(f"32 clients: {wall:.1f} s wall, {32 - len(stopped)} complete answers checked, {len(stopped)} stopped")
-    finally:
-        demo.close()
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-@pytest.mark.slow
-def test_soak_two_thousand_answers_keep_memory_flat(tmp_path, monkeypatch):
-    """2,000 answers from 16 threads, each its own session, cycling through 40 distinct images and
-    two text prompts: after a warm-up (caches filled to their bounds), the process's resident
-    memory grows by less than a bound, and the per-session state stays bounded."""
-    import concurrent.futures as futures
-
-    from mmpipe.app import demo_chat
-
-    from tests.helpers import random_image
-
-    monkeypatch.setattr(demo_chat, "SESSIONS_KEPT", 256)
-    images = []
-    for i in range(40):
-        path = tmp_path / f"img{i}.png"
-        random_image(64 + 8 * (i % 5), 64, seed=i).save(path)
-        images.append(str(path))
-    messages = [{"text": "Describe this image.", "files": [p]} for p in images]
-    messages += [{"text": "What is a scene?", "files": []}, {"text": "Name three colours.", "files": []}]
-    # Small caches, so they reach their bounds during the warm-up.
-    soak = Pipeline.from_pretrained(device="cpu", encoder_cache_bytes=4 << 20, preprocessed_cache_bytes=2 << 20)
-    backend = ChatBackend(soak, update_interval_s=0.0, concurrency=16)
-
-    def answer(i: int) -> str:
-        updates = respond_all(backend, messages[i % len(messages)], max_new_tokens=4, session=f"user{i}")
-        return updates[-1][0]
-
-    try:
-        with futures.ThreadPoolExecutor(16) as pool:
-            assert all(pool.map(answer, range(300)))  # warm-up
-            before = _rss_bytes()
-            assert all(pool.map(answer, range(300, 2000)))
-        after = _rss_bytes()
-        stats = soak.stats()
-        assert stats["requests"]["running"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
-        assert len(backend._last) <= 256
-        print(f"soak: resident memory {before / 2**20:.0f} MiB after the warm-up, {after / 2**20:.0f} MiB "
-              "after 2,000 answers")
-        assert after - before < 64 << 20
-    finally:
-        soak.close()
 
 
 def test_demo_engine_flags_reach_the_pipeline(monkeypatch, capsys):

@@ -1,6 +1,7 @@
 """The demo in a real headless Chromium: upload, ask, watch the answer stream, stop it, retry,
 read the statistics panels, take a screenshot, and check the page fetched nothing from the
-network. Skipped when Chromium or playwright is missing (`.ci/run` installs both)."""
+network; upload an mp4, see it play in the chat and get answers about it. Skipped when Chromium or
+playwright is missing (`.ci/run` installs both)."""
 
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ def demo_url():
     pipe = Pipeline.from_pretrained(device="cpu")
     recorder = StepRecorder(STEP_DELAY_S).install(pipe)
     demo, url = launch(ChatBackend(pipe, concurrency=2), port=free_port(), block=False, quiet=True)
-    yield url, recorder
+    yield url, recorder, pipe
     demo.close()
     pipe.close()
 
 
 @pytest.fixture()
 def page(demo_url):
-    url, _ = demo_url
+    url = demo_url[0]
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -64,8 +65,16 @@ def panel(page, elem_id: str) -> str:
     return page.locator(f"#{elem_id}").inner_text()
 
 
+def prompt_tokens(page) -> tuple[int, int] | None:
+    """(prompt tokens, of them from the video) of a finished answer, from the answer panel."""
+    text = panel(page, "mmpipe-answer-stats")
+    found = re.search(r"Prompt\s+(\d+) tokens, (\d+) of them from 1 video", text)
+    ended = re.search(r"Generated\s+\d+ tokens \((length|stop)\)", text)
+    return (int(found.group(1)), int(found.group(2))) if found and ended else None
+
+
 def test_upload_ask_stream_stop_retry_and_statistics(demo_url, page, tmp_path):
-    _, recorder = demo_url
+    recorder = demo_url[1]
     expected = EXPECTED["scene_5.png"]
     page.locator("input[type=file]").first.set_input_files(sample("scene_5.png"))
     page.wait_for_selector("[data-testid='multimodal-textbox'] img, .thumbnail-item img", timeout=30_000)
@@ -123,3 +132,39 @@ def test_upload_ask_stream_stop_retry_and_statistics(demo_url, page, tmp_path):
     outside = [u for u in page.requests if not re.match(r"(https?|wss?)://(127\.0\.0\.1|localhost)[:/]", u)
                and not u.startswith(("data:", "blob:"))]
     assert not outside, f"the page fetched from the network: {outside[:5]}"
+
+
+def test_video_upload_plays_in_the_chat_and_stays_in_the_conversation(demo_url, page, tmp_path):
+    """An mp4 dropped in the box shows in the chat as a video player that has loaded the clip, the
+    answer is the pipeline's for that video part, and a text-only follow-up still asks about it."""
+    from tests.video_helpers import make_video
+
+    pipe = demo_url[2]
+    clip = make_video(tmp_path / "clip.mp4", 24, 64, 48, fps=8)  # 3 s, H.264
+    first = [{"role": "user", "content": [{"type": "video", "video": clip},
+                                          {"type": "text", "text": "What happens in this video?"}]}]
+    want = pipe.chat([first])[0].text
+    page.locator("input[type=file]").first.set_input_files(clip)
+    page.wait_for_selector(".thumbnail-item", timeout=30_000)
+    page.get_by_placeholder("Ask about an image").fill("What happens in this video?")
+    page.keyboard.press("Enter")
+    player = page.locator("#mmpipe-chat .message.user video")
+    player.first.wait_for(timeout=30_000)
+    # Loaded by the browser (metadata read, so it plays): the clip's own size and length.
+    wait_for(lambda: player.first.evaluate("v => v.readyState") >= 1, 30, "the video to load")
+    assert player.first.evaluate("v => [v.videoWidth, v.videoHeight, Math.round(v.duration), v.error]") == [
+        64, 48, 3, None]
+    wait_for(lambda: bot_text(page) == want, 60, "the answer about the video")
+    wait_for(lambda: prompt_tokens(page), 20, "the final statistics")
+    prompt, from_video = prompt_tokens(page)
+
+    follow_up = first + [{"role": "assistant", "content": want}, {"role": "user", "content": "And then?"}]
+    want = pipe.chat([follow_up])[0].text
+    # The chat box (its placeholder is gone once the chat has a turn).
+    page.get_by_role("group", name="Multimedia input field").locator("textarea").fill("And then?")
+    page.keyboard.press("Enter")
+    wait_for(lambda: page.locator(".message.bot").count() == 2 and bot_text(page) == want, 60, "the follow-up")
+    assert player.count() == 1  # still shown, once
+    # The follow-up's prompt: the first turn, its answer and the question, with the same video tokens.
+    wait_for(lambda: (prompt_tokens(page) or (0, 0))[0] > prompt, 20, "the follow-up's statistics")
+    assert prompt_tokens(page)[1] == from_video
