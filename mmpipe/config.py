@@ -183,7 +183,8 @@ class EngineConfig:
     # Where JPEG files are decoded and resized: "cpu" (Pillow, matching transformers'
     # Qwen2VLImageProcessorPil exactly) or "gpu" (nvJPEG and torchvision's resize on the GPU,
     # matching its torchvision-backed Qwen2VLImageProcessor; needs CUDA and torchvision). Other
-    # formats, and JPEGs the GPU cannot take as Pillow would, use Pillow either way.
+    # formats, and JPEGs the GPU cannot take as Pillow would, use Pillow either way. "gpu" also
+    # decodes videos with NVDEC (FFmpeg's CUDA decoding in PyAV; CPU decoding where it has none).
     image_decode: str = "cpu"
     # Overlapped scheduling: plan and launch step N+1 before reading step N's tokens, so host
     # work runs while the GPU computes (same results; see engine.py). None: on for CUDA, off on

@@ -32,13 +32,15 @@ from mmpipe.vision.video_sampling import FPS, frame_size, list_frame_count, samp
 BuildVideo = Callable[..., PreprocessedVideo]  # (frames, cfg, indices, video fps, sample fps)
 
 
-def load_video(video: ChatVideo, cfg: ImageProcessorConfig, build: BuildVideo, threads: int = 1) -> PreprocessedVideo:
+def load_video(video: ChatVideo, cfg: ImageProcessorConfig, build: BuildVideo, threads: int = 1,
+               decode: str = "cpu") -> PreprocessedVideo:
     """Decode, sample and resize one video; `build` (the family's `ModelSpec.preprocess_video`)
-    cuts the frames into what the tower takes."""
+    cuts the frames into what the tower takes. `decode="gpu"`: NVDEC where the GPU and FFmpeg
+    have it (the frames still come back to the host to be resized), else the CPU."""
     if video.is_frames:
         return _from_frames(video, cfg, build)
     options = video.options
-    with VideoFile(video.source, threads=threads) as file:
+    with VideoFile(video.source, threads=threads, device=decode) as file:
         info = file.info
         try:
             sample = sample_frames(options, info.total_frames, info.fps)

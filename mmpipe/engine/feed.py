@@ -50,6 +50,10 @@ class RequestFeed:
         lookahead = max(8, 2 * self.engine.cfg.max_running_requests)
         budget = self.engine.cfg.input_bytes_ahead
         held = 0  # the resized pixels of the requests in the engine (`running`)
+        # Loads in flight at once: enough to keep the workers busy, and no more than the byte budget
+        # has room for at the inputs' size so far (one at a time until a first one is measured).
+        in_flight_cap = 4 * self.engine.cfg.preprocess_workers
+        measured = [0, 0]  # requests read, their bytes
         # Conversations are prepared (chat template, tokens) a burst per loop, not the whole window
         # at once, so the first images start loading and the GPU gets work at once (a whole window
         # prepared up front kept the GPU idle at the start of a run).
@@ -64,10 +68,25 @@ class RequestFeed:
             log.debug("request %d failed: %s", index, exc)
             failed.append(failed_output(index, str(exc)))
 
+        def room() -> bool:
+            if len(window) >= lookahead:
+                return False
+            if not window and not held:  # nothing read and nothing running: always read one
+                return True
+            spent = held + _loaded_bytes(window)
+            if spent > budget:
+                return False
+            in_flight = sum(1 for pending in window if not all(f.done() for f in pending.images))
+            if in_flight >= in_flight_cap:
+                return False
+            if not measured[0]:
+                return in_flight == 0
+            return spent + (in_flight + 1) * measured[1] / measured[0] <= budget
+
         def refill() -> None:
             nonlocal exhausted
             for _ in range(burst):
-                if len(window) >= lookahead or (window and held + _loaded_bytes(window) > budget):
+                if not room():
                     return
                 item = next(it, None)
                 if item is None:
@@ -99,6 +118,8 @@ class RequestFeed:
                     request.on_finish = done.append
                     request.input_bytes = sum(_pixel_bytes(image) for image in request.images)
                     held += request.input_bytes
+                    measured[0] += 1
+                    measured[1] += request.input_bytes
                     running.add(request)
                     with self.engine.lock:
                         self.engine.add(request)

@@ -121,7 +121,8 @@ class InputProcessor:
         (`ImageProcessorConfig.with_size`), or a `ChatVideo` (`mmpipe.video_loading`)."""
         if isinstance(source, ChatVideo):
             try:
-                return load_video(source, self.model.image_processor, self.model.spec.preprocess_video)
+                return load_video(source, self.model.image_processor, self.model.spec.preprocess_video,
+                                  decode=self.image_decode)
             except InputError as exc:
                 raise type(exc)(f"{where}: {exc}") from exc
         size = None

@@ -1,6 +1,7 @@
 """Video prompts on CUDA in every graph mode, against transformers (float32, all three families):
 one video, an image and a video, two videos (a file and a list of frames), and a video split
-across prefill chunks; the ViT graph of a pack of frame groups equal to eager to the bit where
+across prefill chunks (first-step logits within 5e-4 relative: prompts of near a thousand tokens
+through different attention kernels; greedy tokens identical, logprobs within 1e-3); the ViT graph of a pack of frame groups equal to eager to the bit where
 the pack fills its bucket exactly. Run on the GPU machine with `pytest -m gpu`."""
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def test_float32_video_prompts_match_transformers_in_every_graph_mode(family, cl
     pipe = Pipeline.from_pretrained(path, device="cuda", dtype="float32", graph_mode=mode, num_kv_pages=4096)
     try:
         for conversation in conversations(clips).values():
-            assert_matches(pipe, reference, path, conversation, device="cuda", logprob_tol=1e-3)
+            assert_matches(pipe, reference, path, conversation, device="cuda", logprob_tol=1e-3, logits_tol=5e-4)
     finally:
         pipe.close()
 
@@ -81,19 +82,20 @@ def test_a_video_split_across_prefill_chunks_on_cuda(family, clips, mode):
 
 
 def test_vit_graph_of_frame_groups_equals_eager_to_the_bit(tmp_path):
-    """Frames of 112 x 112 are 64 patches a group; four groups fill the 256-patch bucket exactly."""
+    """Frames of 112 x 112 are 64 patches a group; four groups fill the 256-patch bucket exactly.
+    bfloat16: in float32 the ViT's attention has no graph-safe kernel and runs eagerly."""
     path = make_checkpoint(str(tmp_path / "ckpt"), family="qwen2_5_vl")
     clip = make_video(tmp_path / "c.mp4", 40, 120, 90, fps=10)
     part = {"type": "video", "video": clip, "nframes": 8, "resized_height": 112, "resized_width": 112}
     embeds = {}
     for mode in ("none", "full_and_piecewise"):
-        pipe = Pipeline.from_pretrained(path, device="cuda", dtype="float32", graph_mode=mode, num_kv_pages=1024)
+        pipe = Pipeline.from_pretrained(path, device="cuda", dtype="bfloat16", graph_mode=mode, num_kv_pages=1024)
         try:
             video = pipe.processor.load_image(_chat_video(part), "test")
             assert sum(group.num_patches for group in video.groups) == 256
             embeds[mode] = [e.clone() for e in pipe.runner.encode_images(video.groups)]
             if mode != "none":
-                assert pipe.stats()["vit"]["graph_runs"] > 0
+                assert pipe.stats()["vit"]["graph_runs"] > 0, pipe.stats()["vit"]
         finally:
             pipe.close()
     assert all(torch.equal(a, b) for a, b in zip(embeds["none"], embeds["full_and_piecewise"]))

@@ -66,13 +66,15 @@ def test_patches_grid_seconds_and_prompt_tokens_equal_transformers(family, clip,
     patch = pipe.model.image_processor.patch_size
     frames, metadata, sample_fps = fetch_video({"type": "video", "video": clip, **keys}, patch)
     processor = hf_processor(name, path)
-    conversation = [{"role": "user", "content": [{"type": "image", "image": random_image(90, 60, seed=3)},
+    conversation = [{"role": "user", "content": [{"type": "image", "image": random_image(224, 224, seed=3)},
                                                  {"type": "video", "video": clip, **keys},
                                                  {"type": "text", "text": "Describe this image."}]}]
     text, _ = pipe.processor.render_chat(conversation, "test")
-    extra = {"video_metadata": [metadata]} if name == "qwen3_vl" else {"fps": [sample_fps]}
+    # Qwen's model cards hand qwen_vl_utils' metadata over; do_resize=False reaches the image
+    # too, so the image is one both families take as it is (224 = 8 x 28 = 7 x 32) (the sample rate is its sampled_fps)
     reference = processor(text=[text], images=[conversation[0]["content"][0]["image"]], videos=[frames],
-                          do_resize=False, do_sample_frames=False, return_tensors="pt", **extra)
+                          video_metadata=[metadata], do_resize=False, do_sample_frames=False, return_tensors="pt")
+    assert abs(sample_fps - len(metadata["frames_indices"]) / metadata["total_num_frames"] * metadata["fps"]) < 1e-9
     request = pipe.processor.build(0, text, parse_conversation(conversation).images, _params(), "test")
     video = pipe.processor.load_image(parse_conversation(conversation).images[1], "test")
     ours = torch.cat([group.pixel_values for group in video.groups])
