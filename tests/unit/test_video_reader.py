@@ -146,7 +146,7 @@ def test_gpu_decoding_without_a_gpu_says_so_and_decodes_on_the_cpu(mp4, caplog):
     if torch.cuda.is_available():  # NVDEC: the same pictures, converted to RGB from its own NV12 layout
         for frame, i in zip(got, [0, 20, 39]):
             off = {j: np.abs(frame.astype(int) - reference[j]).mean() for j in (i - 1, i, i + 1) if 0 <= j < 40}
-            assert min(off, key=off.get) == i and off[i] < 4, off
+            assert min(off, key=off.get) == i and off[i] < 6, off
     else:
         assert "NVDEC decoding unavailable" in caplog.text and "decoding on the CPU" in caplog.text
         assert_frames(got, reference, [0, 20, 39])
