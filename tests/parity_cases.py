@@ -51,6 +51,19 @@ def assert_matches(pipe: Pipeline, reference, path: str, conversation, device: s
     assert max_logprob_diff(out.logprobs, ref_steps) <= logprob_tol
 
 
+def assert_chunked_matches(pipe: Pipeline, reference, path: str, conversation, device: str = "cpu",
+                           logprob_tol: float = 1e-4) -> None:
+    """32 greedy tokens identical to transformers' and their top logprobs within `logprob_tol`,
+    for a pipeline whose prefill budget splits the prompt into at least four chunks (its
+    first-step logits are not compared: `first_logits` prefills in one forward)."""
+    inputs = hf_inputs(path, conversation, device=device, videos=videos_of(pipe, conversation))
+    _, ref_tokens, ref_steps = hf_generate(reference, inputs, 32)
+    out = pipe.chat(conversation, GREEDY_32)[0]
+    assert out.num_prompt_tokens == inputs["input_ids"].shape[1] > 3 * pipe.engine.cfg.max_prefill_tokens
+    assert out.token_ids == ref_tokens
+    assert max_logprob_diff(out.logprobs, ref_steps) <= logprob_tol
+
+
 def videos_of(pipe: Pipeline, conversation) -> list:
     """The conversation's videos as mmpipe samples and resizes them (what transformers' model is
     fed in the comparison; the sampling and the patches have their own oracles)."""

@@ -13,7 +13,7 @@ import torch
 
 from mmpipe import Pipeline
 from tests.helpers import hf_model, make_checkpoint, random_image
-from tests.parity_cases import assert_matches
+from tests.parity_cases import assert_chunked_matches, assert_matches
 from tests.video_helpers import make_video
 
 pytestmark = pytest.mark.gpu
@@ -63,20 +63,12 @@ def test_float32_video_prompts_match_transformers_in_every_graph_mode(family, cl
 
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
 def test_a_video_split_across_prefill_chunks_on_cuda(family, clips, mode):
-    from tests.helpers import hf_generate, hf_inputs, max_logprob_diff
-    from tests.parity_cases import GREEDY_32, videos_of
-
     path, reference = family
     pipe = Pipeline.from_pretrained(path, device="cuda", dtype="float32", graph_mode=mode, num_kv_pages=4096,
                                     max_prefill_tokens=96)
     try:
-        conversation = conversations(clips)["video"]
-        inputs = hf_inputs(path, conversation, device="cuda", videos=videos_of(pipe, conversation))
-        _, ref_tokens, ref_steps = hf_generate(reference, inputs, 32)
-        out = pipe.chat(conversation, GREEDY_32)[0]
-        assert out.num_prompt_tokens == inputs["input_ids"].shape[1] > 3 * 96
-        assert out.token_ids == ref_tokens
-        assert max_logprob_diff(out.logprobs, ref_steps) <= 1e-3
+        assert_chunked_matches(pipe, reference, path, conversations(clips)["video"], device="cuda",
+                               logprob_tol=1e-3)
     finally:
         pipe.close()
 
