@@ -40,6 +40,7 @@ from mmpipe.outputs import RequestOutput
 from mmpipe.startup import StartupReport
 from mmpipe.text_stream import TextStream
 from mmpipe.tokenizer import generation_defaults, load_tokenizer
+from mmpipe.video_parts import video_of_part
 from mmpipe.vision.gpu_decode import require_gpu_decode
 from mmpipe.vision.preprocess import ImageProcessorConfig
 from mmpipe.vision.video_sampling import VideoOptions
@@ -242,7 +243,9 @@ class Pipeline:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, errors: str = "return",
                  progress: bool | None = None) -> list[RequestOutput]:
         """Complete pre-formatted prompts. Each image needs one `<|vision_start|><|image_pad|>
-        <|vision_end|>` placeholder in its prompt; `images[i]` lists prompt i's images in order."""
+        <|vision_end|>` placeholder in its prompt, each video one `<|vision_start|><|video_pad|>
+        <|vision_end|>`; `images[i]` lists prompt i's images and videos in order (a video as its
+        chat part, `{"type": "video", "video": ..., keys...}`)."""
         submitted = time.monotonic()
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         if images is not None and len(images) != len(prompt_list):
@@ -253,7 +256,8 @@ class Pipeline:
             def prepare() -> Prepared:
                 if not isinstance(prompt_list[i], str):
                     raise InputError(f"prompt {i}: must be a string, got {type(prompt_list[i]).__name__}")
-                imgs = list(images[i]) if images is not None else []
+                imgs = [_video_or_image(item, f"prompt {i}, item {k}")
+                        for k, item in enumerate(images[i] if images is not None else [])]
                 return self.processor.prepare(i, prompt_list[i], imgs, params[i], f"prompt {i}", submitted=submitted)
             return prepare
 
@@ -390,3 +394,11 @@ def _per_request(sampling: SamplingParams | Sequence[SamplingParams] | None, cou
     if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
         raise InputError(f"sampling: give one SamplingParams or a list of {count}")
     return params
+
+
+def _video_or_image(item: Any, where: str) -> Any:
+    """A `generate` media item: a video part (dict) becomes its `ChatVideo`; anything else is an
+    image source."""
+    if isinstance(item, dict) and item.get("type") in ("video", "video_url"):
+        return video_of_part(item, where)
+    return item

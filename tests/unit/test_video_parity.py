@@ -12,12 +12,13 @@ from fractions import Fraction
 
 import pytest
 
-from mmpipe import Pipeline
+from mmpipe import Pipeline, SamplingParams
 from tests.helpers import hf_model, make_checkpoint, random_image
 from tests.parity_cases import assert_chunked_matches, assert_matches
 from tests.video_helpers import make_video
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+GREEDY_8 = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,16 @@ def test_a_video_split_across_prefill_chunks(family, clips):
         assert_chunked_matches(pipe, reference, path, conversation)
     finally:
         pipe.close()
+
+
+def test_generate_with_a_formatted_prompt_and_a_video_part_equals_chat(family, clips):
+    """generate() takes a video as its chat part beside the prompt's placeholder."""
+    _, _, pipe, _ = family
+    part = video_part(clips["mp4"], nframes=4)
+    conversation = ask(part)
+    text, _ = pipe.processor.render_chat(conversation, "test")
+    assert "<|video_pad|>" in text
+    ours = pipe.generate([text], [[part]], GREEDY_8)[0]
+    assert ours.ok and ours.token_ids == pipe.chat(conversation, GREEDY_8)[0].token_ids
+    bad = pipe.generate([text], [[{"type": "video", "video": clips["mp4"], "frames": 3}]], GREEDY_8)[0]
+    assert not bad.ok and "prompt 0, item 0: unknown key 'frames'" in bad.error
