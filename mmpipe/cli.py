@@ -2,6 +2,7 @@
 
     mmpipe caption IMAGES...     caption images (files, directories, globs): txt, jsonl, metadata, csv
     mmpipe demo                  the browser chat demo (app/demo.py; needs `pip install mmpipe[app]`)
+    mmpipe serve                 an OpenAI-compatible HTTP server (app/serve.py; needs `pip install mmpipe[serve]`)
     mmpipe info [--model PATH]   versions, device, and a summary of a model
     mmpipe bench WHAT            side-by-side GPU benchmarks (app/bench/: kernels, throughput, vit, decode, prefill, caption)
 """
@@ -166,14 +167,15 @@ def console_main() -> int:
 
 
 def build_parser() -> CommandParser:
-    """`mmpipe`'s parser: caption, demo and info (`bench` parses its own arguments)."""
-    from mmpipe.app import caption, demo
+    """`mmpipe`'s parser: caption, demo, serve and info (`bench` parses its own arguments)."""
+    from mmpipe.app import caption, demo, serve
     from mmpipe.config import GraphMode
 
     parser = CommandParser(prog="mmpipe", description="Fast vision-language model inference.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     caption.build_parser(sub.add_parser("caption", help="caption images"))
     demo.build_parser(sub.add_parser("demo", help="the browser chat demo (Gradio)"))
+    serve.build_parser(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)"))
     info = sub.add_parser("info", help="versions, device and a model summary")
     info.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     info.add_argument("--device", default=None)
@@ -189,7 +191,7 @@ def build_parser() -> CommandParser:
 
 
 def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
-    from mmpipe.app import caption, demo
+    from mmpipe.app import caption, demo, serve
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -205,6 +207,8 @@ def main(argv: Sequence[str] | None = None, exit_at_once: bool = False) -> int:
         return code
     if args.command == "demo":
         return guarded("mmpipe demo", lambda: demo.run(args))
+    if args.command == "serve":
+        return guarded("mmpipe serve", lambda: serve.run(args))
     return guarded("mmpipe info", lambda: _info(args))
 
 

@@ -112,11 +112,11 @@ def _parses(parse, words: list[str]) -> bool:
     return True
 
 
-def test_every_quoted_caption_demo_and_info_command_parses():
+def test_every_quoted_caption_demo_serve_and_info_command_parses():
     from mmpipe.cli import build_parser
 
     parser = build_parser()
-    commands = [c for program in ("caption", "demo", "info") for c in _quoted_commands(program)]
+    commands = [c for program in ("caption", "demo", "serve", "info") for c in _quoted_commands(program)]
     failing = [c for c in commands if "[" not in c and not _parses(parser.parse_args, shlex.split(c)[1:])]
     assert not failing, failing
     assert len(commands) >= 3

@@ -1,0 +1,359 @@
+"""`mmpipe serve`'s FastAPI app: OpenAI's chat and text completions, models and health, in front of one
+`Pipeline`.
+
+Every choice runs as a `TextStream` on its own worker thread (as the demo's answers do): that thread
+renders the chat, decodes the images and steps the shared engine, so all requests are batched
+together, and it hands text deltas to the event loop (`loop.call_soon_threadsafe`), which never
+waits on the engine or on media decoding. A client that disconnects sets its choices' cancel flag;
+their threads close the streams, which aborts the requests and frees their KV pages."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from mmpipe.app.serve_protocol import (
+    ApiError,
+    Job,
+    bad,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mmpipe.config import SamplingParams
+from mmpipe.errors import InputError, MmpipeError
+from mmpipe.text_stream import TextStream
+
+log = logging.getLogger("mmpipe.serve")
+RETRY_AFTER_S = 1
+SHUTDOWN_JOIN_S = 10.0
+
+
+class Generation:
+    """One choice: a TextStream iterated on a worker thread; its events go to the job's queue as
+    (index, kind, ...) tuples: ("ready",), ("error", exc), ("delta", text, token_ids, logprobs),
+    ("end", RequestOutput)."""
+
+    def __init__(self, server: Server, index: int, make_stream: Callable[[], TextStream],
+                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+        self.server, self.index, self.make_stream = server, index, make_stream
+        self.queue, self.loop = queue, loop
+        self.cancel = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"mmpipe-serve-{index}", daemon=True)
+
+    def _put(self, *event: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, *event))
+        except RuntimeError:  # the loop has closed (shutdown): nobody is listening
+            pass
+
+    def _run(self) -> None:
+        try:
+            self._generate()
+        finally:
+            self.server.release(self)
+
+    def _generate(self) -> None:
+        try:
+            stream = self.make_stream()
+        except Exception as exc:  # noqa: BLE001 (handed to the request's handler)
+            self._put("error", exc)
+            return
+        self._put("ready")
+        engine, request, seen = self.server.pipe.engine, stream._request, 0
+        try:
+            for delta in stream:
+                if self.cancel.is_set():
+                    break
+                with engine.lock:  # the tokens behind this text, as the engine has them now
+                    ids = request.output_ids[seen:]
+                    lps = request.logprobs[seen:seen + len(ids)]
+                seen += len(ids)
+                self._put("delta", delta, list(ids), list(lps))
+        except Exception as exc:
+            log.exception("a request failed while generating")
+            self._put("error", exc)
+            return
+        finally:
+            stream.close()  # aborts an unfinished request and frees its KV pages
+        if not self.cancel.is_set():
+            with engine.lock:
+                self._put("end", request.to_output(), seen)
+
+
+class Server:
+    """The pipeline, the admission count, and the generations alive (to cancel at shutdown)."""
+
+    def __init__(self, pipe: Any, names: tuple[str, ...], api_key: str | None, allowed: str | None,
+                 max_queued: int, max_running: int | None = None) -> None:
+        self.pipe, self.names, self.api_key, self.allowed = pipe, names, api_key, allowed
+        running = max_running if max_running is not None else pipe.engine_config.max_running_requests
+        self.capacity = running + max_queued  # choices held at once: those running plus those waiting
+        self.lock = threading.Lock()
+        self.alive: set[Generation] = set()
+        self.held = 0
+
+    def admit(self, count: int) -> None:
+        with self.lock:
+            if self.held + count > self.capacity:
+                raise ApiError(503, f"the server is full ({self.held} requests running or waiting); retry later",
+                               type_="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            self.held += count
+
+    def release(self, generation: Generation) -> None:
+        with self.lock:
+            self.held -= 1
+            self.alive.discard(generation)
+
+    def start(self, makers: list[Callable[[], TextStream]]) -> tuple[list[Generation], asyncio.Queue]:
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.admit(len(makers))
+        gens = [Generation(self, i, make, queue, loop) for i, make in enumerate(makers)]
+        with self.lock:
+            self.alive.update(gens)
+        for gen in gens:
+            gen.thread.start()
+        return gens, queue
+
+    def shutdown(self) -> None:
+        """Abort what is still running and wait for its threads (the pipeline is closed after)."""
+        with self.lock:
+            gens = list(self.alive)
+        for gen in gens:
+            gen.cancel.set()
+        deadline = time.monotonic() + SHUTDOWN_JOIN_S
+        for gen in gens:
+            gen.thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -------------------------------------------------------------- what a choice runs
+
+    def chat_maker(self, conversation: list[dict[str, Any]], sampling: SamplingParams) -> Callable[[], TextStream]:
+        return lambda: self.pipe.stream(conversation, sampling)
+
+    def prompt_maker(self, prompt: str, sampling: SamplingParams) -> Callable[[], TextStream]:
+        def make() -> TextStream:  # Pipeline.stream for a formatted prompt without images
+            pipe, submitted = self.pipe, time.monotonic()
+            with pipe._text_lock:
+                prepared = pipe.processor.prepare(0, prompt, [], sampling, "prompt", stream=True, submitted=submitted)
+                request = pipe.processor.assemble(prepared, [])
+            return TextStream(pipe.engine, request)
+        return make
+
+
+async def _wait_ready(gens: list[Generation], queue: asyncio.Queue, param: str) -> list[tuple]:
+    """Wait until every choice has started (or one failed: then cancel the rest and answer 400);
+    returns the events that arrived meanwhile."""
+    pending, early = {g.index for g in gens}, []
+    while pending:
+        event = await queue.get()
+        if event[1] == "ready":
+            pending.discard(event[0])
+        elif event[1] == "error":
+            for gen in gens:
+                gen.cancel.set()
+            exc = event[2]
+            if isinstance(exc, InputError):
+                raise bad(str(exc), param)
+            if isinstance(exc, MmpipeError):
+                raise ApiError(400, str(exc))
+            raise ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+        else:
+            early.append(event)
+    return early
+
+
+async def _events(gens: list[Generation], queue: asyncio.Queue, early: list[tuple]) -> AsyncIterator[tuple]:
+    """Every delta and end event until all choices ended; an error mid-generation raises."""
+    remaining = len(gens)
+    for event in early:
+        yield event
+        remaining -= event[1] == "end"
+    while remaining:
+        event = await queue.get()
+        if event[1] == "error":
+            raise ApiError(500, f"generation failed: {event[2]}", type_="server_error")
+        yield event
+        remaining -= event[1] == "end"
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | None = None,
+               allowed_local_media_path: str | None = None, max_queued: int = 256,
+               max_running: int | None = None) -> FastAPI:
+    """The app for one Pipeline. `max_running` (default: the engine's max_running_requests) plus
+    `max_queued` choices are held at once; past that, 503 with Retry-After."""
+    name = served_model_name or os.path.basename(os.path.normpath(pipe.model.path))
+    allowed = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
+    server = Server(pipe, (name,), api_key, allowed, max_queued, max_running)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
+
+    app = FastAPI(title="mmpipe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(ApiError(exc.status_code, message, kind).body(), status_code=exc.status_code)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Any:
+        guarded = api_key is not None and request.url.path.startswith("/v1/")
+        if guarded and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return JSONResponse(ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)",
+                                         "authentication_error", code="invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad(f"the body is not valid JSON: {exc}") from None
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "mmpipe",
+                                             "root": pipe.model.path, "max_model_len": pipe.runner.max_model_len}
+                                            for n in server.names]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        job = parse_chat(await body_of(request), server.names, server.allowed)
+        makers = [server.chat_maker(job.conversation, s) for s in job.sampling]
+        return await _respond(server, job, makers, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        job = parse_completion(await body_of(request), server.names)
+        makers = [server.prompt_maker(p, s) for p in job.prompts for s in job.sampling]
+        return await _respond(server, job, makers, chat=False)
+
+    return app
+
+
+async def _respond(server: Server, job: Job, makers: list[Callable[[], TextStream]], chat: bool) -> Any:
+    gens, queue = server.start(makers)
+    try:
+        early = await _wait_ready(gens, queue, "messages" if chat else "prompt")
+    except BaseException:
+        for gen in gens:
+            gen.cancel.set()
+        raise
+    if job.stream:
+        return StreamingResponse(_stream(server, job, gens, queue, early, chat), media_type="text/event-stream")
+    try:
+        return await _whole(server, job, gens, queue, early, chat)
+    finally:
+        for gen in gens:
+            gen.cancel.set()
+
+
+def _top(job: Job) -> int:
+    return job.sampling[0].logprobs or 0
+
+
+async def _whole(server: Server, job: Job, gens: list[Generation], queue: asyncio.Queue, early: list[tuple],
+                 chat: bool) -> dict[str, Any]:
+    outputs: dict[int, Any] = {}
+    async for event in _events(gens, queue, early):
+        if event[1] == "end":
+            outputs[event[0]] = event[2]
+    tokenizer, n = server.pipe.tokenizer, len(job.sampling)
+    choices, completion = [], 0
+    for i in range(len(gens)):
+        out = outputs[i]
+        completion += len(out.token_ids)
+        lps = out.logprobs if job.logprobs else None
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": {"content": chat_logprobs(tokenizer, out.token_ids, lps, _top(job))}
+                            if lps is not None else None,
+                            "finish_reason": finish_reason(out.finish_reason)})
+        else:
+            text = (job.prompts[i // n] if job.echo else "") + out.text
+            choices.append({"index": i, "text": text, "finish_reason": finish_reason(out.finish_reason),
+                            "logprobs": completion_logprobs(tokenizer, out.token_ids, lps, _top(job))
+                            if lps is not None else None})
+    prompt = sum(outputs[p * n].num_prompt_tokens for p in range(len(gens) // n))
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": "chat.completion" if chat else
+            "text_completion", "created": job.created, "model": job.model, "choices": choices,
+            "usage": usage(prompt, completion)}
+
+
+async def _stream(server: Server, job: Job, gens: list[Generation], queue: asyncio.Queue, early: list[tuple],
+                  chat: bool) -> AsyncIterator[str]:
+    tokenizer, n = server.pipe.tokenizer, len(job.sampling)
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": job.created,
+            "model": job.model}
+    extra = {"usage": None} if job.include_usage else {}
+
+    def chunk(index: int, text: str | None, ids: list[int], lps: list, reason: str | None,
+              first: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            logprobs = ({"content": chat_logprobs(tokenizer, ids, lps, _top(job))}
+                        if job.logprobs and ids else None)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            logprobs = completion_logprobs(tokenizer, ids, lps, _top(job)) if job.logprobs and ids else None
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        return {**head, "choices": [choice], **extra}
+
+    prompt_tokens, completion = {}, 0
+    try:
+        for gen in gens:
+            if chat:
+                yield _sse(chunk(gen.index, None, [], [], None, first=True))
+            elif job.echo:
+                yield _sse(chunk(gen.index, job.prompts[gen.index // n], [], [], None))
+        async for event in _events(gens, queue, early):
+            index = event[0]
+            if event[1] == "delta":
+                yield _sse(chunk(index, event[2], event[3], event[4], None))
+                continue
+            out, seen = event[2], event[3]
+            rest = out.token_ids[seen:]
+            rest_lps = out.logprobs[seen:] if out.logprobs else []
+            completion += len(out.token_ids)
+            prompt_tokens[index // n] = out.num_prompt_tokens
+            yield _sse(chunk(index, None, rest, rest_lps, finish_reason(out.finish_reason)))
+        if job.include_usage:
+            yield _sse({**head, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion)})
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:
+        yield _sse(exc.body())
+    finally:  # also on a client that went away: its requests are aborted, their pages freed
+        for gen in gens:
+            gen.cancel.set()

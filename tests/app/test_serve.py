@@ -1,0 +1,302 @@
+"""`mmpipe serve` driven by the real `openai` client against a real uvicorn server on loopback, with
+the bundled model on the CPU."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from mmpipe.app.serve_api import create_app
+
+from mmpipe import Pipeline, SamplingParams
+from tests.video_helpers import make_video
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCENE = os.path.join(REPO, "assets", "images", "scene_0.png")
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _serving(app):
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = Pipeline.from_pretrained(device="cpu")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    shutil.copy(SCENE, folder / "scene.png")
+    make_video(folder / "clip.mp4", 8, 64, 48)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base(pipe, media):
+    app = create_app(pipe, served_model_name="tiny", api_key=KEY, allowed_local_media_path=str(media))
+    with _serving(app) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _data_uri(path: str, mime: str = "image/png") -> str:
+    with open(path, "rb") as f:
+        return f"data:{mime};base64," + base64.b64encode(f.read()).decode()
+
+
+def _image_message(url: str, text: str = "Describe this image.") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def _idle(pipe, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = pipe.stats()
+        if stats["kv_pages"]["free"] == stats["kv_pages"]["total"] and stats["requests"]["running"] == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_chat_with_an_image_equals_the_python_api_greedy(client, pipe):
+    messages = _image_message(_data_uri(SCENE))
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+    ours = pipe.chat(messages, SamplingParams(max_new_tokens=24, temperature=0))[0]
+    choice = reply.choices[0]
+    assert choice.message.content == ours.text and ours.text
+    assert choice.finish_reason == ("length" if len(ours.token_ids) == 24 else "stop")
+    assert reply.usage.prompt_tokens == ours.num_prompt_tokens
+    assert reply.usage.completion_tokens == len(ours.token_ids)
+    assert reply.model == "tiny"
+
+
+def test_streamed_chat_joins_to_the_whole_answer_and_reports_usage(client):
+    messages = _image_message(_data_uri(SCENE))
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_local_video_and_a_local_image_under_the_allowed_folder(client, media):
+    video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": str(media / "clip.mp4")}},
+                                          {"type": "text", "text": "Describe this video."}]}]
+    reply = client.chat.completions.create(model="tiny", messages=video, max_tokens=8)
+    assert reply.choices[0].message.content and reply.usage.prompt_tokens > 20
+    streamed = client.chat.completions.create(model="tiny", messages=video, max_tokens=8, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == reply.choices[0].message.content
+    image = client.chat.completions.create(model="tiny", messages=_image_message("file://" + str(media / "scene.png")),
+                                           max_tokens=8)
+    assert image.choices[0].message.content
+
+
+def test_n_seed_stop_and_logprobs(client):
+    messages = _image_message(_data_uri(SCENE))
+    story = [{"role": "user", "content": "Tell me a story."}]  # the tiny model is unsure here
+    sampled = {"model": "tiny", "messages": story, "max_tokens": 16, "temperature": 2.0, "seed": 7}
+    two = client.chat.completions.create(n=2, **sampled)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content != two.choices[1].message.content
+    again = client.chat.completions.create(n=2, **sampled)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices]
+    other = client.chat.completions.create(**{**sampled, "seed": 8})
+    assert other.choices[0].message.content != two.choices[0].message.content
+
+    greedy = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    text = greedy.choices[0].message.content
+    content = greedy.choices[0].logprobs.content
+    assert len(content) == greedy.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.token == e.top_logprobs[0].token and e.logprob <= 0 for e in content)  # greedy: the top one
+    word = text.split()[1]
+    cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, stop=[word])
+    assert cut.choices[0].message.content == text[:text.index(word)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_completions_and_models_and_health(client, base, pipe):
+    prompts = ["<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", "A photo of"]
+    reply = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2, logprobs=2)
+    ours = pipe.generate(prompts, sampling=SamplingParams(max_new_tokens=8, temperature=0))
+    assert [c.text for c in reply.choices] == [ours[0].text] * 2 + [ours[1].text] * 2
+    assert len(reply.choices[0].logprobs.tokens) == len(ours[0].token_ids)
+    assert reply.usage.prompt_tokens == ours[0].num_prompt_tokens + ours[1].num_prompt_tokens
+    streamed = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == ours[1].text
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with urllib.request.urlopen(base + "/health") as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("messages, param, words", [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}],
+     "messages", "network URLs"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}],
+     "messages", "not under the allowed"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+     "messages", "image"),
+    ([{"role": "robot", "content": "hi"}], "messages", "role"),
+    ([], "messages", "non-empty"),
+])
+def test_bad_requests_are_400_with_an_openai_error(client, messages, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    error = info.value.body
+    assert info.value.status_code == 400 and error["param"] == param and words in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_long_prompt_bad_json_key_and_unknown_route(client, base, pipe):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 3000}])
+    assert "max_model_len" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    request = urllib.request.Request(base + "/v1/chat/completions", data=b"{not json", method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(request)
+    assert http.value.code == 400 and b'"invalid_request_error"' in http.value.read()
+    stranger = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
+    with pytest.raises(urllib.error.HTTPError) as http:  # no key at all (the client always sends one)
+        urllib.request.urlopen(base + "/v1/models")
+    assert http.value.code == 401 and b'"authentication_error"' in http.value.read()
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(urllib.request.Request(base + "/v1/nothing-here",
+                                                      headers={"Authorization": f"Bearer {KEY}"}))
+    assert http.value.code == 404 and b'"error"' in http.value.read()
+    assert _idle(pipe)  # no failed request kept pages
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(client, pipe):
+    stream = client.chat.completions.create(model="tiny", messages=_image_message(_data_uri(SCENE)),
+                                            max_tokens=1500, extra_body={"ignore_eos": True}, stream=True)
+    for pieces, _ in enumerate(stream, 1):
+        if pieces == 5:
+            break
+    stats = pipe.stats()
+    assert stats["kv_pages"]["free"] < stats["kv_pages"]["total"]  # it is still generating
+    stream.close()
+    assert _idle(pipe), "the aborted request kept its KV pages"
+    assert pipe.stats()["runner"]  # the engine still answers
+
+
+def test_past_the_queue_the_server_answers_503_with_retry_after(pipe):
+    app = create_app(pipe, served_model_name="tiny", max_queued=0, max_running=1)
+    with _serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        long = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=1500, extra_body={"ignore_eos": True}, stream=True)
+        next(iter(long))
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "1"
+        long.close()
+        assert _idle(pipe)
+        deadline = time.monotonic() + 10
+        while True:  # the slot comes back once the aborted request's thread has ended
+            try:
+                assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=2).choices
+                break
+            except openai.APIStatusError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+
+def test_concurrent_streams_batch_together_and_equal_each_alone(client, pipe):
+    prompts = [f"Tell me about scene {i}." for i in range(8)]
+    alone = [pipe.chat([{"role": "user", "content": p}], SamplingParams(max_new_tokens=12, temperature=0))[0].text
+             for p in prompts]
+    steps = pipe.stats()["steps"]
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
+                                                max_tokens=12, temperature=0, stream=True)
+        results[i] = "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(8)] == alone
+    assert pipe.stats()["steps"] - steps < 8 * 12  # batched: fewer steps than one request after another
+
+
+@pytest.mark.slow
+def test_the_command_serves_and_sigterm_closes_the_pipeline():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "serve", "--device", "cpu", "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert client.chat.completions.create(model="mmpipe-tiny-scenes", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4).choices
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and "pipeline closed" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
