@@ -74,16 +74,14 @@ class Generation:
             self._put("error", exc)
             return
         self._put("ready")
-        engine, request, seen = self.server.pipe.engine, stream._request, 0
+        seen = 0
         try:
             for delta in stream:
                 if self.cancel.is_set():
                     break
-                with engine.lock:  # the tokens behind this text, as the engine has them now
-                    ids = request.output_ids[seen:]
-                    lps = request.logprobs[seen:seen + len(ids)]
+                ids, lps = stream.tokens_since(seen)  # the tokens behind this text, as the engine has them now
                 seen += len(ids)
-                self._put("delta", delta, list(ids), list(lps))
+                self._put("delta", delta, ids, lps)
         except Exception as exc:
             log.exception("a request failed while generating")
             self._put("error", exc)
@@ -91,8 +89,7 @@ class Generation:
         finally:
             stream.close()  # aborts an unfinished request and frees its KV pages
         if not self.cancel.is_set():
-            with engine.lock:
-                self._put("end", request.to_output(), seen)
+            self._put("end", stream.output(), seen)
 
 
 class Server:
@@ -145,13 +142,7 @@ class Server:
         return lambda: self.pipe.stream(conversation, sampling)
 
     def prompt_maker(self, prompt: str, sampling: SamplingParams) -> Callable[[], TextStream]:
-        def make() -> TextStream:  # Pipeline.stream for a formatted prompt without images
-            pipe, submitted = self.pipe, time.monotonic()
-            with pipe._text_lock:
-                prepared = pipe.processor.prepare(0, prompt, [], sampling, "prompt", stream=True, submitted=submitted)
-                request = pipe.processor.assemble(prepared, [])
-            return TextStream(pipe.engine, request)
-        return make
+        return lambda: self.pipe.stream_prompt(prompt, (), sampling)
 
 
 async def _wait_ready(gens: list[Generation], queue: asyncio.Queue, param: str) -> list[tuple]:

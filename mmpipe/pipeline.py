@@ -288,8 +288,22 @@ class Pipeline:
         timings (prompt and image tokens, tokens so far, time to first token from this call)."""
         submitted = time.monotonic()
         with self._text_lock:
-            prepared = self.processor.prepare(0, *self.processor.render_chat(conversation, "conversation"),
-                                              sampling or SamplingParams(), "conversation", stream=True,
+            prompt, media = self.processor.render_chat(conversation, "conversation")
+        return self._stream(prompt, media, sampling, "conversation", submitted)
+
+    def stream_prompt(self, prompt: str, images: Sequence[Any] = (), sampling: SamplingParams | None = None
+                      ) -> "TextStream":
+        """`stream` for a pre-formatted prompt and its media, as `generate` takes them."""
+        submitted = time.monotonic()
+        if not isinstance(prompt, str):
+            raise InputError(f"prompt: must be a string, got {type(prompt).__name__}")
+        media = [_video_or_image(item, f"prompt, item {k}") for k, item in enumerate(images)]
+        return self._stream(prompt, media, sampling, "prompt", submitted)
+
+    def _stream(self, prompt: str, media: Sequence[Any], sampling: SamplingParams | None, where: str,
+                submitted: float) -> "TextStream":
+        with self._text_lock:
+            prepared = self.processor.prepare(0, prompt, media, sampling or SamplingParams(), where, stream=True,
                                               submitted=submitted)
         loaded = [self.processor.load_image(src, self.processor.image_where(prepared, k))
                   for k, src in enumerate(prepared.image_sources)]

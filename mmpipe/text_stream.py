@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.request import Request
-from mmpipe.outputs import RequestMetrics
+from mmpipe.outputs import RequestMetrics, RequestOutput
 
 
 class TextStream(Iterator[str]):
@@ -58,6 +58,18 @@ class TextStream(Iterator[str]):
     def finish_reason(self) -> str | None:
         """None while running; then "stop", "length" or "abort" (`RequestOutput`)."""
         return self._request.finish_reason
+
+    def tokens_since(self, start: int) -> tuple[list[int], list[dict[int, float]]]:
+        """The token ids generated from index `start` on, as the engine has them now, and their
+        logprobs (empty unless the request asked for them)."""
+        with self._engine.lock:
+            ids = list(self._request.output_ids[start:])
+            return ids, list(self._request.logprobs[start:start + len(ids)])
+
+    def output(self) -> RequestOutput:
+        """The request's `RequestOutput` so far (final once the stream is exhausted)."""
+        with self._engine.lock:
+            return self._request.to_output()
 
     def metrics(self) -> RequestMetrics:
         """Timings so far (time to first token, decode tokens/s, ...), final once finished."""

@@ -273,3 +273,27 @@ def test_inputs_read_ahead_stay_within_their_byte_budget(checkpoint, budget, mos
             live[0] -= 1
     pipe.close()
     assert peak[0] == most
+
+
+def test_stream_prompt_equals_generate_and_reports_its_tokens(pipe):
+    """A pre-formatted prompt streamed: the same text and tokens as generate(), the tokens read
+    as they come add up to the output's, with their logprobs."""
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt, images = pipe.processor.render_chat(image_chat(3), "test")
+    sources = [item.source for item in images]
+    reference = pipe.generate([prompt], [sources], params)[0]
+    stream = pipe.stream_prompt(prompt, sources, params)
+    text, ids, logprobs = "", [], []
+    for delta in stream:
+        text += delta
+        got, lps = stream.tokens_since(len(ids))
+        ids += got
+        logprobs += lps
+    got, lps = stream.tokens_since(len(ids))
+    ids += got
+    logprobs += lps
+    assert text == reference.text and ids == reference.token_ids == stream.output().token_ids
+    assert logprobs == reference.logprobs and len(logprobs) == 8
+    assert stream.output().finish_reason == "length"
+    with pytest.raises(InputError, match="prompt: must be a string"):
+        pipe.stream_prompt(5)
