@@ -51,8 +51,9 @@ class RequestFeed:
         budget = self.engine.cfg.input_bytes_ahead
         held = 0  # the resized pixels of the requests in the engine (`running`)
         # Loads in flight at once: enough to keep the workers busy, and no more than the byte budget
-        # has room for at the inputs' size so far (one at a time until a first one is measured).
-        in_flight_cap = 4 * self.engine.cfg.preprocess_workers
+        # has room for at the inputs' size so far (one per worker until a first one is measured).
+        workers = self.engine.cfg.preprocess_workers
+        in_flight_cap = 4 * workers
         measured = [0, 0]  # requests read, their bytes
         # Conversations are prepared (chat template, tokens) a burst per loop, not the whole window
         # at once, so the first images start loading and the GPU gets work at once (a whole window
@@ -79,8 +80,8 @@ class RequestFeed:
             in_flight = sum(1 for pending in window if not all(f.done() for f in pending.images))
             if in_flight >= in_flight_cap:
                 return False
-            if not measured[0]:
-                return in_flight == 0
+            if not measured[0]:  # no input measured yet: as many as the workers load at once
+                return in_flight < workers
             return spent + (in_flight + 1) * measured[1] / measured[0] <= budget
 
         def refill() -> None:

@@ -250,12 +250,13 @@ def test_startup_report_times_each_phase(checkpoint, monkeypatch):
         assert "prefill graphs" in line and "no graphs" in line  # the CPU runs eagerly
 
 
-@pytest.mark.parametrize("budget, most", [(1, 1), (1 << 30, 6)])
+@pytest.mark.parametrize("budget, most", [(1, 2), (1 << 30, 6)])
 def test_inputs_read_ahead_stay_within_their_byte_budget(checkpoint, budget, most):
-    """With a budget below one image, no image is read while a request holding one is unfinished;
-    with room for all, every image is read ahead while the first decodes (the bound is what
-    holds them back)."""
-    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", input_bytes_ahead=budget, max_running_requests=1)
+    """With a budget below one image, no more images are read than the two workers load before
+    the first is measured; with room for all, every image is read ahead while the first decodes
+    (the bound is what holds them back)."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", input_bytes_ahead=budget, max_running_requests=1,
+                                    preprocess_workers=2)
     lock, live, peak = threading.Lock(), [0], [0]
     load = pipe.processor.load_image
 
@@ -272,7 +273,7 @@ def test_inputs_read_ahead_stay_within_their_byte_budget(checkpoint, budget, mos
         with lock:
             live[0] -= 1
     pipe.close()
-    assert peak[0] == most
+    assert peak[0] <= most if budget == 1 else peak[0] == most
 
 
 def test_stream_prompt_equals_generate_and_reports_its_tokens(pipe):
