@@ -9,6 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
+from mmpipe.app.arg_types import positive, positive_number
 from mmpipe.app.caption_records import FORMATS
 from mmpipe.vision.video_sampling import (
     CONTEXT_TOKENS,
@@ -31,28 +32,8 @@ DESCRIPTION = ("Batch captioning of images and video clips: files, directories o
 FORMAT_NAMES = ["txt", *FORMATS, "parquet"]  # parquet: --ray only
 
 
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
-
-
-def _positive_number(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not number > 0 or number == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
-    return number
-
-
 def _frames(value: str) -> int:
-    number = _positive(value)
+    number = positive(value)
     if number < 2:
         raise argparse.ArgumentTypeError(f"must be at least 2 (frames are sampled in pairs), got {number}")
     return number
@@ -94,7 +75,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     prompts.add_argument("--dir-prompts", action="store_true",
                          help="a prompt.txt in a file's folder (or the nearest parent within its input "
                               "directory) overrides the prompt for the images and videos below it")
-    prompts.add_argument("--max-new-tokens", type=_positive, default=64)
+    prompts.add_argument("--max-new-tokens", type=positive, default=64)
     prompts.add_argument("--min-new-tokens", type=int, default=0)
     prompts.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     prompts.add_argument("--top-p", type=float, default=None)
@@ -102,9 +83,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     prompts.add_argument("--repetition-penalty", type=float, default=None)
     prompts.add_argument("--seed", type=int, default=None, help="makes sampled captions reproducible")
     sizes = parser.add_argument_group("image size")
-    sizes.add_argument("--min-pixels", type=_positive, default=None,
+    sizes.add_argument("--min-pixels", type=positive, default=None,
                        help="smallest image area in pixels (default: the checkpoint's); smaller images are enlarged")
-    sizes.add_argument("--max-pixels", type=_positive, default=None,
+    sizes.add_argument("--max-pixels", type=positive, default=None,
                        help="largest image area in pixels (default: the checkpoint's); larger images are shrunk, "
                             "giving fewer image tokens")
     videos = parser.add_argument_group(
@@ -113,16 +94,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     videos.add_argument("--video-prompt", default=None,
                         help=f"instruction for videos (default: --prompt or --prompt-file if given, else "
                              f"'{DEFAULT_VIDEO_PROMPT}'); a --dir-prompts prompt.txt still wins")
-    videos.add_argument("--fps", type=_positive_number, default=None,
+    videos.add_argument("--fps", type=positive_number, default=None,
                         help=f"frames sampled per second of video (default: {FPS:g})")
     videos.add_argument("--max-frames", type=_frames, default=None,
                         help=f"most frames sampled from one video (default: {MAX_FRAMES}); at least {MIN_FRAMES} "
                              "are sampled from a short clip unless this is lower")
-    videos.add_argument("--video-max-pixels", type=_positive, default=None,
+    videos.add_argument("--video-max-pixels", type=positive, default=None,
                         help=f"largest area of one sampled frame in pixels (default: {FRAME_MAX_TOKENS} merged "
                              "tokens' worth, e.g. 602112 for 28-pixel tokens, less when --video-total-pixels "
                              "is shared by many frames); --max-pixels is for images only")
-    videos.add_argument("--video-total-pixels", type=_positive, default=None,
+    videos.add_argument("--video-total-pixels", type=positive, default=None,
                         help="pixel budget of all of a video's frames together (default: Qwen's, 90%% of a "
                              f"{CONTEXT_TOKENS}-token context); a frame never goes below {FRAME_MIN_TOKENS} tokens")
     run_group = parser.add_argument_group("running")
@@ -130,13 +111,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
     run_group.add_argument("--quantization", default=None, choices=list(RUNTIME_QUANTIZATIONS),
                            help=QUANTIZATION_HELP)
-    run_group.add_argument("--workers", type=_positive, default=4, help="threads decoding images ahead")
-    run_group.add_argument("--batch-size", type=_positive, default=None,
+    run_group.add_argument("--workers", type=positive, default=4, help="threads decoding images ahead")
+    run_group.add_argument("--batch-size", type=positive, default=None,
                            help="most requests decoding together (default: the engine's 256)")
-    run_group.add_argument("--gpus", type=_positive, default=None,
+    run_group.add_argument("--gpus", type=positive, default=None,
                            help="data parallel: start one process per GPU (via accelerate); with --tp T, one "
                                 "per T GPUs (--gpus 4 --tp 2: two replicas of two GPUs each)")
-    run_group.add_argument("--tp", type=_positive, default=1,
+    run_group.add_argument("--tp", type=positive, default=1,
                            help="tensor parallel: split the language model over this many GPUs (the device's and "
                                 "the next ones)")
     run_group.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL), help=VIT_PARALLEL_HELP)
@@ -149,11 +130,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                 "parquet) files, on a filesystem every node sees (needs mmpipe[ray])")
     run_group.add_argument("--ray-address", default=None,
                            help="with --ray: the cluster (default: $RAY_ADDRESS, else a running one, else a local one)")
-    run_group.add_argument("--ray-actors", type=_positive, default=None,
+    run_group.add_argument("--ray-actors", type=positive, default=None,
                            help="with --ray: pipelines (actors) to run, one GPU each (default: the cluster's GPUs)")
-    run_group.add_argument("--ray-batch-size", type=_positive, default=None,
+    run_group.add_argument("--ray-batch-size", type=positive, default=None,
                            help=f"with --ray: images per Ray batch (default: {RAY_BATCH_SIZE})")
-    run_group.add_argument("--ray-batches-in-flight", type=_positive, default=None,
+    run_group.add_argument("--ray-batches-in-flight", type=positive, default=None,
                            help=f"with --ray: batches each actor captions at once (default: {RAY_BATCHES_IN_FLIGHT}); "
                                 "their requests share the actor's engine")
     run_group.add_argument("--vit-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -13,29 +13,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mmpipe.app.arg_types import count, positive
+
 from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
 from mmpipe.errors import InputError
 from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
 DESCRIPTION = ("An OpenAI-compatible server: /v1/chat/completions (text, images, videos; streaming), "
                "/v1/completions, /v1/models, /health.")
-
-
-def _count(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
-    return number
-
-
-def _positive(value: str) -> int:
-    number = _count(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -45,16 +30,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the best available)")
     group.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default: by device)")
     group.add_argument("--quantization", default=None, choices=list(RUNTIME_QUANTIZATIONS), help=QUANTIZATION_HELP)
-    group.add_argument("--tp", type=_positive, default=1,
+    group.add_argument("--tp", type=positive, default=1,
                        help="tensor parallel: split the language model over this many GPUs")
     group.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL), help=VIT_PARALLEL_HELP)
     group.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                        help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")
-    group.add_argument("--min-pixels", type=_positive, default=None,
+    group.add_argument("--min-pixels", type=positive, default=None,
                        help="smallest image area in pixels (default: the checkpoint's)")
-    group.add_argument("--max-pixels", type=_positive, default=None,
+    group.add_argument("--max-pixels", type=positive, default=None,
                        help="largest image area in pixels (default: the checkpoint's); fewer image tokens")
-    group.add_argument("--batch-size", type=_positive, default=None,
+    group.add_argument("--batch-size", type=positive, default=None,
                        help="most requests decoding together (default: the engine's 256)")
 
 
@@ -81,7 +66,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or CommandParser(prog="mmpipe serve", description=DESCRIPTION)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=_count, default=8000)
+    parser.add_argument("--port", type=count, default=8000)
     parser.add_argument("--api-key", default=None,
                         help="clients must send 'Authorization: Bearer KEY' (default: no key)")
     parser.add_argument("--served-model-name", default=None,
@@ -89,7 +74,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--allowed-local-media-path", default=None,
                         help="image_url / video_url may name local files (paths or file:// URIs) under this folder; "
                              "without it only data: URIs are read")
-    parser.add_argument("--max-queued", type=_count, default=256,
+    parser.add_argument("--max-queued", type=count, default=256,
                         help="requests (choices) waiting beyond the batch size before new ones get 503 (default 256)")
     add_engine_args(parser)
     return parser

@@ -48,12 +48,6 @@ def mixed(tmp_path):
     return root, images, videos
 
 
-@pytest.fixture(scope="module")
-def pipe():
-    with Pipeline.from_pretrained(device="cpu") as pipeline:
-        yield pipeline
-
-
 def _oracle(pipe: Pipeline, paths: list[str], **kwargs: Any) -> dict[str, str]:
     captions = pipe.caption(paths, sampling=SamplingParams(max_new_tokens=64), **kwargs)
     assert all(captions), captions

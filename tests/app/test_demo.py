@@ -28,13 +28,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def pipe():
-    p = Pipeline.from_pretrained(device="cpu")
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     """A 3-second H.264 mp4 (24 frames at 8 fps): 6 frames, 3 frame groups at the demo's 2 fps."""
     from tests.video_helpers import make_video
@@ -397,7 +390,6 @@ def test_demo_engine_flags_reach_the_pipeline(monkeypatch, capsys):
     (EngineConfig), as one line and exit code 2, before any server starts."""
     from mmpipe.app.demo import main
 
-    from mmpipe import Pipeline
     from mmpipe.errors import InputError
 
     seen = {}

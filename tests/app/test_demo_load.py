@@ -18,13 +18,6 @@ except ImportError:
     gradio_client = None
 
 
-@pytest.fixture(scope="module")
-def pipe():
-    p = Pipeline.from_pretrained(device="cpu")
-    yield p
-    p.close()
-
-
 def respond_all(backend, message, history=(), **settings):
     return list(backend.respond(message, list(history), **settings))
 

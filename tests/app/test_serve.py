@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 
 from mmpipe.app.serve_api import create_app
 
-from mmpipe import Pipeline, SamplingParams
+from mmpipe import SamplingParams
 from tests.video_helpers import make_video
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,13 +52,6 @@ def _serving(app):
     finally:
         server.should_exit = True
         thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    p = Pipeline.from_pretrained(device="cpu")
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
