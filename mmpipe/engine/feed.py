@@ -69,16 +69,14 @@ class RequestFeed:
             log.debug("request %d failed: %s", index, exc)
             failed.append(failed_output(index, str(exc)))
 
-        def room() -> bool:
+        def room(spent: int, in_flight: int) -> bool:
+            """Whether one more request may be read, given the bytes read and held (`spent`) and
+            the loads not yet done."""
             if len(window) >= lookahead:
                 return False
             if not window and not held:  # nothing read and nothing running: always read one
                 return True
-            spent = held + _loaded_bytes(window)
-            if spent > budget:
-                return False
-            in_flight = sum(1 for pending in window if not all(f.done() for f in pending.images))
-            if in_flight >= in_flight_cap:
+            if spent > budget or in_flight >= in_flight_cap:
                 return False
             if not measured[0]:  # no input measured yet: as many as the workers load at once
                 return in_flight < workers
@@ -86,8 +84,12 @@ class RequestFeed:
 
         def refill() -> None:
             nonlocal exhausted
+            # Measured once per call (the window may hold hundreds of requests); the loop then
+            # counts what it adds itself.
+            spent = held + _loaded_bytes(window)
+            in_flight = sum(1 for pending in window if not all(f.done() for f in pending.images))
             for _ in range(burst):
-                if not room():
+                if not room(spent, in_flight):
                     return
                 item = next(it, None)
                 if item is None:
@@ -103,6 +105,7 @@ class RequestFeed:
                 window.append(_Pending(prepared, [
                     self._pool.submit(self.processor.load_image, src, self.processor.image_where(prepared, k))
                     for k, src in enumerate(prepared.image_sources)]))
+                in_flight += bool(prepared.image_sources)
 
         try:
             while True:
