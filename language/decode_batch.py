@@ -23,7 +23,7 @@ from mmpipe.language.sampler import RowSampling, SamplerTensors, SamplerVariant,
 from mmpipe.graphs.transfer import to_device
 
 # Per-row feature bits, OR-reduced over the batch into the sampler variant.
-_RANDOM, _TOP_K_P, _MIN_P, _PENALTY = 1, 2, 4, 8
+_RANDOM, _TOP_K_P, _MIN_P, _PENALTY, _OUTPUT_PENALTY, _GRAMMAR = 1, 2, 4, 8, 16, 32
 
 
 class DecodeSource(Protocol):
@@ -33,7 +33,7 @@ class DecodeSource(Protocol):
     output_ids: list[int]  # the last one is fed this step (when none is in flight)
     mrope_delta: int
     pages: list[int]
-    sampling: Any  # ResolvedSampling
+    sampling: Any  # ResolvedSampling (`json_schema` set: its tokens are masked by a grammar)
     seed: int
 
     @property
@@ -55,11 +55,14 @@ def row_sampling(request: "DecodeSource") -> RowSampling:
     """A request's sampling settings as one sampler row, as of its next token."""
     s = request.sampling
     ban = tuple(sorted(set(s.stop_token_ids) | set(s.eos_token_ids))) if s.min_new_tokens > 0 else ()
+    output_penalty = s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
     return RowSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                        penalty=s.repetition_penalty, seed=request.seed, step=len(request.output_ids), ban_ids=ban,
                        ban_until=s.min_new_tokens if ban else 0,
                        seen_ids=request.prompt_ids + request.output_ids if s.repetition_penalty != 1.0 else (),
-                       logprobs=s.logprobs)
+                       logprobs=s.logprobs, frequency=s.frequency_penalty, presence=s.presence_penalty,
+                       output_ids=request.output_ids if output_penalty else (),
+                       grammar=s.json_schema is not None)
 
 
 class DecodeBatch:
@@ -90,7 +93,9 @@ class DecodeBatch:
             ban_ids=torch.full((rows, ban_width), -1, dtype=torch.int64, device=device),
             ban_until=torch.zeros(rows, dtype=torch.int64, device=device),
             seen=torch.zeros(rows, self.vocab, dtype=torch.bool, device=device),
-        )
+            # Grammar masks: written whole before each step that has a constrained row.
+            allowed=torch.full((rows, (self.vocab + 31) // 32), -1, dtype=torch.int32, device=device),
+        )  # frequency, presence and counts: allocated when a row first uses them (`_output_penalty_buffers`)
         self.ban_width = ban_width
         # Host mirrors of what the device holds per row.
         self.requests: list[DecodeSource | None] = [None] * rows
@@ -203,7 +208,17 @@ class DecodeBatch:
         s = self.sampler
         buffers = [self.input_ids, self.seq_lens, self.mrope_delta, self.page_table, self.active, s.temperature,
                    s.top_k, s.top_p, s.min_p, s.penalty, s.seeds, s.steps, s.ban_ids, s.ban_until]
-        return buffers + ([s.seen] if s.seen is not None else [])
+        optional = [s.seen, s.frequency, s.presence, s.counts]
+        return buffers + [b for b in optional if b is not None]
+
+    def _output_penalty_buffers(self) -> None:
+        """The frequency and presence penalties' per-row buffers ([rows, vocab] counts), made when a
+        row first uses them: most runs never do. Graphs captured before never read them."""
+        if self.sampler.counts is None:
+            rows, device = self.max_rows, self.device
+            self.sampler.frequency = torch.zeros(rows, dtype=torch.float32, device=device)
+            self.sampler.presence = torch.zeros(rows, dtype=torch.float32, device=device)
+            self.sampler.counts = torch.zeros(rows, self.vocab, dtype=torch.float32, device=device)
 
     def _write_rows(self, rows: list[int]) -> None:
         """Upload whole rows for requests that just joined."""
@@ -241,6 +256,8 @@ class DecodeBatch:
         self.mrope_delta.index_copy_(0, index, host[2])
         self.page_table.index_copy_(0, index, to_device(table, self.device))
         self.active.index_fill_(0, index, True)
+        if any(s.frequency != 0.0 or s.presence != 0.0 for s in settings):
+            self._output_penalty_buffers()
         self.sampler.write_rows(index, settings, self.vocab)
         self.batch_stats.rows_written += count
 
@@ -269,7 +286,8 @@ class DecodeBatch:
         return SamplerVariant(random=bool(flags & _RANDOM), top_k_top_p=bool(flags & _TOP_K_P),
                               min_p=bool(flags & _MIN_P), penalty=bool(flags & _PENALTY),
                               ban=bool(np.any(self.ban_until[:n] > self.steps[:n])),
-                              logprobs=logprobs_bucket(int(self.logprobs[:n].max(initial=0))))
+                              logprobs=logprobs_bucket(int(self.logprobs[:n].max(initial=0))),
+                              output_penalty=bool(flags & _OUTPUT_PENALTY), grammar=bool(flags & _GRAMMAR))
 
     def reset(self) -> None:
         """Forget every row (after a failed step the device state is not trusted)."""
@@ -289,4 +307,8 @@ def _row_flags(s: RowSampling) -> int:
             flags |= _MIN_P
     if s.penalty != 1.0:
         flags |= _PENALTY
+    if s.frequency != 0.0 or s.presence != 0.0:
+        flags |= _OUTPUT_PENALTY
+    if s.grammar:
+        flags |= _GRAMMAR
     return flags

@@ -1,6 +1,7 @@
 """Token sampling for a batch, vectorised on the device and safe to capture in a CUDA graph.
 
-Per row: repetition penalty, a ban on stop tokens before `min_new_tokens`, then greedy, or
+Per row: repetition penalty, frequency and presence penalties, a ban on stop tokens before
+`min_new_tokens`, a grammar's mask of allowed tokens (structured output), then greedy, or
 temperature / top-k / top-p / min-p followed by an exponential race (argmax of p / Exp(1)
 noise), which samples exactly from p. The noise comes from a counter-based hash of (seed, step,
 token id) computed with integer tensor ops, so a seeded request draws the same numbers whatever
@@ -73,6 +74,10 @@ class RowSampling:
     ban_until: int = 0
     seen_ids: Sequence[int] = ()  # token ids seen so far (prompt + output), for the penalty
     logprobs: int = 0
+    frequency: float = 0.0  # OpenAI's frequency_penalty: logit -= frequency x count in the output
+    presence: float = 0.0  # OpenAI's presence_penalty: logit -= presence if the token is in the output
+    output_ids: Sequence[int] = ()  # generated so far, for the frequency and presence penalties
+    grammar: bool = False  # a grammar's mask (given beside the rows) says which tokens it may take
 
 
 @dataclass(frozen=True)
@@ -85,12 +90,14 @@ class SamplerVariant:
     penalty: bool = False  # some row has repetition_penalty != 1
     ban: bool = False  # some row may have banned tokens (stop/eos ids before min_new_tokens)
     logprobs: int = 0  # number of top logprobs computed, already bucketed (see logprobs_bucket)
+    output_penalty: bool = False  # some row has a frequency or presence penalty
+    grammar: bool = False  # some row's tokens are constrained by a grammar's mask
 
     @property
     def needs_tensors(self) -> bool:
-        """Whether `sample` reads the rows' `SamplerTensors` (greedy rows with no penalty or ban,
-        logprobs or not, need none: no transfer for them)."""
-        return self.random or self.penalty or self.ban
+        """Whether `sample` reads the rows' `SamplerTensors` (greedy rows with no penalty, ban or
+        grammar, logprobs or not, need none: no transfer for them)."""
+        return self.random or self.penalty or self.ban or self.output_penalty or self.grammar
 
     @classmethod
     def of(cls, rows: Sequence[RowSampling]) -> "SamplerVariant":
@@ -103,6 +110,8 @@ class SamplerVariant:
             penalty=any(r.penalty != 1.0 for r in rows),
             ban=any(r.ban_ids and r.step < r.ban_until for r in rows),
             logprobs=logprobs_bucket(max((r.logprobs for r in rows), default=0)),
+            output_penalty=any(r.frequency != 0.0 or r.presence != 0.0 for r in rows),
+            grammar=any(r.grammar for r in rows),
         )
 
 
@@ -120,6 +129,10 @@ class SamplerTensors:
     ban_ids: torch.Tensor  # [B, K] int64, -1 = empty entry
     ban_until: torch.Tensor  # [B] int64: row's ban is active while steps < ban_until
     seen: torch.Tensor | None  # [B, V] bool presence mask (None when no row uses a penalty)
+    frequency: torch.Tensor | None = None  # [B] float32 (None when no row uses the output penalties)
+    presence: torch.Tensor | None = None  # [B] float32
+    counts: torch.Tensor | None = None  # [B, V] float32: each token's count among the row's output
+    allowed: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 grammar masks, bit t: token t allowed
 
     def rows(self, n: int) -> "SamplerTensors":
         """Views of the first n rows (no copies)."""
@@ -130,24 +143,28 @@ class SamplerTensors:
     def build(cls, rows: Sequence[RowSampling], vocab: int, device: torch.device,
               ban_width: int | None = None) -> "SamplerTensors":
         """Host rows -> device tensors in two transfers. `seen` (a [B, V] bool mask of `seen_ids`)
-        only if some row has penalty != 1, else None; `ban_ids` padded with -1 to `ban_width`
-        (default: the widest row, at least 1)."""
+        only if some row has penalty != 1, else None; the output penalties' tensors only if some
+        row has one; `ban_ids` padded with -1 to `ban_width` (default: the widest row, at least 1).
+        `allowed` is not built here: grammar masks come from the caller."""
         if ban_width is None:
             ban_width = max(1, max((len(r.ban_ids) for r in rows), default=0))
         with_seen = any(r.penalty != 1.0 for r in rows)
-        return _Staged(rows, vocab, ban_width, with_seen, torch.device(device)).tensors()
+        with_counts = any(r.frequency != 0.0 or r.presence != 0.0 for r in rows)
+        return _Staged(rows, vocab, ban_width, with_seen, torch.device(device), with_counts).tensors()
 
     def write_rows(self, index: torch.Tensor | slice, rows: Sequence[RowSampling], vocab: int) -> None:
         """Write these rows' settings in place at `index` (e.g. a request joining a persistent
         decode batch); the tensors keep their addresses. If `seen` is kept, the rows' masks are
-        reset and rebuilt from `seen_ids`. ValueError if a row has more ban ids than fit."""
+        reset and rebuilt from `seen_ids` (and `counts` from `output_ids`). `allowed` is left as it
+        is. ValueError if a row has more ban ids than fit."""
         device = self.ban_ids.device
-        staged = _Staged(rows, vocab, self.ban_ids.shape[1], self.seen is not None, device).tensors()
+        staged = _Staged(rows, vocab, self.ban_ids.shape[1], self.seen is not None, device,
+                         self.counts is not None).tensors()
         if isinstance(index, torch.Tensor):
             index = index.to(device)
         for f in fields(self):
             target = getattr(self, f.name)
-            if target is not None:
+            if target is not None and f.name != "allowed":
                 target[index] = getattr(staged, f.name)
 
 
@@ -160,12 +177,14 @@ class _Staged:
     took a large share of a captioning run's CPU time."""
 
     def __init__(self, rows: Sequence[RowSampling], vocab: int, ban_width: int, with_seen: bool,
-                 device: torch.device):
+                 device: torch.device, with_counts: bool = False):
         n = len(rows)
         self.n, self.vocab, self.ban_width = n, vocab, ban_width
-        self.with_seen, self.device = with_seen, device
+        self.with_seen, self.with_counts, self.device = with_seen, with_counts, device
         self.floats = np.array([r.temperature for r in rows] + [r.top_p for r in rows]
-                               + [r.min_p for r in rows] + [r.penalty for r in rows], dtype=np.float32)
+                               + [r.min_p for r in rows] + [r.penalty for r in rows]
+                               + ([r.frequency for r in rows] + [r.presence for r in rows] if with_counts else []),
+                               dtype=np.float32)
         ints = ([r.top_k for r in rows] + [r.seed & _MASK32 for r in rows] + [r.step for r in rows]
                 + [r.ban_until for r in rows])
         for i, r in enumerate(rows):  # ban_ids [n, ban_width], -1 = empty (as are ids no logit has)
@@ -175,11 +194,10 @@ class _Staged:
             ints += [t if 0 <= t < vocab else -1 for t in r.ban_ids] + [-1] * (ban_width - len(r.ban_ids))
         parts = [np.array(ints, dtype=np.int64)]
         if with_seen:  # then the flat positions row * vocab + id of every seen id
-            seen = [np.asarray(r.seen_ids, dtype=np.int64).reshape(-1) for r in rows]
-            ids = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
-            row = np.repeat(np.arange(n, dtype=np.int64), [len(x) for x in seen])
-            keep = (ids >= 0) & (ids < vocab)
-            parts.append(row[keep] * vocab + ids[keep])
+            parts.append(_flat_positions([r.seen_ids for r in rows], vocab))
+        self.seen_end = sum(len(p) for p in parts)
+        if with_counts:  # then the flat positions of every generated id, once per occurrence
+            parts.append(_flat_positions([r.output_ids for r in rows], vocab))
         self.ints = np.concatenate(parts)
 
     def tensors(self) -> SamplerTensors:
@@ -188,12 +206,29 @@ class _Staged:
         seen = None
         if self.with_seen:
             seen = torch.zeros(n * self.vocab, dtype=torch.bool, device=self.device)
-            seen.index_fill_(0, ints[(4 + width) * n:], True)  # not `seen[ids] = True`: that copies a CPU scalar and waits
+            seen.index_fill_(0, ints[(4 + width) * n:self.seen_end], True)  # not `seen[ids] = True`: that copies a CPU scalar and waits
             seen = seen.view(n, self.vocab)
+        frequency = presence = counts = None
+        if self.with_counts:
+            frequency, presence = floats[4 * n:5 * n], floats[5 * n:6 * n]
+            flat = ints[self.seen_end:]
+            counts = torch.zeros(n * self.vocab, dtype=torch.float32, device=self.device)
+            counts.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=self.device))
+            counts = counts.view(n, self.vocab)  # whole counts in float32: exact in any order of addition
         return SamplerTensors(
-            temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], penalty=floats[3 * n:],
+            temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], penalty=floats[3 * n:4 * n],
             top_k=ints[:n], seeds=ints[n:2 * n], steps=ints[2 * n:3 * n], ban_until=ints[3 * n:4 * n],
-            ban_ids=ints[4 * n:(4 + width) * n].view(n, width), seen=seen)
+            ban_ids=ints[4 * n:(4 + width) * n].view(n, width), seen=seen, frequency=frequency, presence=presence,
+            counts=counts)
+
+
+def _flat_positions(ids_per_row: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
+    """row * vocab + id for every in-range id of every row (repeats kept)."""
+    arrays = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in ids_per_row]
+    ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    row = np.repeat(np.arange(len(arrays), dtype=np.int64), [len(x) for x in arrays])
+    keep = (ids >= 0) & (ids < vocab)
+    return row[keep] * vocab + ids[keep]
 
 
 @dataclass
@@ -279,8 +314,19 @@ def sample(logits: torch.Tensor, t: SamplerTensors | None, variant: SamplerVaria
         p = t.penalty[:, None]
         x = torch.where(t.seen, torch.where(x > 0, x / p, x * p), x)  # transformers' rule
         owned = True
+    if variant.output_penalty:
+        if t.counts is None or t.frequency is None or t.presence is None:
+            raise ValueError("variant.output_penalty needs SamplerTensors.counts, frequency and presence")
+        # OpenAI's rule (as vLLM applies it, after the repetition penalty); 0 for rows without.
+        x = x - t.frequency[:, None] * t.counts - t.presence[:, None] * (t.counts > 0).float()
+        owned = True
     if variant.ban:
         x = _ban(x, t, owned)
+        owned = True
+    if variant.grammar:
+        if t.allowed is None:
+            raise ValueError("variant.grammar needs SamplerTensors.allowed")
+        x = _allowed_only(x, t.allowed, owned)
         owned = True
 
     greedy = x.argmax(dim=-1)
@@ -309,6 +355,15 @@ def _ban(x: torch.Tensor, t: SamplerTensors, in_place: bool) -> torch.Tensor:
     if in_place:
         return x.scatter_reduce_(1, index, src, reduce="amin")
     return x.scatter_reduce(1, index, src, reduce="amin")
+
+
+def _allowed_only(x: torch.Tensor, allowed: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """-inf on every token whose bit in the row's mask is clear (bit t of int32 word t // 32)."""
+    cols = torch.arange(x.shape[-1], device=x.device)
+    bits = (allowed.index_select(1, cols >> 5) >> (cols & 31).to(allowed.dtype)) & 1
+    if in_place:
+        return x.masked_fill_(bits == 0, float("-inf"))
+    return x.masked_fill(bits == 0, float("-inf"))
 
 
 def _sample_random(x: torch.Tensor, t: SamplerTensors, variant: SamplerVariant) -> torch.Tensor:
@@ -354,8 +409,8 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 def advance(t: SamplerTensors, tokens: torch.Tensor, variant: SamplerVariant,
             active: torch.Tensor | None = None) -> None:
-    """After a decode step, on the device: steps += 1 and (if variant.penalty) mark each row's sampled
-    token in `seen`. `active` [B] bool: only those rows advance (padded rows of a graph stay as they
+    """After a decode step, on the device: steps += 1, (if variant.penalty) mark each row's sampled
+    token in `seen`, (if variant.output_penalty) count it in `counts`. `active` [B] bool: only those rows advance (padded rows of a graph stay as they
     are). Graph-safe: no host sync."""
     if active is None:
         t.steps.add_(1)
@@ -369,3 +424,9 @@ def advance(t: SamplerTensors, tokens: torch.Tensor, variant: SamplerVariant,
             t.seen.scatter_(1, index, True)
         else:  # inactive rows write back what they hold (one entry per row: no write conflicts)
             t.seen.scatter_(1, index, t.seen.gather(1, index) | active[:, None])
+    if variant.output_penalty:
+        if t.counts is None:
+            raise ValueError("variant.output_penalty needs SamplerTensors.counts")
+        index = tokens.to(torch.int64)[:, None]
+        add = torch.ones_like(index, dtype=torch.float32) if active is None else active[:, None].float()
+        t.counts.scatter_add_(1, index, add)  # one entry per row: no two rows add to one element

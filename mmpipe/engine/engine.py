@@ -15,6 +15,11 @@ and a request found finished when its tokens arrive has its extra row in the ste
 launched dropped, never shown. Off, every step's tokens are read before `step()` returns.
 Finished requests release their KV pages as soon as their last token is read.
 
+Structured output: a decode step with a row constrained by a grammar is launched in two parts
+(`ModelRunner.finish_decode`): its forward, then, once the step before's tokens are read and the
+grammars advanced by them, its masks and its sampler, so the grammars' host work overlaps the
+forward on the GPU.
+
 Not thread-safe by itself: callers that share an engine across threads hold `Engine.lock`
 around `add`, `abort` and `step` (the Pipeline does).
 """
@@ -87,6 +92,11 @@ class Engine:
             launched = self._launch(plan)
             self._in_flight = launched
             finished = self._resolve(previous) if previous is not None else []
+            if launched.decode_tokens is not None and launched.decode_tokens.tokens is None:
+                # A constrained step: its forward runs on the GPU while the tokens just read
+                # advance the grammars; now their masks, then its sampler.
+                with phase("grammar"):
+                    self.runner.finish_decode(launched.decoded, launched.decode_tokens)
             if not self.overlap:
                 finished += self.drain()
         except BaseException:

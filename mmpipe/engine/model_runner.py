@@ -15,6 +15,7 @@ import torch
 
 from mmpipe.config import EngineConfig, GraphMode, effective_graph_mode, graphs_wanted
 from mmpipe.engine.batch import ImageInput, PrefillChunk, build_prefill_inputs
+from mmpipe.engine.grammar import fill_masks, masks_of
 from mmpipe.step_io import DecodeOutput, PendingDecode, PrefillInputs
 from mmpipe.engine.kv_pages import PageAllocator
 from mmpipe.engine.request import Request, logprob_dict
@@ -351,7 +352,24 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
 
+    def finish_decode(self, requests: Sequence[Request], pending: PendingDecode) -> None:
+        """A constrained decode step launched by `launch_decode` waits for its grammar masks: fill
+        them for its requests still running (every token of theirs is on the host by now) and
+        queue its sampler. Masks are computed while the GPU runs the step's forward."""
+        masks = self.decoder.mask_rows()
+        rows = [(r.grammar, int(row)) for r, row in zip(requests, pending.rows)
+                if r.grammar is not None and not r.finished]
+        fill_masks(rows, masks)
+        self._share_masks(masks, sorted(row for _, row in rows))
+        self.decoder.finish()
+
+    def _share_masks(self, masks: Any, rows: list[int]) -> None:
+        """Hook: tensor parallelism sends the constrained rows' masks to the other ranks."""
+
     @torch.inference_mode()
     def launch_sample(self, requests: Sequence[Request], logits: torch.Tensor) -> PendingDecode:
         """Queue sampling of one token per request from prefill logits, without waiting for it."""
-        return self.decoder.sample_logits(requests, logits)
+        masks = None
+        if any(r.grammar is not None for r in requests):
+            masks = masks_of([r.grammar for r in requests], self.decoder.vocab)
+        return self.decoder.sample_logits(requests, logits, masks)

@@ -19,6 +19,7 @@ from typing import Any
 from mmpipe.config import GenerationDefaults, ResolvedSampling, SamplingParams
 from mmpipe.engine.batch import ImageInput, VideoInput
 from mmpipe.engine.detokenizer import IncrementalDetokenizer
+from mmpipe.engine.grammar import Grammars
 from mmpipe.engine.preprocessed_cache import PreprocessedCache
 from mmpipe.engine.request import Request
 from mmpipe.errors import InputError
@@ -69,6 +70,7 @@ class InputProcessor:
         self._tokenize = functools.partial(_tokenize, tokenizer)
         self._kept_ids = functools.lru_cache(maxsize=PROMPTS_KEPT)(self._tokenize)
         self._timestamps: dict[str, tuple[int, ...]] = {}  # Qwen3-VL's "<t seconds>" texts, tokenised
+        self.grammars = Grammars(tokenizer, model.language.vocab_size, defaults.eos_token_ids)
 
     def token_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids (a new list: callers may extend it)."""
@@ -93,6 +95,8 @@ class InputProcessor:
         if sampling.min_new_tokens > 0 and banned > self.max_banned_tokens:
             raise InputError(f"{where}: min_new_tokens with {banned} stop and end-of-sequence token ids; at most "
                              f"{self.max_banned_tokens} can be held back (EngineConfig.max_banned_tokens)")
+        if sampling.json_schema is not None:
+            self.grammars.grammar(sampling.json_schema, where)  # a schema it cannot compile fails here, named
         ids = self.token_ids(prompt)
         self._check_placeholders(ids, ["video" if isinstance(src, ChatVideo) else "image" for src in images], where)
         if not ids:
@@ -192,6 +196,8 @@ class InputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.skip_special_tokens,
                                                sampling.min_new_tokens),
             incremental_text=bool(sampling.stop) or prepared.stream, where=prepared.where, submitted=prepared.submitted,
+            grammar=(None if sampling.json_schema is None
+                     else self.grammars.matcher(sampling.json_schema, prepared.where)),
         )
 
     def _expand_video(self, video: VideoInput, token: int, expanded: list[int], starts: list[int],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ class Request:
     preemptions: int = 0
     on_finish: Callable[["Request"], None] | None = None  # set by whoever waits for the result
     input_bytes: int = 0  # its images' and videos' resized pixels, counted against input_bytes_ahead
+    grammar: Any = None  # a `grammar.Matcher` when the output must follow a JSON schema
 
     submitted: float | None = None  # the caller's call (None: the engine's arrival)
     arrival: float = field(default_factory=time.monotonic)  # the engine received it
@@ -107,6 +108,15 @@ class Request:
         sampling = self.sampling
         if self.incremental_text:
             self.detokenizer.add(token)
+        if self.grammar is not None:
+            rejected = self.grammar.accept(token)
+            if rejected is not None:  # the mask allows only what the grammar takes: a bug if reached
+                self.finish("error", f"{self.where or 'request'}: the JSON schema's grammar rejected token "
+                                     f"{token}: {rejected}")
+                return
+            if self.grammar.complete:  # the JSON is whole and nothing may follow (end of sequence included)
+                self.finish("stop")
+                return
         if len(self.output_ids) >= sampling.min_new_tokens and (
                 token in sampling.eos_token_ids or token in sampling.stop_token_ids):
             self.finish("stop")

@@ -140,7 +140,9 @@ def test_staging_rows_runs_no_torch_host_kernel():
 
 
 def test_rows_are_views_of_the_first_rows():
-    t = SamplerTensors.build([RowSampling(penalty=1.5, step=i, ban_ids=(i,)) for i in range(4)], 8, CPU)
+    t = SamplerTensors.build([RowSampling(penalty=1.5, step=i, ban_ids=(i,), frequency=0.5, output_ids=(i,))
+                              for i in range(4)], 8, CPU)
+    t.allowed = torch.full((4, 1), -1, dtype=torch.int32)
     v = t.rows(2)
     for f in fields(t):
         whole, part = getattr(t, f.name), getattr(v, f.name)

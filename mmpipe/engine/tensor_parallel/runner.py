@@ -158,6 +158,11 @@ class TensorParallelRunner(ModelRunner):
         with self._in_lockstep("decode step"):
             return super().launch_decode(requests)
 
+    def _share_masks(self, masks: Any, rows: list[int]) -> None:
+        """Every rank samples the step over the same logits, so each needs the same masks: the
+        constrained rows' (the rest allow every token)."""
+        self.workers.send("decode_masks", (rows, masks[rows].copy()))
+
     def _row_state(self, request: Request) -> tuple[Any, ...]:
         """What a worker's mirror of `request` needs for this decode step: the request's full
         state when the decode batch (re)writes its row, else its length and new pages."""

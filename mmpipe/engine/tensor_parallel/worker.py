@@ -76,6 +76,10 @@ def _serve(runner: ModelRunner, group: TPGroup, pipe: Any) -> None:
             runner.forward_prefill(replace(inputs, images=images))
         elif kind == "decode":
             runner.decoder.launch(_mirrors(table, payload))
+        elif kind == "decode_masks":  # a constrained step's grammar masks: its sampler now
+            rows, values = payload
+            runner.decoder.mask_rows()[rows] = values
+            runner.decoder.finish()
         elif kind == "release":
             runner.decoder.release([table.pop(rid) for rid in payload if rid in table])
         elif kind == "capture_sampling":
