@@ -164,7 +164,8 @@ class DecodeGraphRunner(DecodeBatch, GraphRunner):
         bucket, variant = key
         if variant == LOGITS:
             return None
-        covering = [k for k in self.cache.live_keys() if k[0] == bucket and covers(k[1], variant)]
+        covering = [k for k in self.cache.live_keys()
+                    if k[0] == bucket and k[1] != LOGITS and covers(k[1], variant)]
         return min(covering, key=lambda k: _stage_count(k[1])) if covering else None
 
     def _logits_buffer(self) -> torch.Tensor:

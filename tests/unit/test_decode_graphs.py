@@ -526,6 +526,9 @@ class ReplayingGraph:
 
     def replay(self):
         fresh = self.body()
+        if isinstance(self.output, torch.Tensor):  # a constrained step's forward: its logits buffer
+            self.output.copy_(fresh)
+            return
         for name in ("tokens", "token_logprobs", "top_ids", "top_logprobs"):
             target = getattr(self.output, name)
             if target is not None:
