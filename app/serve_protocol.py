@@ -111,6 +111,9 @@ def sampling_of(body: dict[str, Any], chat: bool) -> tuple[list[SamplingParams],
                   "repetition_penalty": _number(body, "repetition_penalty", float),
                   "min_new_tokens": _number(body, "min_tokens", int, 0) or 0, "stop": stop, "logprobs": k,
                   "ignore_eos": ignore_eos}
+    for name in ("frequency_penalty", "presence_penalty"):
+        common[name] = _number(body, name, float, -2, 2) or 0.0
+    common["json_schema"] = _response_format(body.get("response_format"))
     if common["top_k"] == -1:  # vLLM's "no top-k"
         common["top_k"] = 0
     if common["top_p"] == 0:
@@ -120,6 +123,28 @@ def sampling_of(body: dict[str, Any], chat: bool) -> tuple[list[SamplingParams],
     except InputError as exc:
         raise bad(str(exc)) from None
     return params, logprobs
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's `response_format` as the JSON Schema the output must follow: `{"type": "text"}`
+    (or none) leaves it free; `{"type": "json_object"}` asks for any JSON object;
+    `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` for that schema
+    (`strict` is accepted: the grammar always holds the output to the schema)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("'response_format.json_schema.schema' must be a JSON Schema object",
+                      "response_format.json_schema")
+        return schema
+    raise bad("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "response_format")
 
 
 def parse_chat(body: Any, names: tuple[str, ...], allowed: str | None) -> Job:

@@ -115,6 +115,41 @@ def test_advance_counts_generated_tokens_as_rebuilding_from_the_host_does():
     assert t.counts[0, 1].item() == 0 and t.counts[1, 1].item() == 1
 
 
+class OpenAIPenalties:
+    """transformers logits processor applying OpenAI's rule over the generated ids (the reference)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row in range(scores.shape[0]):
+            counts = torch.bincount(input_ids[row, self.prompt_len:], minlength=scores.shape[1]).to(scores.dtype)
+            scores[row] -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
+        return scores
+
+
+def test_output_penalties_in_decoding_match_transformers_with_the_rule(checkpoint):
+    """Counts live on the device and advance inside the step; transformers' greedy generate with
+    the rule as a logits processor is the oracle."""
+    from transformers import LogitsProcessorList
+
+    from tests.helpers import hf_inputs, hf_model
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    model = hf_model(checkpoint)
+    conversation = [{"role": "user", "content": "tell me a story about a fox"}]
+    inputs = hf_inputs(checkpoint, conversation)
+    prompt_len = inputs["input_ids"].shape[1]
+    plain = pipe.chat(conversation, SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.0))[0]
+    for frequency, presence in ((1.5, 0.0), (0.0, 2.0), (-0.5, 0.8)):
+        ours = pipe.chat(conversation, SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.0,
+                                                      frequency_penalty=frequency, presence_penalty=presence))[0]
+        out = model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
+                             eos_token_id=None, top_k=None, top_p=None, temperature=None,
+                             logits_processor=LogitsProcessorList([OpenAIPenalties(prompt_len, frequency, presence)]))
+        assert ours.token_ids == out[0, prompt_len:].tolist(), (frequency, presence)
+        assert ours.token_ids != plain.token_ids  # the knob acts
+
+
 # ---------------------------------------------------------------------------- grammars
 
 def test_fill_masks_writes_only_the_named_rows(pipe):
