@@ -5,12 +5,13 @@ and every comparison is measured in the same process.
     python -m mmpipe.app.bench throughput    # 256 captioning requests: engine vs transformers
     python -m mmpipe.app.bench vit           # ViT per-image latency (transformers / eager / graph), graph memory
     python -m mmpipe.app.bench decode        # LM decode: transformers (2 caches) vs mmpipe eager vs graphs
+    python -m mmpipe.app.bench serve         # mmpipe serve under load (openai client), vs the Python API
     mmpipe bench kernels              # the same through the CLI
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded). This module is
 the command; each benchmark is a module of its own (`kernels`, `throughput`, `vit`, `decode`,
-`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`), their shared timing is `timing`, their tables and
-JSON `results`.
+`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`, `serve`), their shared timing is `timing`, their
+tables and JSON `results`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ BENCHMARKS = {
            "rate",
     "video": "video clips: mmpipe vs transformers (clips/s, CPU s per clip, GPU busy); host memory of one long "
              "video",
+    "serve": "mmpipe serve under load (openai client, Poisson arrivals, concurrency caps): TTFT, TPOT, ITL, "
+             "throughput; server vs Python API on the same requests",
 }
 
 
