@@ -221,6 +221,9 @@ def _caption(args: argparse.Namespace, state: Any, items: list[ImageItem], promp
             bar.update(1)
             tally.tokens += len(output.token_ids)
             text, reason = caption_result(output)
+            if reason is None and args.json_schema is not None and output.finish_reason != "stop":
+                reason = (f"its JSON was cut off after {len(output.token_ids)} tokens (--max-new-tokens): "
+                          "raise it, or bound the schema's strings and arrays")
             if reason is not None:
                 tally.failed += 1
                 report_failure(item, reason, errors, bar)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -82,6 +83,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     prompts.add_argument("--top-k", type=int, default=None)
     prompts.add_argument("--repetition-penalty", type=float, default=None)
     prompts.add_argument("--seed", type=int, default=None, help="makes sampled captions reproducible")
+    prompts.add_argument("--json-schema", metavar="FILE", default=None,
+                         help="a JSON Schema file: each caption is then a JSON object (or value) that validates "
+                              "against it, on one line; one cut off by --max-new-tokens is a failure")
     sizes = parser.add_argument_group("image size")
     sizes.add_argument("--min-pixels", type=positive, default=None,
                        help="smallest image area in pixels (default: the checkpoint's); smaller images are enlarged")
@@ -164,6 +168,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--min-new-tokens must be between 0 and --max-new-tokens ({args.max_new_tokens})")
     if args.output and os.path.isdir(args.output) and not args.ray:
         raise InputError(f"--output {args.output} is a directory")
+    if args.json_schema is not None:
+        if args.prefix or args.suffix:
+            raise InputError("--json-schema writes JSON captions: --prefix and --suffix would break them")
+        sampling_params(args)  # a file that cannot be read or a schema that is not one: said now, not per image
 
 
 def video_options(args: argparse.Namespace) -> VideoOptions:
@@ -199,7 +207,24 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
     return SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          json_schema=_json_schema(args.json_schema))
+
+
+def _json_schema(path: str | None) -> str | None:
+    """The --json-schema file's text (SamplingParams checks that it is a JSON object)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--json-schema {path}: cannot read it ({exc})") from None
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise InputError(f"--json-schema {path}: not JSON ({exc})") from None
+    return text
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

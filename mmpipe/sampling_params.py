@@ -125,9 +125,15 @@ def _schema_text(schema: Any) -> str:
         raise InputError(f"SamplingParams.json_schema: give a JSON Schema object (a dict), not "
                          f"{type(schema).__name__}")
     try:
-        return json.dumps(schema, separators=(",", ":"))  # key order kept: it is the order of the properties
+        text = json.dumps(schema, separators=(",", ":"))  # key order kept: it is the order of the properties
     except (TypeError, ValueError) as exc:
         raise InputError(f"SamplingParams.json_schema cannot be written as JSON: {exc}") from None
+    from mmpipe.engine.grammar import schema_error  # (the grammar engine loads only when a schema is given)
+
+    error = schema_error(text)
+    if error:
+        raise InputError(f"SamplingParams.json_schema cannot be compiled: {error}")
+    return text
 
 
 def _check(name: str, value: Any, ok: Any, what: str) -> None:

@@ -35,6 +35,21 @@ def mask_width(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
+def schema_error(schema: str) -> str | None:
+    """What the grammar engine finds wrong with a JSON Schema (canonical JSON text) before any
+    tokenizer is known (None: nothing), so a bad schema is refused where it is given."""
+    try:
+        import llguidance
+    except ImportError as exc:
+        return f"json_schema needs the llguidance package ({exc})"
+    try:
+        error = llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        error = str(exc)
+    return _summary(error) if error else None
+
+
 class Grammars:
     """One pipeline's grammar engine: the tokenizer as llguidance sees it (built on first use),
     schemas checked and kept, matchers made, masks filled."""
@@ -71,7 +86,7 @@ class Grammars:
             except (ValueError, TypeError, RuntimeError) as exc:
                 error = str(exc)
             if error:
-                raise InputError(f"{where}: json_schema cannot be compiled: {_first_line(error)}")
+                raise InputError(f"{where}: json_schema cannot be compiled: {_summary(error)}")
             self._grammars[schema] = grammar
             if len(self._grammars) > SCHEMAS_KEPT:
                 self._grammars.popitem(last=False)
@@ -133,3 +148,9 @@ class Matcher:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _summary(text: str, limit: int = 400) -> str:
+    """A grammar engine's message (several lines, e.g. a regex with a caret under it) on one line."""
+    line = " ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    return line if len(line) <= limit else line[:limit] + " ..."
