@@ -38,6 +38,7 @@ from mmpipe.errors import CheckpointError, InputError
 from mmpipe.models import LoadedModel, check_tensor_parallel_split, load_model
 from mmpipe.outputs import RequestOutput
 from mmpipe.startup import StartupReport
+from mmpipe.stream_loop import StreamLoop
 from mmpipe.text_stream import TextStream
 from mmpipe.tokenizer import generation_defaults, load_tokenizer
 from mmpipe.video_parts import video_of_part
@@ -87,6 +88,7 @@ class Pipeline:
         self._pool = futures.ThreadPoolExecutor(engine_config.preprocess_workers, thread_name_prefix="mmpipe-img")
         self._text_lock = threading.Lock()  # tokenizers are not safe to share across threads
         self._feed = RequestFeed(self.engine, self.processor, self._pool, self._text_lock)
+        self._streams = StreamLoop(self.engine)  # steps the engine for `stream`'s TextStreams
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str] | None = None, device: str | torch.device | None = None,
@@ -309,7 +311,7 @@ class Pipeline:
                   for k, src in enumerate(prepared.image_sources)]
         with self._text_lock:
             request = self.processor.assemble(prepared, loaded)
-        return TextStream(self.engine, request)
+        return TextStream(self.engine, request, self._streams)
 
     def stats(self) -> dict[str, Any]:
         """Engine statistics: graph mode; ViT, decode and prefill graphs (graphs, captures, capture
@@ -337,6 +339,8 @@ class Pipeline:
     def close(self) -> None:
         """Release the model and KV cache (GPU memory)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if "_streams" in self.__dict__:
+            self._streams.close()  # its step in flight ends first; streams still running end aborted
         engine = self.__dict__.get("engine")
         with engine.lock if engine is not None else contextlib.nullcontext():  # no step mid-teardown
             if engine is not None:

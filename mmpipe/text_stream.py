@@ -3,34 +3,79 @@ timings at any moment."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import queue
+from typing import Any, Callable, Iterator
 
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.request import Request
 from mmpipe.outputs import RequestMetrics, RequestOutput
+from mmpipe.stream_loop import StreamLoop
 
 
 class TextStream(Iterator[str]):
     """One streamed request: iterate for text deltas; read its counts and timings at any time.
 
-    The request joins the engine on the first `next()`. Whichever thread iterates steps the
-    shared engine, so streams from several threads are batched together. `close()` (or leaving a
-    `with` block, or garbage collection of an unfinished stream) aborts the request.
+    The request joins the engine on the first `next()` (or `subscribe`); the Pipeline's stream
+    loop (`mmpipe.stream_loop`) steps the engine for every stream and hands each its new text after
+    every step, so streams read from any number of threads are batched together and each gets
+    its text a step at a time. `close()` (or leaving a `with` block, or garbage collection of an
+    unfinished stream) aborts the request; `abort()` asks for that from any thread.
     """
 
-    def __init__(self, engine: Engine, request: Request) -> None:
+    def __init__(self, engine: Engine, request: Request, loop: StreamLoop) -> None:
         self._engine = engine
-        self._request = request
-        self._deltas = self._run()
+        self.request = request
+        self.aborting = False
+        self._loop = loop
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._listener: Callable[[str, bool], None] | None = None
+        self._started = self._ended = False
 
     def __iter__(self) -> "TextStream":
         return self
 
     def __next__(self) -> str:
-        return next(self._deltas)
+        if self._listener is not None:
+            raise RuntimeError("this stream was subscribed to: its text goes to the listener")
+        self._start()
+        while not self._ended:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self._ended = True
+                raise item
+            delta, done = item
+            self._ended = done
+            if delta:
+                return delta
+        raise StopIteration
+
+    def subscribe(self, listener: Callable[[str, bool], None]) -> None:
+        """Start the request; `listener(delta, done)` is called on the stream loop's thread after
+        each step that brings text, and once with done=True at the end (then the request has
+        finished: `output()` is final). A step that fails calls it with the exception as delta
+        (done=True). For a caller that must not block a thread per stream (an event loop)."""
+        if self._started:
+            raise RuntimeError("this stream has started already")
+        self._listener = listener
+        self._start()
 
     def close(self) -> None:
-        self._deltas.close()
+        """Abort the request if it is still running (and stop reading it)."""
+        if self._started and not self._ended:
+            self.abort()
+            if self._listener is None:
+                while not self._ended:  # wait for the loop to have aborted it: its pages are back
+                    item = self._queue.get()
+                    self._ended = isinstance(item, BaseException) or item[1]
+        self._ended = True
+
+    def abort(self) -> None:
+        """Abort the request from any thread, without waiting for the engine: the stream loop
+        aborts it before its next step (frees its KV pages) and the stream ends, even while its
+        tokens make no text (special tokens, text held back for a stop string)."""
+        self.aborting = True
+        if self._started:
+            self._loop.wake()
 
     def __enter__(self) -> "TextStream":
         return self
@@ -38,65 +83,59 @@ class TextStream(Iterator[str]):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # The stream loop's side.
+
+    def deliver(self, delta: str, done: bool) -> None:
+        if self._listener is not None:
+            self._listener(delta, done)
+        else:
+            self._queue.put((delta, done))
+
+    def fail(self, error: BaseException) -> None:
+        if self._listener is not None:
+            self._listener(error, True)  # type: ignore[arg-type]
+        else:
+            self._queue.put(error)
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._loop.add(self)
+
     @property
     def num_prompt_tokens(self) -> int:
-        return self._request.prompt_len
+        return self.request.prompt_len
 
     @property
     def num_image_tokens(self) -> int:
-        return sum(image.num_tokens for image in self._request.images)
+        return sum(image.num_tokens for image in self.request.images)
 
     @property
     def num_images(self) -> int:
-        return len(self._request.images)
+        return len(self.request.images)
 
     @property
     def num_generated_tokens(self) -> int:
-        return len(self._request.output_ids)
+        return len(self.request.output_ids)
 
     @property
     def finish_reason(self) -> str | None:
         """None while running; then "stop", "length" or "abort" (`RequestOutput`)."""
-        return self._request.finish_reason
+        return self.request.finish_reason
 
     def tokens_since(self, start: int) -> tuple[list[int], list[dict[int, float]]]:
         """The token ids generated from index `start` on, as the engine has them now, and their
         logprobs (empty unless the request asked for them)."""
         with self._engine.lock:
-            ids = list(self._request.output_ids[start:])
-            return ids, list(self._request.logprobs[start:start + len(ids)])
+            ids = list(self.request.output_ids[start:])
+            return ids, list(self.request.logprobs[start:start + len(ids)])
 
     def output(self) -> RequestOutput:
         """The request's `RequestOutput` so far (final once the stream is exhausted)."""
         with self._engine.lock:
-            return self._request.to_output()
+            return self.request.to_output()
 
     def metrics(self) -> RequestMetrics:
         """Timings so far (time to first token, decode tokens/s, ...), final once finished."""
         with self._engine.lock:
-            return self._request.metrics()
-
-    def _run(self) -> Iterator[str]:
-        engine, request = self._engine, self._request
-        with engine.lock:
-            engine.add(request)
-        try:
-            while True:
-                if request.finished:
-                    with engine.lock:
-                        request.detokenizer.finish()
-                        tail = request.detokenizer.pop_delta(final=True)
-                    if tail:
-                        yield tail
-                    return
-                with engine.lock:  # another thread's step may be extending this text right now
-                    delta = request.detokenizer.pop_delta()
-                if delta:
-                    yield delta
-                with engine.lock:
-                    if not request.finished:
-                        engine.step()
-        finally:
-            if not request.finished:
-                with engine.lock:
-                    engine.abort(request)
+            return self.request.metrics()

@@ -1,0 +1,136 @@
+"""The stream loop (`mmpipe.stream_loop`): one thread steps the engine for every `TextStream`; readers
+on many threads get their text a token a step and equal to `chat`'s; abort, a dropped stream, a
+failing step and `close` end streams without hangs and free their pages."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+
+from mmpipe import Pipeline, SamplingParams
+
+CONVERSATIONS = [[{"role": "user", "content": f"tell me about the picture number {i} " * (1 + i % 3)}]
+                 for i in range(8)]
+
+
+def _idle(pipe: Pipeline, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = pipe.stats()
+        if stats["kv_pages"]["free"] == stats["kv_pages"]["total"] and stats["requests"]["running"] == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    with Pipeline.from_pretrained(device="cpu") as pipeline:
+        yield pipeline
+
+
+def _scene(i: int) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": f"assets/images/scene_{i % 6}.png"},
+                                         {"type": "text", "text": "Describe this image."}]}]
+
+
+def test_streams_on_many_threads_get_a_token_a_step_and_chats_text(bundled):
+    """The bundled model's captions are plain words (every token brings text): every delivery but
+    the last carries exactly one new token."""
+    pipe = bundled
+    conversations = [_scene(i) for i in range(8)]
+    params = [SamplingParams(max_new_tokens=10 + 2 * i, temperature=0.0) for i in range(8)]
+    expected = pipe.chat(conversations, params)
+    deliveries: list[list[int]] = [[] for _ in range(8)]  # new tokens per delivery
+    texts = [""] * 8
+    done = [threading.Event() for _ in range(8)]
+    streams = [pipe.stream(c, p) for c, p in zip(conversations, params)]
+
+    def listener(i: int):
+        seen = [0]
+
+        def on(delta, finished):
+            ids, _ = streams[i].tokens_since(seen[0])
+            seen[0] += len(ids)
+            deliveries[i].append(len(ids))
+            texts[i] += delta
+            if finished:
+                done[i].set()
+        return on
+
+    for i, stream in enumerate(streams):
+        stream.subscribe(listener(i))
+    assert all(d.wait(60) for d in done)
+    assert texts == [o.text for o in expected]
+    for i, counts in enumerate(deliveries):
+        assert sum(counts) == len(expected[i].token_ids)
+        assert max(counts[:-1]) == 1  # a token a step: the loop never steps twice between deliveries
+    # Readers iterating on their own threads get the same text.
+    results = [None] * 8
+
+    def read(i: int) -> None:
+        with pipe.stream(conversations[i], params[i]) as stream:
+            results[i] = "".join(stream)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [o.text for o in expected]
+    assert _idle(pipe)
+
+
+def test_abort_from_another_thread_and_a_dropped_stream_free_their_pages(pipe):
+    long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    stream = pipe.stream(CONVERSATIONS[0], long)
+    first = next(stream)
+    assert first
+    threading.Timer(0.05, stream.abort).start()
+    rest = list(stream)  # ends once the loop has aborted it
+    assert stream.finish_reason == "abort" and len(first + "".join(rest)) < 4000
+    assert _idle(pipe)
+    dropped = pipe.stream(CONVERSATIONS[1], SamplingParams(max_new_tokens=4000, temperature=0.0, ignore_eos=True))
+    next(dropped)
+    request = dropped.request
+    del dropped
+    gc.collect()
+    assert _idle(pipe)
+    assert request.finish_reason == "abort" and len(request.output_ids) < 4000  # its reader gone: aborted
+
+
+def test_a_failing_step_reaches_every_reader_and_the_pipeline_goes_on(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    try:
+        streams = [pipe.stream(c, SamplingParams(max_new_tokens=30, ignore_eos=True)) for c in CONVERSATIONS[:3]]
+        for stream in streams:
+            next(stream)
+        step = pipe.engine.step
+
+        def broken():
+            raise RuntimeError("the device fell over")
+
+        pipe.engine.step = broken
+        for stream in streams:
+            with pytest.raises(RuntimeError, match="fell over"):
+                list(stream)
+        pipe.engine.step = step
+        assert _idle(pipe)
+        assert pipe.chat(CONVERSATIONS[0], SamplingParams(max_new_tokens=4))[0].token_ids
+        assert "".join(pipe.stream(CONVERSATIONS[0], SamplingParams(max_new_tokens=4)))
+    finally:
+        pipe.close()
+
+
+def test_close_ends_running_streams(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    stream = pipe.stream(CONVERSATIONS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    next(stream)
+    closer = threading.Thread(target=pipe.close)
+    closer.start()
+    list(stream)  # returns: the loop delivered the end
+    closer.join(30)
+    assert not closer.is_alive()
