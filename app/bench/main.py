@@ -6,11 +6,12 @@ and every comparison is measured in the same process.
     python -m mmpipe.app.bench vit           # ViT per-image latency (transformers / eager / graph), graph memory
     python -m mmpipe.app.bench decode        # LM decode: transformers (2 caches) vs mmpipe eager vs graphs
     python -m mmpipe.app.bench serve         # mmpipe serve under load (openai client), vs the Python API
+    python -m mmpipe.app.bench structured    # decode ms/step with half the batch held to a JSON schema, vs none
     mmpipe bench kernels              # the same through the CLI
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded). This module is
 the command; each benchmark is a module of its own (`kernels`, `throughput`, `vit`, `decode`,
-`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`, `serve`), their shared timing is `timing`, their
+`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`, `serve`, `structured`), their shared timing is `timing`, their
 tables and JSON `results`.
 """
 
@@ -44,6 +45,8 @@ BENCHMARKS = {
              "video",
     "serve": "mmpipe serve under load (openai client, Poisson arrivals, concurrency caps): TTFT, TPOT, ITL, "
              "throughput; server vs Python API on the same requests",
+    "structured": "structured output's cost: decode ms/step with half the batch constrained by a JSON schema vs "
+                  "none, at several batch sizes",
 }
 
 

@@ -390,3 +390,17 @@ def test_a_failed_capture_in_lockstep_raises_instead_of_running_eagerly(monkeypa
                 cache.capture(1, body, "batch 1")
         else:
             assert cache.capture(1, body, "batch 1") is None and 1 in cache.failed
+
+
+def test_two_ranks_with_grammars_and_output_penalties_give_the_unsharded_tokens(tp_checkpoint):
+    """Every rank samples the constrained step over the same logits with the masks rank 0 sends;
+    a rank without them would feed other tokens and its K/V shard would drift."""
+    array = {"type": "array", "items": {"type": "integer"}}
+    params = [SamplingParams(max_new_tokens=14, temperature=0.0, json_schema=array),
+              SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True, frequency_penalty=1.0),
+              SamplingParams(max_new_tokens=14, temperature=0.9, seed=4, json_schema={"type": "object"}),
+              SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=14, temperature=0.0, json_schema=array, presence_penalty=0.5)]
+    reference, _ = run(tp_checkpoint, 1, params)
+    ours, _ = run(tp_checkpoint, 2, params)
+    assert ours == reference
