@@ -20,7 +20,7 @@ from mmpipe.errors import InputError
 from mmpipe.quantization import QUANTIZATION_HELP, RUNTIME_QUANTIZATIONS
 
 DESCRIPTION = ("An OpenAI-compatible server: /v1/chat/completions (text, images, videos; streaming), "
-               "/v1/completions, /v1/models, /health.")
+               "/v1/completions, /v1/models, /health, /metrics (Prometheus).")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -1,11 +1,14 @@
 """`mmpipe serve`'s FastAPI app: OpenAI's chat and text completions, models and health, in front of one
 `Pipeline`.
 
-Every choice runs as a `TextStream` on its own worker thread (as the demo's answers do): that thread
-renders the chat, decodes the images and steps the shared engine, so all requests are batched
-together, and it hands text deltas to the event loop (`loop.call_soon_threadsafe`), which never
-waits on the engine or on media decoding. A client that disconnects sets its choices' cancel flag;
-their threads close the streams, which aborts the requests and frees their KV pages."""
+Every choice runs as a `TextStream` read on its own worker thread (as the demo's answers do): that
+thread renders the chat and decodes the images, the Pipeline's stream loop steps the shared engine
+for every stream (so all requests are batched together), and the thread hands text deltas to the
+event loop (`loop.call_soon_threadsafe`), which never waits on the engine or on media decoding.
+A client that disconnects stops its choices: their streams are aborted before the engine's next
+step (even while their tokens make no text), which frees their KV pages. Each choice's thread also
+feeds its metrics (app/serve_metrics.py: its first token, its tokens, its end); GET /metrics reads
+them and the engine's statistics."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from mmpipe.app.serve_metrics import CONTENT_TYPE, ChoiceRecord, ServeMetrics
 from mmpipe.app.serve_protocol import (
     ApiError,
     Job,
@@ -49,11 +53,19 @@ class Generation:
     ("end", RequestOutput)."""
 
     def __init__(self, server: Server, index: int, make_stream: Callable[[], TextStream],
-                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
-        self.server, self.index, self.make_stream = server, index, make_stream
+                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, record: ChoiceRecord) -> None:
+        self.server, self.index, self.make_stream, self.record = server, index, make_stream, record
         self.queue, self.loop = queue, loop
         self.cancel = threading.Event()
+        self.stream: TextStream | None = None
         self.thread = threading.Thread(target=self._run, name=f"mmpipe-serve-{index}", daemon=True)
+
+    def stop(self) -> None:
+        """Cancel this choice from any thread without waiting: its request is aborted before the engine's
+        next step, and its thread ends."""
+        self.cancel.set()
+        if self.stream is not None:
+            self.stream.abort()
 
     def _put(self, *event: Any) -> None:
         try:
@@ -71,8 +83,12 @@ class Generation:
         try:
             stream = self.make_stream()
         except Exception as exc:  # noqa: BLE001 (handed to the request's handler)
+            self.record.end("error")
             self._put("error", exc)
             return
+        self.stream = stream
+        if self.cancel.is_set():  # stopped while the stream was being made
+            stream.abort()
         self._put("ready")
         seen = 0
         try:
@@ -81,15 +97,19 @@ class Generation:
                     break
                 ids, lps = stream.tokens_since(seen)  # the tokens behind this text, as the engine has them now
                 seen += len(ids)
+                self.record.progress(stream, seen)
                 self._put("delta", delta, ids, lps)
         except Exception as exc:
             log.exception("a request failed while generating")
+            self.record.end("error")
             self._put("error", exc)
             return
         finally:
             stream.close()  # aborts an unfinished request and frees its KV pages
+        out = stream.output()
+        self.record.end(out.finish_reason, out)  # "abort" when the stream was closed unfinished
         if not self.cancel.is_set():
-            self._put("end", stream.output(), seen)
+            self._put("end", out, seen)
 
 
 class Server:
@@ -103,6 +123,7 @@ class Server:
         self.lock = threading.Lock()
         self.alive: set[Generation] = set()
         self.held = 0
+        self.metrics = ServeMetrics(pipe, lambda: self.held)
 
     def admit(self, count: int) -> None:
         with self.lock:
@@ -116,10 +137,17 @@ class Server:
             self.held -= 1
             self.alive.discard(generation)
 
-    def start(self, makers: list[Callable[[], TextStream]]) -> tuple[list[Generation], asyncio.Queue]:
+    def start(self, makers: list[Callable[[], TextStream]], endpoint: str,
+              n: int) -> tuple[list[Generation], asyncio.Queue]:
+        """Start one Generation per maker; `n` choices per prompt (the first of each counts its prompt's tokens)."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        self.admit(len(makers))
-        gens = [Generation(self, i, make, queue, loop) for i, make in enumerate(makers)]
+        try:
+            self.admit(len(makers))
+        except ApiError:
+            self.metrics.count(endpoint, "rejected", len(makers))
+            raise
+        gens = [Generation(self, i, make, queue, loop, self.metrics.choice(endpoint, i % n == 0))
+                for i, make in enumerate(makers)]
         with self.lock:
             self.alive.update(gens)
         for gen in gens:
@@ -131,7 +159,7 @@ class Server:
         with self.lock:
             gens = list(self.alive)
         for gen in gens:
-            gen.cancel.set()
+            gen.stop()
         deadline = time.monotonic() + SHUTDOWN_JOIN_S
         for gen in gens:
             gen.thread.join(max(0.0, deadline - time.monotonic()))
@@ -155,7 +183,7 @@ async def _wait_ready(gens: list[Generation], queue: asyncio.Queue, param: str) 
             pending.discard(event[0])
         elif event[1] == "error":
             for gen in gens:
-                gen.cancel.set()
+                gen.stop()
             exc = event[2]
             if isinstance(exc, InputError):
                 raise bad(str(exc), param)
@@ -230,6 +258,10 @@ def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | N
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    def metrics() -> Response:  # a worker thread: reading the engine's statistics waits for its step
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "mmpipe",
@@ -238,13 +270,15 @@ def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | N
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        job = parse_chat(await body_of(request), server.names, server.allowed)
+        with server.metrics.refusals("chat"):
+            job = parse_chat(await body_of(request), server.names, server.allowed)
         makers = [server.chat_maker(job.conversation, s) for s in job.sampling]
         return await _respond(server, job, makers, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        job = parse_completion(await body_of(request), server.names)
+        with server.metrics.refusals("completion"):
+            job = parse_completion(await body_of(request), server.names)
         makers = [server.prompt_maker(p, s) for p in job.prompts for s in job.sampling]
         return await _respond(server, job, makers, chat=False)
 
@@ -252,12 +286,12 @@ def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | N
 
 
 async def _respond(server: Server, job: Job, makers: list[Callable[[], TextStream]], chat: bool) -> Any:
-    gens, queue = server.start(makers)
+    gens, queue = server.start(makers, "chat" if chat else "completion", len(job.sampling))
     try:
         early = await _wait_ready(gens, queue, "messages" if chat else "prompt")
     except BaseException:
         for gen in gens:
-            gen.cancel.set()
+            gen.stop()
         raise
     if job.stream:
         return StreamingResponse(_stream(server, job, gens, queue, early, chat), media_type="text/event-stream")
@@ -265,7 +299,7 @@ async def _respond(server: Server, job: Job, makers: list[Callable[[], TextStrea
         return await _whole(server, job, gens, queue, early, chat)
     finally:
         for gen in gens:
-            gen.cancel.set()
+            gen.stop()
 
 
 def _top(job: Job) -> int:
@@ -347,4 +381,4 @@ async def _stream(server: Server, job: Job, gens: list[Generation], queue: async
         yield _sse(exc.body())
     finally:  # also on a client that went away: its requests are aborted, their pages freed
         for gen in gens:
-            gen.cancel.set()
+            gen.stop()
