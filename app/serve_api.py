@@ -1,12 +1,12 @@
 """`mmpipe serve`'s FastAPI app: OpenAI's chat and text completions, models and health, in front of one
 `Pipeline`.
 
-Every choice runs as a `TextStream` read on its own worker thread (as the demo's answers do): that
-thread renders the chat and decodes the images, the Pipeline's stream loop steps the shared engine
-for every stream (so all requests are batched together), and the thread hands text deltas to the
-event loop (`loop.call_soon_threadsafe`), which never waits on the engine or on media decoding.
+Every choice is a `TextStream`: a worker thread renders the chat, decodes the images and subscribes
+to the stream; the Pipeline's stream loop steps the shared engine for every stream (so all requests
+are batched together) and, after each step, hands each choice's new text straight to the event
+loop (`loop.call_soon_threadsafe`), which never waits on the engine or on media decoding.
 A client that disconnects stops its choices: their streams are aborted before the engine's next
-step (even while their tokens make no text), which frees their KV pages. Each choice's thread also
+step (even while their tokens make no text), which frees their KV pages. Each choice also
 feeds its metrics (app/serve_metrics.py: its first token, its tokens, its end); GET /metrics reads
 them and the engine's statistics."""
 
@@ -48,21 +48,25 @@ SHUTDOWN_JOIN_S = 10.0
 
 
 class Generation:
-    """One choice: a TextStream iterated on a worker thread; its events go to the job's queue as
-    (index, kind, ...) tuples: ("ready",), ("error", exc), ("delta", text, token_ids, logprobs),
-    ("end", RequestOutput)."""
+    """One choice. A worker thread makes its TextStream (renders the chat, decodes the images) and
+    subscribes to it; from then on the Pipeline's stream loop calls `_on_text` after every step
+    that brings text, on its own thread, and no thread waits for the choice. Its events go to the
+    job's queue as (index, kind, ...) tuples: ("ready",), ("error", exc), ("delta", text,
+    token_ids, logprobs), ("end", RequestOutput, tokens)."""
 
     def __init__(self, server: Server, index: int, make_stream: Callable[[], TextStream],
                  queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, record: ChoiceRecord) -> None:
         self.server, self.index, self.make_stream, self.record = server, index, make_stream, record
         self.queue, self.loop = queue, loop
         self.cancel = threading.Event()
+        self.ended = threading.Event()  # its stream is over (or never started) and it is released
         self.stream: TextStream | None = None
-        self.thread = threading.Thread(target=self._run, name=f"mmpipe-serve-{index}", daemon=True)
+        self.seen = 0  # tokens handed on
+        self.thread = threading.Thread(target=self._start, name=f"mmpipe-serve-{index}", daemon=True)
 
     def stop(self) -> None:
-        """Cancel this choice from any thread without waiting: its request is aborted before the engine's
-        next step, and its thread ends."""
+        """Cancel this choice from any thread without waiting: its request is aborted before the
+        engine's next step."""
         self.cancel.set()
         if self.stream is not None:
             self.stream.abort()
@@ -73,43 +77,48 @@ class Generation:
         except RuntimeError:  # the loop has closed (shutdown): nobody is listening
             pass
 
-    def _run(self) -> None:
-        try:
-            self._generate()
-        finally:
-            self.server.release(self)
-
-    def _generate(self) -> None:
+    def _start(self) -> None:
         try:
             stream = self.make_stream()
         except Exception as exc:  # noqa: BLE001 (handed to the request's handler)
             self.record.end("error")
             self._put("error", exc)
+            self._release()
             return
         self.stream = stream
         if self.cancel.is_set():  # stopped while the stream was being made
             stream.abort()
         self._put("ready")
-        seen = 0
+        stream.subscribe(self._on_text)
+
+    def _on_text(self, delta: Any, done: bool) -> None:
+        """The stream loop's call (its thread): new text, the end, or a failed step (`delta` is
+        then the exception)."""
+        stream = self.stream
+        assert stream is not None
         try:
-            for delta in stream:
-                if self.cancel.is_set():
-                    break
-                ids, lps = stream.tokens_since(seen)  # the tokens behind this text, as the engine has them now
-                seen += len(ids)
-                self.record.progress(stream, seen)
+            if isinstance(delta, BaseException):
+                log.error("a request failed while generating: %s", delta)
+                self.record.end("error")
+                self._put("error", delta)
+                return
+            if delta and not self.cancel.is_set():
+                ids, lps = stream.tokens_since(self.seen)  # the tokens behind this text, as the engine has them now
+                self.seen += len(ids)
+                self.record.progress(stream, self.seen)
                 self._put("delta", delta, ids, lps)
-        except Exception as exc:
-            log.exception("a request failed while generating")
-            self.record.end("error")
-            self._put("error", exc)
-            return
+            if done:
+                out = stream.output()
+                self.record.end(out.finish_reason, out)  # "abort" when it was stopped unfinished
+                if not self.cancel.is_set():
+                    self._put("end", out, self.seen)
         finally:
-            stream.close()  # aborts an unfinished request and frees its KV pages
-        out = stream.output()
-        self.record.end(out.finish_reason, out)  # "abort" when the stream was closed unfinished
-        if not self.cancel.is_set():
-            self._put("end", out, seen)
+            if done:
+                self._release()
+
+    def _release(self) -> None:
+        self.server.release(self)
+        self.ended.set()
 
 
 class Server:
@@ -162,7 +171,7 @@ class Server:
             gen.stop()
         deadline = time.monotonic() + SHUTDOWN_JOIN_S
         for gen in gens:
-            gen.thread.join(max(0.0, deadline - time.monotonic()))
+            gen.ended.wait(max(0.0, deadline - time.monotonic()))
 
     # -------------------------------------------------------------- what a choice runs
 
