@@ -88,8 +88,14 @@ class Generation:
         self.stream = stream
         if self.cancel.is_set():  # stopped while the stream was being made
             stream.abort()
+        try:
+            stream.subscribe(self._on_text)  # first: the prefill starts while the answer's head is sent
+        except Exception as exc:  # noqa: BLE001 (the pipeline is closing)
+            self.record.end("error")
+            self._put("error", exc)
+            self._release()
+            return
         self._put("ready")
-        stream.subscribe(self._on_text)
 
     def _on_text(self, delta: Any, done: bool) -> None:
         """The stream loop's call (its thread): new text, the end, or a failed step (`delta` is
@@ -222,6 +228,24 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
+class KeyCheck:
+    """Answers 401 to a /v1/ request without `Authorization: Bearer KEY`. A plain ASGI middleware:
+    starlette's `@app.middleware("http")` runs the app in a task of its own and pipes every
+    streamed chunk through a memory stream, a cost per chunk."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+            response = JSONResponse(ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)",
+                                             "authentication_error", code="invalid_api_key").body(), status_code=401)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | None = None,
                allowed_local_media_path: str | None = None, max_queued: int = 256,
                max_running: int | None = None) -> FastAPI:
@@ -249,13 +273,8 @@ def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | N
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(ApiError(exc.status_code, message, kind).body(), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
-        guarded = api_key is not None and request.url.path.startswith("/v1/")
-        if guarded and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return JSONResponse(ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)",
-                                         "authentication_error", code="invalid_api_key").body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(KeyCheck, api_key=api_key)
 
     async def body_of(request: Request) -> Any:
         try:
