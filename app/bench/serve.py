@@ -140,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's max_running_requests (default: its own)")
     parser.add_argument("--device", default=None, help="default: the best available")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, images and arrivals")
+    parser.add_argument("--client", choices=("openai", "raw"), default="openai",
+                        help="the load generator's client: the openai SDK, or bare HTTP (httpx), which leaves the "
+                             "SDK's own time per request out of the server's figures (default %(default)s)")
 
 
 # ------------------------------------------------------------------ checkpoint and requests
@@ -350,13 +353,14 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         if "image" in bodies:  # the ViT graphs for packs of these images, before anything is timed
             pipe.warm_up(images=[bodies["image"][0]["messages"][0]["content"][0]["image_url"]["url"]])
         device = torch.cuda.get_device_name(pipe.device) if pipe.device.type == "cuda" else str(pipe.device)
-        with serving(pipe, max(256, args.requests)) as url, LoadProcess(url) as load:
+        with serving(pipe, max(256, args.requests)) as url, LoadProcess(url, client=args.client) as load:
             result = sweep(pipe, load, bodies, args.rates, args.concurrency, args.seed)
     finally:
         pipe.close()
     width, height = args.image_size
     result.update(device=device, model=path if args.model else f"{SHAPES[args.shape].label} shape, random",
                   requests=args.requests, output_tokens=args.output_tokens, input_tokens=args.input_tokens,
+                  client=args.client,
                   image_size=f"{width}x{height}")
     print(report(result))
     return result
@@ -380,7 +384,8 @@ def report(result: dict[str, Any]) -> str:
                      _num(e["p50"], 1), _num(e["p99"], 1), _num(p["tokens_per_chunk"]), _num(p["client_cpu_share"])])
     out = (f"{result['model']} on {result['device']}; {result['requests']} requests a point, "
            f"{result['output_tokens']} new tokens each (ignore_eos), text prompts of about {result['input_tokens']} "
-           f"tokens, {result['image_size']} JPEGs as data URIs\n\n")
+           f"tokens, {result['image_size']} JPEGs as data URIs; client: "
+           f"{'bare HTTP' if result.get('client') == 'raw' else 'the openai SDK'}\n\n")
     out += table("mmpipe serve under load: throughput (requests/s, output tokens/s) and latency (ms)",
                  ["prompts", "rate", "concurrency", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p90",
                   "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99", "ITL p50", "ITL p90", "ITL p99", "E2E p50", "E2E p99",

@@ -128,14 +128,22 @@ def summarise(run: Run) -> dict[str, Any]:
 # ------------------------------------------------------------------ through the server
 
 
+def _post(client: Any, body: dict[str, Any]) -> Any:
+    """The streamed request: through the openai SDK, or (an `httpx` client: `--client raw`) as bare
+    HTTP, which leaves out the SDK's own work per request."""
+    if hasattr(client, "chat"):
+        return client.chat.completions.with_streaming_response.create(
+            model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
+            temperature=body["temperature"], stream=True, stream_options=body["stream_options"],
+            extra_body={"ignore_eos": body["ignore_eos"]})
+    return client.stream("POST", "chat/completions", json=body)
+
+
 async def _stream_one(client: Any, body: dict[str, Any], record: Record, start: float) -> None:
     record.sent = time.perf_counter() - start
     try:
-        async with client.chat.completions.with_streaming_response.create(
-                model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
-                temperature=body["temperature"], stream=True, stream_options=body["stream_options"],
-                extra_body={"ignore_eos": body["ignore_eos"]}) as response:
-            async for line in response.iter_lines():
+        async with _post(client, body) as response:
+            async for line in response.aiter_lines() if hasattr(response, "aiter_lines") else response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
                 now = time.perf_counter() - start
@@ -176,13 +184,20 @@ async def drive_server(client: Any, bodies: Sequence[dict[str, Any]], offsets: S
     return Run(records, max((r.end for r in records), default=0.0), time.process_time() - cpu)
 
 
-def _load_loop(conn: Any, base_url: str, api_key: str) -> None:
+def _load_loop(conn: Any, base_url: str, api_key: str, kind: str = "openai") -> None:
     """The load process: one event loop and one client (its connections kept across runs)."""
     import openai
 
     loop = asyncio.new_event_loop()
 
     async def make_client() -> Any:
+        if kind == "raw":
+            try:
+                import httpx2 as httpx  # what the openai SDK itself uses
+            except ImportError:
+                import httpx
+            return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", timeout=CLIENT_TIMEOUT_S,
+                                     headers={"Authorization": f"Bearer {api_key}"})
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
     client = loop.run_until_complete(make_client())
@@ -193,7 +208,7 @@ def _load_loop(conn: Any, base_url: str, api_key: str) -> None:
             except Exception:  # noqa: BLE001 (the parent raises it)
                 conn.send((None, traceback.format_exc()))
     finally:
-        loop.run_until_complete(client.close())
+        loop.run_until_complete(client.aclose() if hasattr(client, "aclose") else client.close())
         loop.close()
 
 
@@ -201,10 +216,10 @@ class LoadProcess:
     """`drive_server` in a process of its own (spawned, so it shares nothing with the server's
     process: the client's parsing never holds the server's interpreter lock)."""
 
-    def __init__(self, base_url: str, api_key: str = "none") -> None:
+    def __init__(self, base_url: str, api_key: str = "none", client: str = "openai") -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_load_loop, args=(child, base_url, api_key), daemon=True,
+        self._process = context.Process(target=_load_loop, args=(child, base_url, api_key, client), daemon=True,
                                         name="mmpipe-bench-load")
         self._process.start()
         child.close()

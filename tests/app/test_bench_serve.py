@@ -171,6 +171,18 @@ def test_one_at_a_time_through_the_server_every_token_is_timed(tpipe, load):
     assert [len(r.chunks) for r in api.records] == [TOKENS] * 4
 
 
+def test_the_bare_http_client_times_the_same_stream(tpipe, load):
+    """`--client raw`: the same requests give the same tokens, chunks and usage as through the SDK."""
+    bodies = _bodies(tpipe, "text", 3)
+    with bench_serve.serving(tpipe, 256) as url, LoadProcess(url, client="raw") as raw:
+        bare = raw.run(bodies, arrival_offsets(3, math.inf), 1)
+    sdk = load.run(bodies, arrival_offsets(3, math.inf), 1)
+    assert [r.error for r in bare.records] == [None] * 3
+    assert [(r.tokens, r.prompt_tokens, len(r.chunks)) for r in bare.records] == \
+        [(r.tokens, r.prompt_tokens, len(r.chunks)) for r in sdk.records] == [(TOKENS, r.prompt_tokens, TOKENS)
+                                                                             for r in sdk.records]
+
+
 @pytest.mark.parametrize("via", ["server", "api"])
 def test_arrivals_and_the_concurrency_cap_hold(tpipe, load, via):
     bodies = _bodies(tpipe, "image", 6, seed=1)
