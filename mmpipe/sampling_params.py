@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmpipe.errors import InputError
+from mmpipe.json_grammar import schema_error
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,7 @@ def _schema_text(schema: Any) -> str:
         text = json.dumps(schema, separators=(",", ":"))  # key order kept: it is the order of the properties
     except (TypeError, ValueError) as exc:
         raise InputError(f"SamplingParams.json_schema cannot be written as JSON: {exc}") from None
-    from mmpipe.engine.grammar import schema_error  # (the grammar engine loads only when a schema is given)
-
-    error = schema_error(text)
+    error = schema_error(text)  # (llguidance loads only when a schema is given)
     if error:
         raise InputError(f"SamplingParams.json_schema cannot be compiled: {error}")
     return text

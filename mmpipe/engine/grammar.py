@@ -23,31 +23,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from mmpipe.errors import InputError
+from mmpipe.json_grammar import JSON_LAYOUT, summary
 
 SCHEMAS_KEPT = 256  # compiled grammars kept, by schema text
-# The JSON's layout, fixed: one line with ", " and ": " between items (Python's `json.dumps`), the
-# form models mostly write. Whitespace left free lets a model spend its tokens on blank lines.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def mask_width(vocab: int) -> int:
     """int32 words per mask row."""
     return (vocab + 31) // 32
-
-
-def schema_error(schema: str) -> str | None:
-    """What the grammar engine finds wrong with a JSON Schema (canonical JSON text) before any
-    tokenizer is known (None: nothing), so a bad schema is refused where it is given."""
-    try:
-        import llguidance
-    except ImportError as exc:
-        return f"json_schema needs the llguidance package ({exc})"
-    try:
-        error = llguidance.LLMatcher.validate_grammar(
-            llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
-    except (ValueError, TypeError, RuntimeError) as exc:
-        error = str(exc)
-    return _summary(error) if error else None
 
 
 class Grammars:
@@ -86,7 +69,7 @@ class Grammars:
             except (ValueError, TypeError, RuntimeError) as exc:
                 error = str(exc)
             if error:
-                raise InputError(f"{where}: json_schema cannot be compiled: {_summary(error)}")
+                raise InputError(f"{where}: json_schema cannot be compiled: {summary(error)}")
             self._grammars[schema] = grammar
             if len(self._grammars) > SCHEMAS_KEPT:
                 self._grammars.popitem(last=False)
@@ -148,9 +131,3 @@ class Matcher:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
-
-
-def _summary(text: str, limit: int = 400) -> str:
-    """A grammar engine's message (several lines, e.g. a regex with a caret under it) on one line."""
-    line = " ".join(part.strip() for part in text.strip().splitlines() if part.strip())
-    return line if len(line) <= limit else line[:limit] + " ..."
