@@ -4,7 +4,8 @@
 Every choice is a `TextStream`: a worker thread renders the chat, decodes the images and subscribes
 to the stream; the Pipeline's stream loop steps the shared engine for every stream (so all requests
 are batched together) and, after each step, hands each choice's new text straight to the event
-loop (`loop.call_soon_threadsafe`), which never waits on the engine or on media decoding.
+loop (through an `Outbox`: one wake-up for a step's worth of text), which never waits on the engine
+or on media decoding.
 A client that disconnects stops its choices: their streams are aborted before the engine's next
 step (even while their tokens make no text), which frees their KV pages. Each choice also
 feeds its metrics (app/serve_metrics.py: its first token, its tokens, its end); GET /metrics reads
@@ -47,6 +48,35 @@ RETRY_AFTER_S = 1
 SHUTDOWN_JOIN_S = 10.0
 
 
+class Outbox:
+    """Events from other threads for the event loop's queues, handed over in batches: one wake-up
+    of the loop (`call_soon_threadsafe`, a write to its pipe) for all that arrives before it runs,
+    not one per token of every choice."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, tuple]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, event: tuple) -> None:
+        with self._lock:
+            self._items.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the loop has closed (shutdown): nobody is listening
+            pass
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 class Generation:
     """One choice. A worker thread makes its TextStream (renders the chat, decodes the images) and
     subscribes to it; from then on the Pipeline's stream loop calls `_on_text` after every step
@@ -55,9 +85,9 @@ class Generation:
     token_ids, logprobs), ("end", RequestOutput, tokens)."""
 
     def __init__(self, server: Server, index: int, make_stream: Callable[[], TextStream],
-                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, record: ChoiceRecord) -> None:
+                 queue: asyncio.Queue, outbox: Outbox, record: ChoiceRecord) -> None:
         self.server, self.index, self.make_stream, self.record = server, index, make_stream, record
-        self.queue, self.loop = queue, loop
+        self.queue, self.outbox = queue, outbox
         self.cancel = threading.Event()
         self.ended = threading.Event()  # its stream is over (or never started) and it is released
         self.stream: TextStream | None = None
@@ -72,10 +102,7 @@ class Generation:
             self.stream.abort()
 
     def _put(self, *event: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, *event))
-        except RuntimeError:  # the loop has closed (shutdown): nobody is listening
-            pass
+        self.outbox.put(self.queue, (self.index, *event))
 
     def _start(self) -> None:
         try:
@@ -139,6 +166,7 @@ class Server:
         self.alive: set[Generation] = set()
         self.held = 0
         self.metrics = ServeMetrics(pipe, lambda: self.held)
+        self.outbox: Outbox | None = None  # made on the event loop's first request
 
     def admit(self, count: int) -> None:
         with self.lock:
@@ -156,12 +184,14 @@ class Server:
               n: int) -> tuple[list[Generation], asyncio.Queue]:
         """Start one Generation per maker; `n` choices per prompt (the first of each counts its prompt's tokens)."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        if self.outbox is None or self.outbox.loop is not loop:
+            self.outbox = Outbox(loop)
         try:
             self.admit(len(makers))
         except ApiError:
             self.metrics.count(endpoint, "rejected", len(makers))
             raise
-        gens = [Generation(self, i, make, queue, loop, self.metrics.choice(endpoint, i % n == 0))
+        gens = [Generation(self, i, make, queue, self.outbox, self.metrics.choice(endpoint, i % n == 0))
                 for i, make in enumerate(makers)]
         with self.lock:
             self.alive.update(gens)
