@@ -207,6 +207,8 @@ class DecodeGraphRunner(DecodeBatch, GraphRunner):
 
     def sample_fn(self, n: int, variant: SamplerVariant) -> Callable[[torch.Tensor], SampleResult]:
         """The step's sampler over rows 0..n-1 of these logits, then the rows' advance."""
+        if variant.output_penalty:  # a graph captured before any row used them still needs them
+            self._output_penalty_buffers()
         ids, lens, active, sampler = self.input_ids[:n], self.seq_lens[:n], self.active[:n], self.sampler.rows(n)
 
         def run(logits: torch.Tensor) -> SampleResult:
@@ -293,7 +295,7 @@ class DecodeGraphRunner(DecodeBatch, GraphRunner):
             allowed.copy_(staged, non_blocking=staged.is_pinned())
             if self.device.type == "cuda" and staged.is_pinned():
                 self._masks_copied = torch.cuda.Event()
-                self._masks_copied.record()
+                self._masks_copied.record(torch.cuda.current_stream(self.device))
             # The sampler graph reads the forward graph's logits buffer: a forward run eagerly
             # (no graph fits, or its capture failed) samples eagerly too.
             eager = lambda: self.sample_fn(n, variant)(logits[:n])

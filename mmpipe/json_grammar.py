@@ -5,11 +5,14 @@ matchers)."""
 
 from __future__ import annotations
 
+import functools
+
 # The JSON's layout, fixed: one line with ", " and ": " between items (Python's `json.dumps`), the
 # form models mostly write. Whitespace left free lets a model spend its tokens on blank lines.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+@functools.lru_cache(maxsize=256)  # a server sees the same few schemas again and again
 def schema_error(schema: str) -> str | None:
     """What the grammar engine finds wrong with a JSON Schema (canonical JSON text) before any
     tokenizer is known (None: nothing), so a bad schema is refused where it is given."""

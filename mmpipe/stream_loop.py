@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.request import Request
@@ -38,21 +38,23 @@ class Stream(Protocol):
 class StreamLoop:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        # Weak references: a stream its reader dropped unfinished is aborted, not run to its end.
-        self._streams: list[tuple[weakref.ref[Stream], Request]] = []
+        # Weak references: a stream its reader dropped unfinished is aborted, not run to its end
+        # (a subscribed stream is held by its entry: its listener is owed an end).
+        self._streams: list[_Entry] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def add(self, stream: Stream) -> None:
-        """Put the stream's request in the engine and step it until it finishes or is aborted."""
-        with self._engine.lock:
-            self._engine.add(stream.request)
+    def add(self, stream: Stream, keep: bool = False) -> None:
+        """Put the stream's request in the engine and step it until it finishes or is aborted.
+        `keep`: hold the stream itself, not a weak reference (a subscribed stream)."""
         with self._wake:
             if self._closed:
                 raise RuntimeError("the pipeline is closed")
-            self._streams.append((weakref.ref(stream), stream.request))
-            if self._thread is None:
+            with self._engine.lock:
+                self._engine.add(stream.request)
+            self._streams.append(_Entry(stream, keep))
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="mmpipe-streams", daemon=True)
                 self._thread.start()
             self._wake.notify()
@@ -63,18 +65,21 @@ class StreamLoop:
             self._wake.notify()
 
     def close(self) -> None:
-        """Stop the thread (after its step in flight); streams still running end as aborted."""
+        """Stop the thread (after its step in flight); streams still running are aborted and end."""
         with self._wake:
             self._closed = True
-            streams, self._streams = self._streams, []
             self._wake.notify()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        for ref, _ in streams:
-            stream = ref()
-            if stream is not None:
-                stream.deliver("", True)
+        with self._wake:
+            entries, self._streams = self._streams, []
+        with self._engine.lock:
+            for entry in entries:
+                if not entry.request.finished:
+                    self._engine.abort(entry.request)
+        for entry in entries:
+            _deliver(entry, "", True)
 
     def _run(self) -> None:
         while True:
@@ -83,51 +88,80 @@ class StreamLoop:
                     self._wake.wait()
                 if self._closed:
                     return
-                streams = list(self._streams)
+                entries = list(self._streams)
             try:
-                ended = self._step(streams)
+                deliveries = self._step(entries)
             except BaseException as exc:  # noqa: BLE001 (each stream's reader gets it)
                 log.debug("a step for the streams failed", exc_info=True)
-                ended = {id(request) for _, request in streams}
                 with self._engine.lock:
-                    for _, request in streams:
-                        if not request.finished:
-                            self._engine.abort(request)
-                for ref, _ in streams:
-                    stream = ref()
-                    if stream is not None:
-                        stream.fail(exc)
+                    for entry in entries:
+                        if not entry.request.finished:
+                            self._engine.abort(entry.request)
+                deliveries = [(entry, exc, True) for entry in entries]
+            for entry, delta, done in deliveries:  # outside the lock: a reader may take it at once
+                _deliver(entry, delta, done)
+            ended = {id(entry) for entry in entries if entry.done}
             if ended:
                 with self._wake:
-                    self._streams = [e for e in self._streams if id(e[1]) not in ended]
+                    self._streams = [e for e in self._streams if id(e) not in ended]
 
-    def _step(self, streams: list[tuple[weakref.ref[Stream], Request]]) -> set[int]:
-        """Abort what was asked (or dropped), step the engine once, deliver every stream's new
-        text; returns the ids of the requests that ended."""
-        engine, ended = self._engine, set()
+    def _step(self, entries: list[_Entry]) -> list[tuple[_Entry, Any, bool]]:
+        """Abort what was asked (or dropped), step the engine once; returns what each stream is
+        to be handed (its new text, and whether it ended)."""
+        engine = self._engine
         with engine.lock:
             live = []
-            for ref, request in streams:
-                stream = ref()
+            for entry in entries:
+                stream, request = entry.stream(), entry.request
                 if (stream is None or stream.aborting) and not request.finished:
                     engine.abort(request)
                 if stream is None:
-                    ended.add(id(request))
+                    entry.done = True
                 else:
-                    live.append((stream, request))
-            if any(not request.finished for _, request in live):
+                    live.append(entry)
+            if any(not entry.request.finished for entry in live):
                 engine.step()
-            deliveries: list[tuple[Stream, str, bool]] = []
-            for stream, request in live:
+            deliveries: list[tuple[_Entry, Any, bool]] = []
+            for entry in live:
+                request = entry.request
                 if request.finished:
                     request.detokenizer.finish()
-                    deliveries.append((stream, request.detokenizer.pop_delta(final=True), True))
-                    ended.add(id(request))
+                    deliveries.append((entry, request.detokenizer.pop_delta(final=True), True))
                 else:
                     delta = request.detokenizer.pop_delta()
                     if delta:
-                        deliveries.append((stream, delta, False))
-        for stream, delta, done in deliveries:  # outside the lock: a reader may take it at once
-            stream.deliver(delta, done)
-        return ended
+                        deliveries.append((entry, delta, False))
+        return deliveries
 
+
+class _Entry:
+    """A stream the loop steps: its request, how it is held, and whether its end was handed on."""
+
+    def __init__(self, stream: Stream, keep: bool) -> None:
+        self.request = stream.request
+        self._held = stream if keep else None
+        self._ref = weakref.ref(stream)
+        self.done = False
+
+    def stream(self) -> Stream | None:
+        return self._held if self._held is not None else self._ref()
+
+
+def _deliver(entry: _Entry, delta: Any, done: bool) -> None:
+    """Hand a stream its text, its end, or (`delta` an exception) the failure of its step; once
+    ended, nothing more. A reader's callback that raises ends that stream only (its request
+    aborted by the next step), never the loop."""
+    if entry.done:
+        return
+    entry.done = done
+    stream = entry.stream()
+    if stream is None:
+        return
+    try:
+        if isinstance(delta, BaseException):
+            stream.fail(delta)
+        else:
+            stream.deliver(delta, done)
+    except Exception:  # noqa: BLE001 (the reader's code)
+        log.exception("a stream's reader failed on its text; the stream ends")
+        stream.aborting = True

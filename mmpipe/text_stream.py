@@ -99,8 +99,8 @@ class TextStream(Iterator[str]):
 
     def _start(self) -> None:
         if not self._started:
+            self._loop.add(self, keep=self._listener is not None)  # raises (the pipeline closed): not started
             self._started = True
-            self._loop.add(self)
 
     @property
     def num_prompt_tokens(self) -> int:

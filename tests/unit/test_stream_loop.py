@@ -125,12 +125,58 @@ def test_a_failing_step_reaches_every_reader_and_the_pipeline_goes_on(checkpoint
         pipe.close()
 
 
-def test_close_ends_running_streams(checkpoint):
+def test_close_ends_running_streams_aborted_and_refuses_new_ones(checkpoint):
     pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
     stream = pipe.stream(CONVERSATIONS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
     next(stream)
+    later = pipe.stream(CONVERSATIONS[1], SamplingParams(max_new_tokens=4))  # made, not started
     closer = threading.Thread(target=pipe.close)
     closer.start()
     list(stream)  # returns: the loop delivered the end
     closer.join(30)
     assert not closer.is_alive()
+    assert stream.request.finish_reason == "abort"
+    with pytest.raises(RuntimeError, match="closed"):
+        next(later)
+    later.close()  # not started: returns at once
+
+
+def test_a_reader_callback_that_raises_ends_its_stream_only(pipe):
+    calls = []
+
+    def broken(delta, done):
+        calls.append(done)
+        raise ValueError("the reader's bug")
+
+    bad = pipe.stream(CONVERSATIONS[0], SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True))
+    bad.subscribe(broken)
+    deadline = time.monotonic() + 20
+    while bad.request.finish_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert bad.request.finish_reason == "abort" and len(bad.request.output_ids) < 300
+    assert calls.count(True) <= 1  # never handed an end twice
+    # The loop lives on: the next stream runs to its end (read on a thread, so a dead loop fails
+    # the test instead of hanging it).
+    text = []
+    reader = threading.Thread(target=lambda: text.append("".join(
+        pipe.stream(CONVERSATIONS[1], SamplingParams(max_new_tokens=6)))), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive() and text[0]
+    assert _idle(pipe)
+
+
+def test_a_subscribed_stream_nobody_keeps_still_reaches_its_listener(pipe):
+    ended = threading.Event()
+    texts = []
+
+    def listener(delta, done):
+        texts.append(delta)
+        if done:
+            ended.set()
+
+    pipe.stream(CONVERSATIONS[2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)).subscribe(listener)
+    gc.collect()
+    assert ended.wait(30)
+    expected = pipe.chat(CONVERSATIONS[2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert "".join(texts) == expected.text

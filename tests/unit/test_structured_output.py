@@ -279,3 +279,19 @@ def test_schema_errors_are_named_and_spare_the_other_requests(bundled):
     for name in ("frequency_penalty", "presence_penalty"):
         with pytest.raises(InputError, match=name):
             SamplingParams(**{name: 2.5})
+
+
+def test_startup_captures_the_output_penalty_graphs_before_any_row_uses_them(checkpoint, simulated_graphs):  # noqa: F811
+    """Their buffers are made for the capture, not when the first row joins: no capture fails,
+    and the steps of such requests replay graphs."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0, frequency_penalty=0.5)
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", startup_sampling=params,
+                                    decode_graph=GraphConfig(buckets=(1, 2, 4), max_graphs=16))
+    decode = pipe.stats()["decode"]
+    assert decode["captures"] >= 3 and decode["capture_failures"] == 0
+    before = decode["graph_runs"]
+    conversation = [{"role": "user", "content": "tell me about the picture"}]
+    ours = pipe.chat([conversation] * 3, params)
+    assert pipe.stats()["decode"]["graph_runs"] > before and pipe.stats()["decode"]["capture_failures"] == 0
+    eager = Pipeline.from_pretrained(checkpoint, device="cpu", decode_graph=GraphConfig(enabled=False))
+    assert [o.token_ids for o in ours] == [o.token_ids for o in eager.chat([conversation] * 3, params)]
