@@ -4,6 +4,8 @@ backend, and the real server on a localhost port driven by gradio_client, with i
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import re
 import subprocess
@@ -139,9 +141,27 @@ def test_the_page_seed_field_starts_empty_and_empty_means_unseeded(pipe):
 # ---------------------------------------------------------------------- the backend
 
 
+@contextlib.contextmanager
+def paced(pipe, seconds: float = 0.02):
+    """Engine steps slowed down: the stream loop runs ahead of a reader (it is not paced by it), and
+    a test that reads mid-answer statistics needs the answer still running when it reads them."""
+    step = pipe.engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    pipe.engine.step = slow
+    try:
+        yield
+    finally:
+        pipe.engine.step = step
+
+
 def test_answer_streams_as_growing_prefixes_with_live_statistics(pipe):
     backend = ChatBackend(pipe, update_interval_s=0.0)
-    updates = respond_all(backend, {"text": "Describe this image.", "files": [sample("scene_1.png")]})
+    with paced(pipe):
+        updates = respond_all(backend, {"text": "Describe this image.", "files": [sample("scene_1.png")]})
     texts = [u[0] for u in updates]
     assert len(texts) >= 5, "the answer should arrive in many pieces"
     assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
@@ -172,12 +192,13 @@ def test_max_new_tokens_and_seed_reach_the_sampler(pipe):
 
 def test_closing_an_answer_aborts_it_and_frees_its_pages(pipe):
     backend = ChatBackend(pipe, update_interval_s=0.0)
-    gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_0.png")]}, [],
-                          max_new_tokens=200)
-    next(gen)
-    assert pipe.stats()["requests"]["running"] == 1
-    assert pipe.stats()["kv_pages"]["free"] < pipe.stats()["kv_pages"]["total"]
-    gen.close()
+    with paced(pipe):
+        gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_0.png")]}, [],
+                              max_new_tokens=200)
+        next(gen)
+        assert pipe.stats()["requests"]["running"] == 1
+        assert pipe.stats()["kv_pages"]["free"] < pipe.stats()["kv_pages"]["total"]
+        gen.close()
     stats = pipe.stats()
     assert stats["requests"] == {**stats["requests"], "running": 0, "waiting": 0}
     assert stats["kv_pages"]["free"] == stats["kv_pages"]["total"]

@@ -105,7 +105,7 @@ def test_abort_from_another_thread_and_a_dropped_stream_free_their_pages(pipe):
 def test_a_failing_step_reaches_every_reader_and_the_pipeline_goes_on(checkpoint):
     pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
     try:
-        streams = [pipe.stream(c, SamplingParams(max_new_tokens=30, ignore_eos=True)) for c in CONVERSATIONS[:3]]
+        streams = [pipe.stream(c, SamplingParams(max_new_tokens=4000, ignore_eos=True)) for c in CONVERSATIONS[:3]]
         for stream in streams:
             next(stream)
         step = pipe.engine.step
