@@ -51,6 +51,7 @@ def test_gpu_demo_answers_with_graphs_from_many_threads_and_stops_cleanly():
             live = re.search(part + r" \| (\d+) live", engine)
             assert live and int(live.group(1)) > 0, engine
         assert "Graph mode | full_and_piecewise" in engine
+        recorder.delay_s = 0.02  # the stream loop runs ahead of its reader: slow it so the answer is mid-way
         gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_2.png")]}, [],
                               max_new_tokens=200)
         next(gen)
