@@ -35,6 +35,7 @@ import torch
 from mmpipe.config import EngineConfig
 from mmpipe.step_io import PendingDecode
 from mmpipe.engine.encoder_cache import EncoderCache
+from mmpipe.engine.fair_lock import FairRLock
 from mmpipe.engine.model_runner import ModelRunner
 from mmpipe.engine.request import Request
 from mmpipe.engine.scheduler import Scheduler, StepPlan
@@ -57,7 +58,7 @@ class Engine:
         self.runner, self.cfg = runner, cfg
         self.cache = EncoderCache(cfg.encoder_cache_bytes)
         self.scheduler = Scheduler(cfg, runner.pages, runner.page_size, self.cache)
-        self.lock = threading.RLock()
+        self.lock = FairRLock()  # in arrival order: the stream loop's steps never starve other callers
         self.steps = 0
         self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runner.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
