@@ -284,6 +284,7 @@ def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | N
     name = served_model_name or os.path.basename(os.path.normpath(pipe.model.path))
     allowed = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
     server = Server(pipe, (name,), api_key, allowed, max_queued, max_running)
+    pipe.prepare_structured_output()  # response_format's first request would otherwise wait for it
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -313,6 +313,11 @@ class Pipeline:
             request = self.processor.assemble(prepared, loaded)
         return TextStream(self.engine, request, self._streams)
 
+    def prepare_structured_output(self) -> None:
+        """Build what `SamplingParams(json_schema=...)` needs now, on a thread of its own (a server
+        calls this at start; else the first request with a schema waits for it)."""
+        self.processor.grammars.build_in_background(self.model.path)
+
     def stats(self) -> dict[str, Any]:
         """Engine statistics: graph mode; ViT, decode and prefill graphs (graphs, captures, capture
         seconds, bytes held, replays, eager fallbacks); step counters and decode host time; KV

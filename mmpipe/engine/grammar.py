@@ -17,6 +17,7 @@ once the JSON is complete.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from typing import Any, Sequence
 
@@ -25,6 +26,7 @@ import numpy as np
 from mmpipe.errors import InputError
 from mmpipe.json_grammar import JSON_LAYOUT, summary
 
+log = logging.getLogger("mmpipe")
 SCHEMAS_KEPT = 256  # compiled grammars kept, by schema text
 
 
@@ -41,8 +43,34 @@ class Grammars:
         self._hf, self.vocab, self._eos = tokenizer, vocab, list(eos_ids)
         self.width = mask_width(vocab)
         self._tokenizer: Any = None
+        self._built = threading.Event()  # set once a background build (if any) has ended
+        self._built.set()
         self._grammars: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()  # requests are prepared on several threads
+
+    def build_in_background(self, checkpoint: str) -> None:
+        """Build llguidance's view of the tokenizer now, on a thread of its own, from a tokenizer of
+        its own (the shared one may only be used under the pipeline's text lock). Else the first
+        request with a schema builds it while preparing, which for a vocabulary of Qwen's size
+        takes seconds and holds up every other request's preparation."""
+        if self._tokenizer is not None or not self._built.is_set():
+            return
+        self._built.clear()
+
+        def build() -> None:
+            try:
+                import llguidance.hf
+
+                from mmpipe.tokenizer import load_tokenizer
+                built = llguidance.hf.from_tokenizer(load_tokenizer(checkpoint), n_vocab=self.vocab,
+                                                     eos_token=self._eos)
+                self._tokenizer = self._tokenizer or built
+            except Exception:  # noqa: BLE001 (the first request builds it then, and says what fails)
+                log.debug("building the grammar engine's tokenizer in the background failed", exc_info=True)
+            finally:
+                self._built.set()
+
+        threading.Thread(target=build, name="mmpipe-grammar-tokenizer", daemon=True).start()
 
     def _library(self) -> Any:
         try:
@@ -50,6 +78,7 @@ class Grammars:
             import llguidance.hf
         except ImportError as exc:  # a core dependency; only a broken install lacks it
             raise InputError(f"json_schema needs the llguidance package ({exc}); pip install llguidance") from None
+        self._built.wait()  # a background build under way
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab, eos_token=self._eos)
         return llguidance

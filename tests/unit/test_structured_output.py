@@ -295,3 +295,20 @@ def test_startup_captures_the_output_penalty_graphs_before_any_row_uses_them(che
     assert pipe.stats()["decode"]["graph_runs"] > before and pipe.stats()["decode"]["capture_failures"] == 0
     eager = Pipeline.from_pretrained(checkpoint, device="cpu", decode_graph=GraphConfig(enabled=False))
     assert [o.token_ids for o in ours] == [o.token_ids for o in eager.chat([conversation] * 3, params)]
+
+
+def test_the_grammar_tokenizer_built_ahead_serves_like_one_built_on_demand(checkpoint):
+    """`prepare_structured_output` builds llguidance's tokenizer on a thread of its own, from a
+    tokenizer of its own; requests then get the same constrained tokens as when the first request
+    builds it."""
+    schema = {"type": "array", "items": {"type": "integer"}}
+    params = SamplingParams(max_new_tokens=12, json_schema=schema)
+    conversation = [{"role": "user", "content": "count"}]
+    ahead = Pipeline.from_pretrained(checkpoint, device="cpu")
+    ahead.prepare_structured_output()
+    grammars = ahead.processor.grammars
+    assert grammars._built.wait(60) and grammars._tokenizer is not None
+    assert grammars._tokenizer is not None and grammars._hf is ahead.processor.tokenizer
+    lazy = Pipeline.from_pretrained(checkpoint, device="cpu")
+    assert ahead.chat(conversation, params)[0].token_ids == lazy.chat(conversation, params)[0].token_ids
+    assert lazy.processor.grammars._tokenizer is not None
