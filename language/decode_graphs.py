@@ -171,6 +171,10 @@ class DecodeGraphRunner(DecodeBatch, GraphRunner):
     def _logits_buffer(self) -> torch.Tensor:
         if self._logits is None:  # made on the first constrained step: most runs have none
             self._logits = torch.empty(self.max_rows, self.vocab, dtype=torch.float32, device=self.device)
+            if self.cache is not None and self.cache.max_graphs is not None:
+                # Constrained steps take two graphs a bucket beside the free steps' one: room for
+                # all three, so serving both kinds does not evict and recapture graphs by turns.
+                self.cache.max_graphs = max(self.cache.max_graphs, 3 * len(self.buckets))
         return self._logits
 
     # ------------------------------------------------------------------ the step

@@ -312,3 +312,20 @@ def test_the_grammar_tokenizer_built_ahead_serves_like_one_built_on_demand(check
     lazy = Pipeline.from_pretrained(checkpoint, device="cpu")
     assert ahead.chat(conversation, params)[0].token_ids == lazy.chat(conversation, params)[0].token_ids
     assert lazy.processor.grammars._tokenizer is not None
+
+
+def test_constrained_steps_make_room_for_their_graphs(checkpoint, simulated_graphs):  # noqa: F811
+    """Three buckets and room for three graphs (the greedy ones): the first constrained step makes
+    room for its forward and sampler graphs too, so free and constrained requests taking turns
+    evict nothing."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", max_running_requests=4,
+                                    decode_graph=GraphConfig(buckets=(1, 2, 4), max_graphs=3))
+    conversation = [{"role": "user", "content": "tell me about the picture"}]
+    free = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
+    constrained = SamplingParams(max_new_tokens=6, temperature=0.0, json_schema={"type": "array"})
+    for _ in range(2):
+        pipe.chat([conversation] * 4, [free, constrained, free, constrained])
+        pipe.chat([conversation], free)
+    decode = pipe.stats()["decode"]
+    assert decode["evictions"] == 0 and decode["graph_runs"] > 0
+    assert pipe.runner.decoder.cache.max_graphs == 9
