@@ -1,8 +1,25 @@
-"""Argument types the commands share: a usage mistake is one line naming the value."""
+"""Argument types the commands share (a usage mistake is one line naming the value), and the
+engine settings their common flags give."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+
+def scale_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Pipeline.from_pretrained` settings of the flags `mmpipe caption` and `mmpipe serve` share:
+    --quantization, --tp, --vit-parallel, --batch-size (those left at their defaults are left out)."""
+    options: dict[str, Any] = {}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    if args.tp > 1:
+        options["tensor_parallel_size"] = args.tp
+    if args.vit_parallel:
+        options["vit_parallel"] = args.vit_parallel
+    if args.batch_size:
+        options["max_running_requests"] = args.batch_size
+    return options
 
 
 def count(value: str) -> int:

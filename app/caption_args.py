@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from mmpipe.app.arg_types import positive, positive_number
+from mmpipe.app.arg_types import positive, positive_number, scale_options
 from mmpipe.app.caption_records import FORMATS
 from mmpipe.vision.video_sampling import (
     CONTEXT_TOKENS,
@@ -229,15 +229,8 @@ def _json_schema(path: str | None) -> str | None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The Pipeline settings the command's flags give, for the local run and the Ray job alike."""
-    options: dict[str, Any] = {"preprocess_workers": args.workers, "image_decode": "gpu" if args.gpu_decode else "cpu"}
-    if args.quantization:
-        options["quantization"] = args.quantization
-    if args.tp > 1:
-        options["tensor_parallel_size"] = args.tp
-    if args.vit_parallel:
-        options["vit_parallel"] = args.vit_parallel
-    if args.batch_size:
-        options["max_running_requests"] = args.batch_size
+    options: dict[str, Any] = {"preprocess_workers": args.workers, "image_decode": "gpu" if args.gpu_decode else "cpu",
+                               **scale_options(args)}
     for name in ("min_pixels", "max_pixels"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mmpipe.app.arg_types import count, positive
+from mmpipe.app.arg_types import count, positive, scale_options
 
 from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
 from mmpipe.errors import InputError
@@ -47,17 +47,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """`Pipeline.from_pretrained`'s keyword arguments from `add_engine_args`' flags."""
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise InputError(f"--min-pixels ({args.min_pixels}) must not be above --max-pixels ({args.max_pixels})")
-    options: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "graph_mode": args.graph_mode,
-                               "min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
-    if args.quantization:
-        options["quantization"] = args.quantization
-    if args.tp > 1:
-        options["tensor_parallel_size"] = args.tp
-    if args.vit_parallel:
-        options["vit_parallel"] = args.vit_parallel
-    if args.batch_size:
-        options["max_running_requests"] = args.batch_size
-    return options
+    return {"device": args.device, "dtype": args.dtype, "graph_mode": args.graph_mode,
+            "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, **scale_options(args)}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
