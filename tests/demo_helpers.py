@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from mmpipe.pipeline import default_model_path
 
@@ -51,8 +52,18 @@ class StepRecorder:
                 self.aborts += 1
             abort_once(request)
 
+        self._original = (step_once, abort_once)
         engine.step, engine.abort = step, abort
         return self
+
+    @contextlib.contextmanager
+    def installed(self, pipe: Any) -> Iterator["StepRecorder"]:
+        """Installed for a block, the engine's own step and abort back after it (a shared pipe)."""
+        self.install(pipe)
+        try:
+            yield self
+        finally:
+            pipe.engine.step, pipe.engine.abort = self._original
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:

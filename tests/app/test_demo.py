@@ -4,7 +4,6 @@ backend, and the real server on a localhost port driven by gradio_client, with i
 
 from __future__ import annotations
 
-import contextlib
 
 import os
 import re
@@ -141,26 +140,10 @@ def test_the_page_seed_field_starts_empty_and_empty_means_unseeded(pipe):
 # ---------------------------------------------------------------------- the backend
 
 
-@contextlib.contextmanager
-def paced(pipe, seconds: float = 0.02):
-    """Engine steps slowed down: the stream loop runs ahead of a reader (it is not paced by it), and
-    a test that reads mid-answer statistics needs the answer still running when it reads them."""
-    step = pipe.engine.step
-
-    def slow():
-        time.sleep(seconds)
-        return step()
-
-    pipe.engine.step = slow
-    try:
-        yield
-    finally:
-        pipe.engine.step = step
-
-
 def test_answer_streams_as_growing_prefixes_with_live_statistics(pipe):
     backend = ChatBackend(pipe, update_interval_s=0.0)
-    with paced(pipe):
+    # The stream loop runs ahead of its reader: slowed steps keep the answer running while it is read.
+    with StepRecorder(delay_s=0.02).installed(pipe):
         updates = respond_all(backend, {"text": "Describe this image.", "files": [sample("scene_1.png")]})
     texts = [u[0] for u in updates]
     assert len(texts) >= 5, "the answer should arrive in many pieces"
@@ -192,7 +175,7 @@ def test_max_new_tokens_and_seed_reach_the_sampler(pipe):
 
 def test_closing_an_answer_aborts_it_and_frees_its_pages(pipe):
     backend = ChatBackend(pipe, update_interval_s=0.0)
-    with paced(pipe):
+    with StepRecorder(delay_s=0.02).installed(pipe):  # mid-answer when it is closed
         gen = backend.respond({"text": "Describe this image.", "files": [sample("scene_0.png")]}, [],
                               max_new_tokens=200)
         next(gen)
