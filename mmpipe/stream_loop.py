@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from mmpipe.engine.engine import Engine
@@ -29,6 +30,7 @@ class Stream(Protocol):
 
     request: Request
     aborting: bool
+    after_step: Callable[[], None] | None  # called once a step after the deliveries (shared hooks once)
 
     def deliver(self, delta: str, done: bool) -> None: ...  # called on the loop's thread
 
@@ -98,8 +100,8 @@ class StreamLoop:
                         if not entry.request.finished:
                             self._engine.abort(entry.request)
                 deliveries = [(entry, exc, True) for entry in entries]
-            for entry, delta, done in deliveries:  # outside the lock: a reader may take it at once
-                _deliver(entry, delta, done)
+            _hand_out(deliveries)  # outside the lock: a reader may take it at once
+            del deliveries  # no reference may keep a dropped stream alive while the loop waits
             ended = {id(entry) for entry in entries if entry.done}
             if ended:
                 with self._wake:
@@ -134,6 +136,20 @@ class StreamLoop:
         return deliveries
 
 
+def _hand_out(deliveries: list[tuple[_Entry, Any, bool]]) -> None:
+    """Deliver a step's text, then run the after-step hooks of the streams delivered to, each
+    once (equal hooks, as one object's bound method, count once)."""
+    hooks: dict[Callable[[], None], None] = {}
+    for entry, delta, done in deliveries:
+        if (hook := _deliver(entry, delta, done)) is not None:
+            hooks[hook] = None
+    for hook in hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 (the reader's code)
+            log.exception("a stream's after-step hook failed")
+
+
 class _Entry:
     """A stream the loop steps: its request, how it is held, and whether its end was handed on."""
 
@@ -147,16 +163,17 @@ class _Entry:
         return self._held if self._held is not None else self._ref()
 
 
-def _deliver(entry: _Entry, delta: Any, done: bool) -> None:
+def _deliver(entry: _Entry, delta: Any, done: bool) -> Callable[[], None] | None:
     """Hand a stream its text, its end, or (`delta` an exception) the failure of its step; once
     ended, nothing more. A reader's callback that raises ends that stream only (its request
-    aborted by the next step), never the loop."""
+    aborted by the next step), never the loop. Returns the stream's after-step hook."""
     if entry.done:
-        return
+        return None
     entry.done = done
     stream = entry.stream()
     if stream is None:
-        return
+        return None
+    hook = stream.after_step
     try:
         if isinstance(delta, BaseException):
             stream.fail(delta)
@@ -165,3 +182,4 @@ def _deliver(entry: _Entry, delta: Any, done: bool) -> None:
     except Exception:  # noqa: BLE001 (the reader's code)
         log.exception("a stream's reader failed on its text; the stream ends")
         stream.aborting = True
+    return hook

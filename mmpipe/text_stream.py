@@ -29,6 +29,7 @@ class TextStream(Iterator[str]):
         self._loop = loop
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._listener: Callable[[str, bool], None] | None = None
+        self.after_step: Callable[[], None] | None = None  # the loop calls it once a step, after its deliveries
         self._started = self._ended = False
 
     def __iter__(self) -> "TextStream":
@@ -49,14 +50,17 @@ class TextStream(Iterator[str]):
                 return delta
         raise StopIteration
 
-    def subscribe(self, listener: Callable[[str, bool], None]) -> None:
+    def subscribe(self, listener: Callable[[str, bool], None], after_step: Callable[[], None] | None = None) -> None:
         """Start the request; `listener(delta, done)` is called on the stream loop's thread after
         each step that brings text, and once with done=True at the end (then the request has
         finished: `output()` is final). A step that fails calls it with the exception as delta
-        (done=True). For a caller that must not block a thread per stream (an event loop)."""
+        (done=True). For a caller that must not block a thread per stream (an event loop).
+        `after_step()` is called once after all of a step's listener calls, however many
+        subscribed streams share it: a place to send a step's worth of events at once."""
         if self._started:
             raise RuntimeError("this stream has started already")
         self._listener = listener
+        self.after_step = after_step
         self._start()
 
     def close(self) -> None:

@@ -180,3 +180,34 @@ def test_a_subscribed_stream_nobody_keeps_still_reaches_its_listener(pipe):
     assert ended.wait(30)
     expected = pipe.chat(CONVERSATIONS[2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert "".join(texts) == expected.text
+
+
+def test_a_shared_after_step_hook_runs_once_a_step_after_that_steps_deliveries(pipe):
+    """Four subscribed streams share one hook (a bound method, as the server's batcher): it runs
+    once per step that delivered, after every listener call of that step."""
+    log: list[str] = []
+    done = threading.Event()
+
+    class Batcher:
+        def flush(self) -> None:
+            log.append("flush")
+
+    batcher, ended = Batcher(), [0]
+
+    def on(delta, finished):
+        log.append("text")
+        if finished:
+            ended[0] += 1
+            if ended[0] == 4:
+                done.set()
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    streams = [pipe.stream(c, params) for c in CONVERSATIONS[:4]]
+    for stream in streams:
+        stream.subscribe(on, after_step=batcher.flush)
+    assert done.wait(30)
+    time.sleep(0.05)  # the last step's hook runs after its deliveries
+    assert log[-1] == "flush" and log[0] == "text"
+    steps = "".join("F" if e == "flush" else "t" for e in log).split("F")[:-1]
+    assert all(steps) and all(len(s) <= 4 for s in steps)  # no step without deliveries, none counted twice
+    assert sum(len(s) for s in steps) == log.count("text")
