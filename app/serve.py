@@ -1,7 +1,7 @@
-"""`mmpipe serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one Pipeline
-(app/serve_api.py has the routes, app/serve_protocol.py the wire format). Needs `pip install
-'mmpipe[serve]'`. SIGTERM or Ctrl-C stops it: running requests are aborted, then the pipeline is
-closed."""
+"""`mmpipe serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one Pipeline,
+which runs in a process of its own (app/serve_engine.py; app/serve_api.py has the routes,
+app/serve_protocol.py the wire format). Needs `pip install 'mmpipe[serve]'`. SIGTERM or Ctrl-C
+stops it: running requests are aborted, then the pipeline is closed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,20 +83,32 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"mmpipe serve: {exc.name} is not installed; run  pip install 'mmpipe[serve]'", file=sys.stderr)
         return 2
-    from mmpipe import Pipeline
+    from mmpipe.app.serve_engine import EngineProcess
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    options = engine_options(args)
-    pipe = Pipeline.from_pretrained(args.model, **options)
+    engine = EngineProcess(args.model, **engine_options(args))  # the Pipeline, in a process of its own
     try:
-        app = create_app(pipe, args.served_model_name, args.api_key or None,
+        app = create_app(engine, args.served_model_name, args.api_key or None,
                          args.allowed_local_media_path, args.max_queued)
         # SIGTERM and SIGINT: uvicorn stops accepting, the app's shutdown aborts what still runs.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
-        _server_class()(config).run()
+        server = _server_class()(config)
+        engine_lost = threading.Event()
+
+        def watch() -> None:  # the engine's process ending under a running server stops the server
+            engine.wait()
+            if not server.should_exit:
+                engine_lost.set()
+                server.should_exit = True
+
+        threading.Thread(target=watch, name="mmpipe-engine-watch", daemon=True).start()
+        server.run()
     finally:
-        pipe.close()
+        engine.close()
         logging.getLogger("mmpipe.serve").info("mmpipe serve: pipeline closed")
+    if engine_lost.is_set():
+        print(f"mmpipe serve: {engine.failure or 'the engine process ended'}; the server stopped", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,15 +1,15 @@
-"""`mmpipe serve`'s FastAPI app: OpenAI's chat and text completions, models and health, in front of one
-`Pipeline`.
+"""`mmpipe serve`'s FastAPI app: OpenAI's chat and text completions, models, health and metrics, in
+front of one Pipeline: in a process of its own (`EngineProcess`, app/serve_engine.py: what `mmpipe
+serve` runs) or in this one (`LocalEngine`, app/serve_choices.py: an app that embeds the server).
 
-Every choice is a `TextStream`: a worker thread renders the chat, decodes the images and subscribes
-to the stream; the Pipeline's stream loop steps the shared engine for every stream (so all requests
-are batched together) and, after each step, hands each choice's new text straight to the event
-loop (through an `Outbox`: one wake-up for a step's worth of text), which never waits on the engine
-or on media decoding.
+Every choice is a `TextStream` beside the Pipeline: a worker thread there renders the chat,
+decodes the media and subscribes to it; the Pipeline's stream loop steps the shared engine for
+every stream (so all requests are batched together), and each step's new text comes to this
+event loop as events (`Choice.receive`), which never waits on the engine or on media decoding.
 A client that disconnects stops its choices: their streams are aborted before the engine's next
-step (even while their tokens make no text), which frees their KV pages. Each choice also
-feeds its metrics (app/serve_metrics.py: its first token, its tokens, its end); GET /metrics reads
-them and the engine's statistics."""
+step (even while their tokens make no text), which frees their KV pages. Each choice also feeds
+its metrics (app/serve_metrics.py: its first token, its tokens, its end); GET /metrics reads them
+and the engine's statistics."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from mmpipe.app.serve_choices import LocalEngine
 from mmpipe.app.serve_metrics import CONTENT_TYPE, ChoiceRecord, ServeMetrics
 from mmpipe.app.serve_protocol import (
     ApiError,
@@ -40,133 +41,68 @@ from mmpipe.app.serve_protocol import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmpipe.config import SamplingParams
-from mmpipe.errors import InputError, MmpipeError
-from mmpipe.text_stream import TextStream
 
 log = logging.getLogger("mmpipe.serve")
 RETRY_AFTER_S = 1
 SHUTDOWN_JOIN_S = 10.0
 
 
-class Outbox:
-    """Events from other threads for the event loop's queues, handed over in batches: one wake-up
-    of the loop (`call_soon_threadsafe`, a write to its pipe) for all that arrives before it runs,
-    not one per token of every choice."""
+class Choice:
+    """One choice, as the server sees it: its events arrive on the event loop (`receive`), feed
+    its metrics and go to its request's queue as (index, kind, ...) tuples: ("ready",), ("error",
+    Failure), ("delta", text, token_ids, logprobs), ("end", RequestOutput, tokens). Once stopped,
+    only its end is counted (nobody reads the queue)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: list[tuple[asyncio.Queue, tuple]] = []
-        self._lock = threading.Lock()
-        self._scheduled = False
-
-    def put(self, queue: asyncio.Queue, event: tuple) -> None:
-        with self._lock:
-            self._items.append((queue, event))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._hand_over)
-        except RuntimeError:  # the loop has closed (shutdown): nobody is listening
-            pass
-
-    def _hand_over(self) -> None:
-        with self._lock:
-            items, self._items, self._scheduled = self._items, [], False
-        for queue, event in items:
-            queue.put_nowait(event)
-
-
-class Generation:
-    """One choice. A worker thread makes its TextStream (renders the chat, decodes the images) and
-    subscribes to it; from then on the Pipeline's stream loop calls `_on_text` after every step
-    that brings text, on its own thread, and no thread waits for the choice. Its events go to the
-    job's queue as (index, kind, ...) tuples: ("ready",), ("error", exc), ("delta", text,
-    token_ids, logprobs), ("end", RequestOutput, tokens)."""
-
-    def __init__(self, server: Server, index: int, make_stream: Callable[[], TextStream],
-                 queue: asyncio.Queue, outbox: Outbox, record: ChoiceRecord) -> None:
-        self.server, self.index, self.make_stream, self.record = server, index, make_stream, record
-        self.queue, self.outbox = queue, outbox
-        self.cancel = threading.Event()
-        self.ended = threading.Event()  # its stream is over (or never started) and it is released
-        self.stream: TextStream | None = None
-        self.seen = 0  # tokens handed on
-        self.thread = threading.Thread(target=self._start, name=f"mmpipe-serve-{index}", daemon=True)
+    def __init__(self, server: Server, index: int, queue: asyncio.Queue, record: ChoiceRecord) -> None:
+        self.server, self.index, self.queue, self.record = server, index, queue, record
+        self.handle: Any = None  # the engine's handle, to abort it
+        self.cancelled = False
+        self.ended = threading.Event()  # its end (or failure) has arrived and it is released
+        self.seen = 0  # tokens received
 
     def stop(self) -> None:
         """Cancel this choice from any thread without waiting: its request is aborted before the
         engine's next step."""
-        self.cancel.set()
-        if self.stream is not None:
-            self.stream.abort()
+        if not self.cancelled and not self.ended.is_set():
+            self.cancelled = True
+            self.server.engine.abort(self.handle)
 
-    def _put(self, *event: Any) -> None:
-        self.outbox.put(self.queue, (self.index, *event))
-
-    def _start(self) -> None:
-        try:
-            stream = self.make_stream()
-        except Exception as exc:  # noqa: BLE001 (handed to the request's handler)
-            self.record.end("error")
-            self._put("error", exc)
-            self._release()
+    def receive(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "delta":
+            _, text, ids, lps, first = event
+            if first is not None:
+                self.record.first_token(*first)
+            self.seen += len(ids)
+            self.record.tokens(self.seen)
+            if not self.cancelled:
+                self.queue.put_nowait((self.index, "delta", text, ids, lps))
             return
-        self.stream = stream
-        if self.cancel.is_set():  # stopped while the stream was being made
-            stream.abort()
-        try:
-            stream.subscribe(self._on_text)  # first: the prefill starts while the answer's head is sent
-        except Exception as exc:  # noqa: BLE001 (the pipeline is closing)
+        if kind == "end":
+            out = event[1]
+            self.record.end(out.finish_reason, out)  # "abort" when it was stopped unfinished
+        elif kind == "error":
             self.record.end("error")
-            self._put("error", exc)
-            self._release()
-            return
-        self._put("ready")
-
-    def _on_text(self, delta: Any, done: bool) -> None:
-        """The stream loop's call (its thread): new text, the end, or a failed step (`delta` is
-        then the exception)."""
-        stream = self.stream
-        assert stream is not None
-        try:
-            if isinstance(delta, BaseException):
-                log.error("a request failed while generating: %s", delta)
-                self.record.end("error")
-                self._put("error", delta)
-                return
-            if delta and not self.cancel.is_set():
-                ids, lps = stream.tokens_since(self.seen)  # the tokens behind this text, as the engine has them now
-                self.seen += len(ids)
-                self.record.progress(stream, self.seen)
-                self._put("delta", delta, ids, lps)
-            if done:
-                out = stream.output()
-                self.record.end(out.finish_reason, out)  # "abort" when it was stopped unfinished
-                if not self.cancel.is_set():
-                    self._put("end", out, self.seen)
-        finally:
-            if done:
-                self._release()
-
-    def _release(self) -> None:
-        self.server.release(self)
-        self.ended.set()
+        if not self.cancelled or kind == "ready":
+            self.queue.put_nowait((self.index, *event))
+        if kind in ("end", "error"):
+            self.server.release(self)
+            self.ended.set()
 
 
 class Server:
-    """The pipeline, the admission count, and the generations alive (to cancel at shutdown)."""
+    """The engine (in this process or its own), the admission count, and the choices alive (to
+    cancel at shutdown)."""
 
-    def __init__(self, pipe: Any, names: tuple[str, ...], api_key: str | None, allowed: str | None,
+    def __init__(self, engine: Any, names: tuple[str, ...], api_key: str | None, allowed: str | None,
                  max_queued: int, max_running: int | None = None) -> None:
-        self.pipe, self.names, self.api_key, self.allowed = pipe, names, api_key, allowed
-        running = max_running if max_running is not None else pipe.engine_config.max_running_requests
+        self.engine, self.names, self.api_key, self.allowed = engine, names, api_key, allowed
+        running = max_running if max_running is not None else engine.max_running_requests
         self.capacity = running + max_queued  # choices held at once: those running plus those waiting
         self.lock = threading.Lock()
-        self.alive: set[Generation] = set()
+        self.alive: set[Choice] = set()
         self.held = 0
-        self.metrics = ServeMetrics(pipe, lambda: self.held)
-        self.outbox: Outbox | None = None  # made on the event loop's first request
+        self.metrics = ServeMetrics(engine, lambda: self.held)
 
     def admit(self, count: int) -> None:
         with self.lock:
@@ -175,81 +111,71 @@ class Server:
                                type_="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
             self.held += count
 
-    def release(self, generation: Generation) -> None:
+    def release(self, choice: Choice) -> None:
         with self.lock:
             self.held -= 1
-            self.alive.discard(generation)
+            self.alive.discard(choice)
 
-    def start(self, makers: list[Callable[[], TextStream]], endpoint: str,
-              n: int) -> tuple[list[Generation], asyncio.Queue]:
-        """Start one Generation per maker; `n` choices per prompt (the first of each counts its prompt's tokens)."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        if self.outbox is None or self.outbox.loop is not loop:
-            self.outbox = Outbox(loop)
+    def start(self, works: list[tuple[str, Any, SamplingParams]], endpoint: str,
+              n: int) -> tuple[list[Choice], asyncio.Queue]:
+        """Start one choice per (kind, payload, sampling); `n` choices per prompt (the first of each
+        counts its prompt's tokens)."""
+        queue: asyncio.Queue = asyncio.Queue()
         try:
-            self.admit(len(makers))
+            self.admit(len(works))
         except ApiError:
-            self.metrics.count(endpoint, "rejected", len(makers))
+            self.metrics.count(endpoint, "rejected", len(works))
             raise
-        gens = [Generation(self, i, make, queue, self.outbox, self.metrics.choice(endpoint, i % n == 0))
-                for i, make in enumerate(makers)]
+        choices = [Choice(self, i, queue, self.metrics.choice(endpoint, i % n == 0)) for i in range(len(works))]
         with self.lock:
-            self.alive.update(gens)
-        for gen in gens:
-            gen.thread.start()
-        return gens, queue
+            self.alive.update(choices)
+        for choice, (kind, payload, sampling) in zip(choices, works):
+            choice.handle = self.engine.start(choice, kind, payload, sampling)
+        return choices, queue
 
     def shutdown(self) -> None:
-        """Abort what is still running and wait for its threads (the pipeline is closed after)."""
+        """Abort what is still running and wait for the ends (the engine is closed after)."""
         with self.lock:
-            gens = list(self.alive)
-        for gen in gens:
-            gen.stop()
+            choices = list(self.alive)
+        for choice in choices:
+            choice.stop()
         deadline = time.monotonic() + SHUTDOWN_JOIN_S
-        for gen in gens:
-            gen.ended.wait(max(0.0, deadline - time.monotonic()))
-
-    # -------------------------------------------------------------- what a choice runs
-
-    def chat_maker(self, conversation: list[dict[str, Any]], sampling: SamplingParams) -> Callable[[], TextStream]:
-        return lambda: self.pipe.stream(conversation, sampling)
-
-    def prompt_maker(self, prompt: str, sampling: SamplingParams) -> Callable[[], TextStream]:
-        return lambda: self.pipe.stream_prompt(prompt, (), sampling)
+        for choice in choices:
+            choice.ended.wait(max(0.0, deadline - time.monotonic()))
 
 
-async def _wait_ready(gens: list[Generation], queue: asyncio.Queue, param: str) -> list[tuple]:
+async def _wait_ready(choices: list[Choice], queue: asyncio.Queue, param: str) -> list[tuple]:
     """Wait until every choice has started (or one failed: then cancel the rest and answer 400);
     returns the events that arrived meanwhile."""
-    pending, early = {g.index for g in gens}, []
+    pending, early = {c.index for c in choices}, []
     while pending:
         event = await queue.get()
         if event[1] == "ready":
             pending.discard(event[0])
         elif event[1] == "error":
-            for gen in gens:
-                gen.stop()
-            exc = event[2]
-            if isinstance(exc, InputError):
-                raise bad(str(exc), param)
-            if isinstance(exc, MmpipeError):
-                raise ApiError(400, str(exc))
-            raise ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+            for choice in choices:
+                choice.stop()
+            failure = event[2]
+            if failure.kind == "input":
+                raise bad(failure.message, param)
+            if failure.kind == "mmpipe":
+                raise ApiError(400, failure.message)
+            raise ApiError(500, f"internal error: {failure.message}", type_="server_error")
         else:
             early.append(event)
     return early
 
 
-async def _events(gens: list[Generation], queue: asyncio.Queue, early: list[tuple]) -> AsyncIterator[tuple]:
+async def _events(choices: list[Choice], queue: asyncio.Queue, early: list[tuple]) -> AsyncIterator[tuple]:
     """Every delta and end event until all choices ended; an error mid-generation raises."""
-    remaining = len(gens)
+    remaining = len(choices)
     for event in early:
         yield event
         remaining -= event[1] == "end"
     while remaining:
         event = await queue.get()
         if event[1] == "error":
-            raise ApiError(500, f"generation failed: {event[2]}", type_="server_error")
+            raise ApiError(500, f"generation failed: {event[2].message}", type_="server_error")
         yield event
         remaining -= event[1] == "end"
 
@@ -276,20 +202,25 @@ class KeyCheck:
         await self.app(scope, receive, send)
 
 
-def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: Any, served_model_name: str | None = None, api_key: str | None = None,
                allowed_local_media_path: str | None = None, max_queued: int = 256,
                max_running: int | None = None) -> FastAPI:
-    """The app for one Pipeline. `max_running` (default: the engine's max_running_requests) plus
-    `max_queued` choices are held at once; past that, 503 with Retry-After."""
-    name = served_model_name or os.path.basename(os.path.normpath(pipe.model.path))
+    """The app in front of `engine`: a Pipeline (run in this process, `LocalEngine`) or an
+    `EngineProcess` (`mmpipe serve`); the app does not close either. `max_running` (default: the
+    engine's max_running_requests) plus `max_queued` choices are held at once; past that, 503
+    with Retry-After."""
+    if not hasattr(engine, "attach"):
+        engine = LocalEngine(engine)
+    name = served_model_name or os.path.basename(os.path.normpath(engine.model_path))
     allowed = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
-    server = Server(pipe, (name,), api_key, allowed, max_queued, max_running)
-    pipe.prepare_structured_output()  # response_format's first request would otherwise wait for it
+    server = Server(engine, (name,), api_key, allowed, max_queued, max_running)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.attach()
         yield
         await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
+        await engine.aclose()
 
     app = FastAPI(title="mmpipe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -314,7 +245,9 @@ def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | N
             raise bad(f"the body is not valid JSON: {exc}") from None
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        if not getattr(engine, "alive", True):
+            return JSONResponse({"status": "engine down", "reason": engine.failure}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -324,78 +257,77 @@ def create_app(pipe: Any, served_model_name: str | None = None, api_key: str | N
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "mmpipe",
-                                             "root": pipe.model.path, "max_model_len": pipe.runner.max_model_len}
+                                             "root": engine.model_path, "max_model_len": engine.max_model_len}
                                             for n in server.names]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         with server.metrics.refusals("chat"):
             job = parse_chat(await body_of(request), server.names, server.allowed)
-        makers = [server.chat_maker(job.conversation, s) for s in job.sampling]
-        return await _respond(server, job, makers, chat=True)
+        return await _respond(server, job, [("chat", job.conversation, s) for s in job.sampling], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         with server.metrics.refusals("completion"):
             job = parse_completion(await body_of(request), server.names)
-        makers = [server.prompt_maker(p, s) for p in job.prompts for s in job.sampling]
-        return await _respond(server, job, makers, chat=False)
+        works = [("prompt", p, s) for p in job.prompts for s in job.sampling]
+        return await _respond(server, job, works, chat=False)
 
     return app
 
 
-async def _respond(server: Server, job: Job, makers: list[Callable[[], TextStream]], chat: bool) -> Any:
-    gens, queue = server.start(makers, "chat" if chat else "completion", len(job.sampling))
+async def _respond(server: Server, job: Job, works: list[tuple[str, Any, SamplingParams]], chat: bool) -> Any:
+    choices, queue = server.start(works, "chat" if chat else "completion", len(job.sampling))
     try:
-        early = await _wait_ready(gens, queue, "messages" if chat else "prompt")
+        early = await _wait_ready(choices, queue, "messages" if chat else "prompt")
     except BaseException:
-        for gen in gens:
-            gen.stop()
+        for choice in choices:
+            choice.stop()
         raise
     if job.stream:
-        return StreamingResponse(_stream(server, job, gens, queue, early, chat), media_type="text/event-stream")
+        return StreamingResponse(_stream(server, job, choices, queue, early, chat), media_type="text/event-stream")
     try:
-        return await _whole(server, job, gens, queue, early, chat)
+        return await _whole(server, job, choices, queue, early, chat)
     finally:
-        for gen in gens:
-            gen.stop()
+        for choice in choices:
+            choice.stop()
 
 
 def _top(job: Job) -> int:
     return job.sampling[0].logprobs or 0
 
 
-async def _whole(server: Server, job: Job, gens: list[Generation], queue: asyncio.Queue, early: list[tuple],
+async def _whole(server: Server, job: Job, choices: list[Choice], queue: asyncio.Queue, early: list[tuple],
                  chat: bool) -> dict[str, Any]:
     outputs: dict[int, Any] = {}
-    async for event in _events(gens, queue, early):
+    async for event in _events(choices, queue, early):
         if event[1] == "end":
             outputs[event[0]] = event[2]
-    tokenizer, n = server.pipe.tokenizer, len(job.sampling)
-    choices, completion = [], 0
-    for i in range(len(gens)):
+    tokenizer, n = server.engine.tokenizer, len(job.sampling)
+    answers, completion = [], 0
+    for i in range(len(choices)):
         out = outputs[i]
         completion += len(out.token_ids)
         lps = out.logprobs if job.logprobs else None
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+            answers.append({"index": i, "message": {"role": "assistant", "content": out.text},
                             "logprobs": {"content": chat_logprobs(tokenizer, out.token_ids, lps, _top(job))}
                             if lps is not None else None,
                             "finish_reason": finish_reason(out.finish_reason)})
         else:
             text = (job.prompts[i // n] if job.echo else "") + out.text
-            choices.append({"index": i, "text": text, "finish_reason": finish_reason(out.finish_reason),
+            answers.append({"index": i, "text": text, "finish_reason": finish_reason(out.finish_reason),
                             "logprobs": completion_logprobs(tokenizer, out.token_ids, lps, _top(job))
                             if lps is not None else None})
-    prompt = sum(outputs[p * n].num_prompt_tokens for p in range(len(gens) // n))
+    prompt = sum(outputs[p * n].num_prompt_tokens for p in range(len(choices) // n))
     return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": "chat.completion" if chat else
-            "text_completion", "created": job.created, "model": job.model, "choices": choices,
+            "text_completion", "created": job.created, "model": job.model, "choices": answers,
             "usage": usage(prompt, completion)}
 
 
-async def _stream(server: Server, job: Job, gens: list[Generation], queue: asyncio.Queue, early: list[tuple],
+async def _stream(server: Server, job: Job, choices: list[Choice], queue: asyncio.Queue, early: list[tuple],
                   chat: bool) -> AsyncIterator[str]:
-    tokenizer, n = server.pipe.tokenizer, len(job.sampling)
+    tokenizer, n = server.engine.tokenizer, len(job.sampling)
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id,
             "object": "chat.completion.chunk" if chat else "text_completion", "created": job.created,
             "model": job.model}
@@ -417,12 +349,12 @@ async def _stream(server: Server, job: Job, gens: list[Generation], queue: async
 
     prompt_tokens, completion = {}, 0
     try:
-        for gen in gens:
+        for choice in choices:
             if chat:
-                yield _sse(chunk(gen.index, None, [], [], None, first=True))
+                yield _sse(chunk(choice.index, None, [], [], None, first=True))
             elif job.echo:
-                yield _sse(chunk(gen.index, job.prompts[gen.index // n], [], [], None))
-        async for event in _events(gens, queue, early):
+                yield _sse(chunk(choice.index, job.prompts[choice.index // n], [], [], None))
+        async for event in _events(choices, queue, early):
             index = event[0]
             if event[1] == "delta":
                 yield _sse(chunk(index, event[2], event[3], event[4], None))
@@ -439,5 +371,5 @@ async def _stream(server: Server, job: Job, gens: list[Generation], queue: async
     except ApiError as exc:
         yield _sse(exc.body())
     finally:  # also on a client that went away: its requests are aborted, their pages freed
-        for gen in gens:
-            gen.stop()
+        for choice in choices:
+            choice.stop()

@@ -16,7 +16,6 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from mmpipe.outputs import RequestOutput
-from mmpipe.text_stream import TextStream
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ENDPOINTS = ("chat", "completion")
@@ -33,7 +32,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0
 class ServeMetrics:
     """The server's metrics. `held` reads how many choices the server holds now."""
 
-    def __init__(self, pipe: Any, held: Callable[[], int]) -> None:
+    def __init__(self, engine: Any, held: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "mmpipe_requests", "Choices ended, by endpoint and outcome: stop, length, abort (the client went away "
@@ -61,7 +60,7 @@ class ServeMetrics:
         self.e2e = Histogram(
             "mmpipe_e2e_request_latency_seconds", "Seconds from a choice's submission to its end (finished "
             "choices: stop or length).", buckets=E2E_BUCKETS, registry=self.registry)
-        self.registry.register(EngineCollector(pipe, held))
+        self.registry.register(EngineCollector(engine, held))
 
     def choice(self, endpoint: str, counts_prompt: bool) -> ChoiceRecord:
         """The bookkeeping of one choice; `counts_prompt`: it is the first choice of its prompt."""
@@ -85,18 +84,21 @@ class ServeMetrics:
 
 
 class ChoiceRecord:
-    """One choice's metrics, fed by its worker thread: tokens as they arrive, then its end (once)."""
+    """One choice's metrics, fed by its events on the event loop: tokens as they arrive, then its end (once)."""
 
     def __init__(self, metrics: ServeMetrics, endpoint: str, counts_prompt: bool) -> None:
         self.metrics, self.endpoint, self.counts_prompt = metrics, endpoint, counts_prompt
         self.generated = 0  # tokens counted so far
         self.ended = False
 
-    def progress(self, stream: TextStream, generated: int) -> None:
-        """`generated` tokens exist now; the first one observes the time to first token, as the engine
-        measured it (the stream's text may have lagged behind its tokens)."""
-        if generated and not self.generated:
-            self._first(stream.metrics().time_to_first_token_s, stream.num_prompt_tokens)
+    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        """The choice's first tokens arrived: its time to first token as the engine measured it (the
+        stream's text may have lagged behind its tokens)."""
+        if not self.generated:
+            self._first(ttft_s, prompt_tokens)
+
+    def tokens(self, generated: int) -> None:
+        """`generated` tokens exist now."""
         self._tokens(generated)
 
     def end(self, outcome: str | None, output: RequestOutput | None = None) -> None:
@@ -129,15 +131,16 @@ class ChoiceRecord:
 
 
 class EngineCollector(Collector):
-    """The engine's state at scrape time, from `Pipeline.stats()`: requests, KV pages, graph runs."""
+    """The engine's state at scrape time, from `Pipeline.stats()` (through the engine process when
+    there is one): requests, KV pages, graph runs."""
 
-    def __init__(self, pipe: Any, held: Callable[[], int]) -> None:
-        self.pipe, self.held = pipe, held
+    def __init__(self, engine: Any, held: Callable[[], int]) -> None:
+        self.engine, self.held = engine, held
 
     def collect(self) -> Iterator[Metric]:
         try:
-            stats = self.pipe.stats()
-        except Exception:  # noqa: BLE001 (the pipeline has closed: the server is stopping)
+            stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 (the pipeline has closed, or its process ended: the server is stopping)
             return
         requests, pages = stats["requests"], stats["kv_pages"]
         yield _gauge("mmpipe_num_requests_running", "Requests in the engine's running batch (prefilling or "

@@ -1,15 +1,13 @@
 """`mmpipe bench serve`: `mmpipe serve` under load, and what the HTTP layer costs next to the
 Python API on the same requests (issue 59).
 
-How it runs. This process holds the Pipeline and the real server, `create_app(pipe)` under
-uvicorn on loopback on a thread of its own: `mmpipe serve` as it runs, except that uvicorn is not
-on the main thread and writes no access log. The load generator is a second process (spawned,
-`serve_load.LoadProcess`): one asyncio loop sending streaming chat completions with
-`openai.AsyncOpenAI`. In the server's process, a client would take the interpreter lock from the
-server's event loop and request threads for every chunk it reads, and its own work would count as
-the server's; in its own process it costs the server nothing, as a remote client. The server stays
-in this process so that the Python API runs on the very same Pipeline (weights, graphs, memory):
-the two sides differ only in the way in.
+How it runs. As `mmpipe serve` runs: the Pipeline in an engine process (`EngineProcess`) and
+the real server, `create_app(engine)` under uvicorn on loopback, in this process (on a thread of
+its own, writing no access log). The load generator is a third process (spawned,
+`serve_load.LoadProcess`): one asyncio loop sending streaming chat completions; in the server's
+process its work would count as the server's. The Python API's side of the comparison runs in
+the engine's process (`EngineProcess.call`), on the very same Pipeline (weights, graphs,
+memory): the two sides differ only in the way in.
 
 What it measures. For each kind of prompt (`--prompts`: text of about `--input-tokens` tokens,
 or one `--image-size` JPEG of noise, a new one for every request, sent as a data URI, plus a
@@ -240,15 +238,15 @@ def api_job(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
 
 
 @contextlib.contextmanager
-def serving(pipe: Any, max_queued: int) -> Iterator[str]:
-    """`create_app(pipe)` under uvicorn on a free loopback port, on a thread; yields the API's base URL."""
+def serving(engine: Any, max_queued: int) -> Iterator[str]:
+    """`create_app(engine)` under uvicorn on a free loopback port, on a thread; yields the API's base URL."""
     import uvicorn
     from mmpipe.app.serve_api import create_app
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    app = create_app(pipe, served_model_name=MODEL_NAME, max_queued=max_queued)
+    app = create_app(engine, served_model_name=MODEL_NAME, max_queued=max_queued)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, name="mmpipe-bench-uvicorn", daemon=True)
@@ -264,11 +262,22 @@ def serving(pipe: Any, max_queued: int) -> Iterator[str]:
         thread.join(30)
 
 
+# What the benchmark runs in the engine's process (`EngineProcess.call`: function(pipe, *args)).
+
+
 def clear_caches(pipe: Any) -> None:
     """Forget encoded and preprocessed images, so the next run decodes and encodes its own."""
     with pipe.engine.lock:
         pipe.engine.cache.clear()
         pipe.processor.preprocessed.clear()
+
+
+def warm_up_images(pipe: Any, image: str) -> None:
+    pipe.warm_up(images=[image])
+
+
+def device_name(pipe: Any) -> str:
+    return torch.cuda.get_device_name(pipe.device) if pipe.device.type == "cuda" else str(pipe.device)
 
 
 def label(rate: float, cap: int | None) -> dict[str, Any]:
@@ -294,21 +303,25 @@ def overhead(api: dict[str, Any], server: dict[str, Any], saturation: bool) -> d
             "ttft_within_target": ttft_ok, "throughput_within_target": tput_ok if saturation else None}
 
 
-def sweep(pipe: Any, load: LoadProcess, bodies: dict[str, list[dict[str, Any]]], rates: list[float],
+def sweep(engine: Any, load: LoadProcess, bodies: dict[str, list[dict[str, Any]]], rates: list[float],
           caps: list[int | None], seed: int) -> dict[str, Any]:
     """Every grid point through the server; at rate inf, concurrency 1 and the batch, the API too."""
     batch = max((c for c in caps if c is not None), default=None) or len(next(iter(bodies.values())))
     points, comparison = [], []
 
     def measured(drive: Callable[..., Run], *how: Any) -> dict[str, Any]:
-        clear_caches(pipe)
+        engine.call(f"{__name__}:clear_caches")
         return summarise(drive(*how))
+
+    def through_api(*how: Any) -> Run:  # `drive_api` beside the Pipeline, in the engine's process
+        return engine.call(f"{drive_api.__module__}:drive_api", *how)
+
 
     for kind, kind_bodies in bodies.items():
         jobs = [api_job(b) for b in kind_bodies]
         warm = min(batch, len(kind_bodies))  # untimed: connections, Triton, allocator, ViT packs
         load.run(kind_bodies[:warm], [0.0] * warm, warm)
-        drive_api(pipe, jobs[:warm], [0.0] * warm, warm)
+        through_api(jobs[:warm], [0.0] * warm, warm)
         grid = [(rate, cap) for rate in rates for cap in caps]
         compared = sorted({1, batch})
         extra = [(math.inf, cap) for cap in compared if (math.inf, cap) not in grid]
@@ -320,7 +333,7 @@ def sweep(pipe: Any, load: LoadProcess, bodies: dict[str, list[dict[str, Any]]],
                 points.append({**where, **server})
                 _progress(where, server)
             if math.isinf(rate) and cap in compared:
-                api = measured(drive_api, pipe, jobs, offsets, cap)
+                api = measured(through_api, jobs, offsets, cap)
                 comparison.append({**where, "server": server, "api": api, **overhead(api, server, cap == batch)})
                 _progress({**where, "via": "Python API"}, api)
     return {"batch": batch, "points": points, "comparison": comparison}
@@ -339,24 +352,24 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         from mmpipe.app.serve_api import create_app  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"mmpipe bench serve: {exc.name} is not installed; run  pip install 'mmpipe[serve]' openai")
-    from mmpipe import Pipeline
+    from mmpipe.app.serve_engine import EngineProcess
 
     path = args.model or build_text_checkpoint(args.checkpoint, args.shape)
     sampling = api_job(chat_body(MODEL_NAME, [{"role": "user", "content": "-"}], args.output_tokens))[1]
     options: dict[str, Any] = {"device": args.device, "startup_progress": False}
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
-    pipe = Pipeline.from_pretrained(path, startup_sampling=sampling, **options)
+    engine = EngineProcess(path, startup_sampling=sampling, **options)  # as `mmpipe serve` runs it
     try:
-        bodies = {kind: make_bodies(kind, pipe.tokenizer, args.requests, args.input_tokens, args.output_tokens,
+        bodies = {kind: make_bodies(kind, engine.tokenizer, args.requests, args.input_tokens, args.output_tokens,
                                     args.image_size, args.seed) for kind in args.prompts}
-        if "image" in bodies:  # the ViT graphs for packs of these images, before anything is timed
-            pipe.warm_up(images=[bodies["image"][0]["messages"][0]["content"][0]["image_url"]["url"]])
-        device = torch.cuda.get_device_name(pipe.device) if pipe.device.type == "cuda" else str(pipe.device)
-        with serving(pipe, max(256, args.requests)) as url, LoadProcess(url, client=args.client) as load:
-            result = sweep(pipe, load, bodies, args.rates, args.concurrency, args.seed)
+        with serving(engine, max(256, args.requests)) as url, LoadProcess(url, client=args.client) as load:
+            device = engine.call(f"{__name__}:device_name")
+            if "image" in bodies:  # the ViT graphs for packs of these images, before anything is timed
+                engine.call(f"{__name__}:warm_up_images", bodies["image"][0]["messages"][0]["content"][0]["image_url"]["url"])
+            result = sweep(engine, load, bodies, args.rates, args.concurrency, args.seed)
     finally:
-        pipe.close()
+        engine.close()
     width, height = args.image_size
     result.update(device=device, model=path if args.model else f"{SHAPES[args.shape].label} shape, random",
                   requests=args.requests, output_tokens=args.output_tokens, input_tokens=args.input_tokens,

@@ -24,34 +24,12 @@ openai = pytest.importorskip("openai")
 from mmpipe.app.serve_api import create_app
 
 from mmpipe import SamplingParams
+from tests.app.serve_helpers import free_port, idle, serving
 from tests.video_helpers import make_video
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCENE = os.path.join(REPO, "assets", "images", "scene_0.png")
 KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _serving(app):
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +41,9 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base(pipe, media):
-    app = create_app(pipe, served_model_name="tiny", api_key=KEY, allowed_local_media_path=str(media))
-    with _serving(app) as url:
+def base(engine, media):
+    app = create_app(engine, served_model_name="tiny", api_key=KEY, allowed_local_media_path=str(media))
+    with serving(app) as url:
         yield url
 
 
@@ -82,16 +60,6 @@ def _data_uri(path: str, mime: str = "image/png") -> str:
 def _image_message(url: str, text: str = "Describe this image.") -> list[dict]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": text}]}]
-
-
-def _idle(pipe, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = pipe.stats()
-        if stats["kv_pages"]["free"] == stats["kv_pages"]["total"] and stats["requests"]["running"] == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_chat_with_an_image_equals_the_python_api_greedy(client, pipe):
@@ -186,7 +154,7 @@ def test_bad_requests_are_400_with_an_openai_error(client, messages, param, word
     assert error["type"] == "invalid_request_error"
 
 
-def test_unknown_model_long_prompt_bad_json_key_and_unknown_route(client, base, pipe):
+def test_unknown_model_long_prompt_bad_json_key_and_unknown_route(client, base, engine):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["code"] == "model_not_found"
@@ -210,25 +178,25 @@ def test_unknown_model_long_prompt_bad_json_key_and_unknown_route(client, base, 
         urllib.request.urlopen(urllib.request.Request(base + "/v1/nothing-here",
                                                       headers={"Authorization": f"Bearer {KEY}"}))
     assert http.value.code == 404 and b'"error"' in http.value.read()
-    assert _idle(pipe)  # no failed request kept pages
+    assert idle(engine)  # no failed request kept pages
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_pages(client, pipe):
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(client, engine):
     stream = client.chat.completions.create(model="tiny", messages=_image_message(_data_uri(SCENE)),
                                             max_tokens=1500, extra_body={"ignore_eos": True}, stream=True)
     for pieces, _ in enumerate(stream, 1):
         if pieces == 5:
             break
-    stats = pipe.stats()
+    stats = engine.stats()
     assert stats["kv_pages"]["free"] < stats["kv_pages"]["total"]  # it is still generating
     stream.close()
-    assert _idle(pipe), "the aborted request kept its KV pages"
-    assert pipe.stats()["runner"]  # the engine still answers
+    assert idle(engine), "the aborted request kept its KV pages"
+    assert engine.stats()["runner"]  # the engine still answers
 
 
 def test_past_the_queue_the_server_answers_503_with_retry_after(pipe):
     app = create_app(pipe, served_model_name="tiny", max_queued=0, max_running=1)
-    with _serving(app) as url:
+    with serving(app) as url:  # admission is the app's: the engine's own process changes nothing here
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         long = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=1500, extra_body={"ignore_eos": True}, stream=True)
@@ -237,7 +205,7 @@ def test_past_the_queue_the_server_answers_503_with_retry_after(pipe):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "1"
         long.close()
-        assert _idle(pipe)
+        assert idle(pipe)
         deadline = time.monotonic() + 10
         while True:  # the slot comes back once the aborted request's thread has ended
             try:
@@ -249,11 +217,11 @@ def test_past_the_queue_the_server_answers_503_with_retry_after(pipe):
                 time.sleep(0.05)
 
 
-def test_concurrent_streams_batch_together_and_equal_each_alone(client, pipe):
+def test_concurrent_streams_batch_together_and_equal_each_alone(client, pipe, engine):
     prompts = [f"Tell me about scene {i}." for i in range(8)]
     alone = [pipe.chat([{"role": "user", "content": p}], SamplingParams(max_new_tokens=12, temperature=0))[0].text
              for p in prompts]
-    steps = pipe.stats()["steps"]
+    steps = engine.stats()["steps"]
     results: dict[int, str] = {}
 
     def ask(i: int) -> None:
@@ -267,14 +235,39 @@ def test_concurrent_streams_batch_together_and_equal_each_alone(client, pipe):
     for t in threads:
         t.join(60)
     assert [results.get(i) for i in range(8)] == alone
-    assert pipe.stats()["steps"] - steps < 8 * 12  # batched: fewer steps than one request after another
+    assert engine.stats()["steps"] - steps < 8 * 12  # batched: fewer steps than one request after another
 
 
-@pytest.mark.slow
-def test_the_command_serves_and_sigterm_closes_the_pipeline():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "serve", "--device", "cpu", "--port", str(port)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _command(*flags: str):
+    """`mmpipe serve` (the bundled model on the CPU) as a process; yields (process, base URL) once
+    /health answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "serve", "--device", "cpu", "--port", str(port),
+                             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -284,12 +277,42 @@ def test_the_command_serves_and_sigterm_closes_the_pipeline():
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
                 time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        assert client.chat.completions.create(model="mmpipe-tiny-scenes", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=4).choices
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 0 and "pipeline closed" in out
+        yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.slow
+def test_the_command_serves_and_sigterm_aborts_closes_the_pipeline_and_its_process():
+    with _command() as (proc, base):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        assert client.chat.completions.create(model="mmpipe-tiny-scenes", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4).choices
+        engines = _children(proc.pid)
+        assert engines, "the Pipeline runs in a process of its own"
+        long = client.chat.completions.create(model="mmpipe-tiny-scenes", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=1500, extra_body={"ignore_eos": True}, stream=True)
+        next(iter(long))  # running when the signal comes
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "pipeline closed" in out, out
+        assert not [pid for pid in engines if _alive(pid)], "the engine's process outlived the server"
+
+
+@pytest.mark.slow
+def test_the_engine_process_dying_fails_open_streams_and_stops_the_command():
+    with _command() as (proc, base):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        long = client.chat.completions.create(model="mmpipe-tiny-scenes", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=1500, extra_body={"ignore_eos": True}, stream=True)
+        chunks = iter(long)
+        next(chunks)
+        for pid in _children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine process ended"):
+            for _ in chunks:
+                pass
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "the engine process ended" in out, out

@@ -21,7 +21,8 @@ openai = pytest.importorskip("openai")
 
 from mmpipe.app.serve_api import create_app
 
-from tests.app.test_serve import SCENE, _data_uri, _image_message, _serving
+from tests.app.serve_helpers import serving
+from tests.app.test_serve import SCENE, _data_uri, _image_message
 from tests.app.test_serve_metrics import moved, scrape, settled, value
 
 CLIENTS = 64
@@ -109,17 +110,17 @@ class Watcher(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def base(pipe):
-    with _serving(create_app(pipe, served_model_name="tiny")) as url:
+def base(engine):
+    with serving(create_app(engine, served_model_name="tiny")) as url:
         yield url
 
 
 @pytest.mark.slow
-def test_64_streaming_clients_at_once_each_equal_to_its_request_alone(base, pipe):
-    assert pipe.engine_config.max_running_requests >= CLIENTS  # the batch can hold them all
+def test_64_streaming_clients_at_once_each_equal_to_its_request_alone(base, engine):
+    assert engine.max_running_requests >= CLIENTS  # the batch can hold them all
     bodies = requests()
     before = settled(base)
-    steps = pipe.stats()["steps"]
+    steps = engine.stats()["steps"]
     watcher = Watcher(base)
     watcher.start()
 
@@ -144,7 +145,7 @@ def test_64_streaming_clients_at_once_each_equal_to_its_request_alone(base, pipe
     assert any(held > 1 for _, held in watcher.health), "no health answer came while the load ran"
     assert watcher.peak_running > 1 and watcher.peak_held > 1  # they ran together, not one by one
     generated = sum(a.completion_tokens for a in together)
-    assert pipe.stats()["steps"] - steps < generated  # batched: fewer engine steps than tokens
+    assert engine.stats()["steps"] - steps < generated  # batched: fewer engine steps than tokens
     assert moved(before, after, "mmpipe_generation_tokens_total") == generated
     assert moved(before, after, "mmpipe_time_to_first_token_seconds_count") == CLIENTS
 

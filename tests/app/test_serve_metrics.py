@@ -18,14 +18,15 @@ from mmpipe.app.serve_api import create_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmpipe import Pipeline
-from tests.app.test_serve import KEY, SCENE, _data_uri, _image_message, _serving
+from tests.app.serve_helpers import serving
+from tests.app.test_serve import KEY, SCENE, _data_uri, _image_message
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]
 
 
 @pytest.fixture(scope="module")
 def base(pipe):
-    with _serving(create_app(pipe, served_model_name="tiny", api_key=KEY)) as url:
+    with serving(create_app(pipe, served_model_name="tiny", api_key=KEY)) as url:
         yield url
 
 
@@ -157,7 +158,7 @@ def test_an_aborted_stream_counts_as_abort_and_the_gauges_follow_it(client, base
 def test_a_request_beyond_the_batch_size_counts_as_waiting():
     long = {"model": "tiny", "max_tokens": 2000, "extra_body": {"ignore_eos": True}, "stream": True}
     with Pipeline.from_pretrained(device="cpu", max_running_requests=1) as one, \
-            _serving(create_app(one, served_model_name="tiny")) as url:
+            serving(create_app(one, served_model_name="tiny")) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         first = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **long)
         next(iter(first))
@@ -192,7 +193,7 @@ def test_refused_and_failed_requests_count_as_errors_and_a_full_server_as_reject
     assert moved(before, after, "mmpipe_prompt_tokens_total") == 0
     assert moved(before, after, "mmpipe_time_to_first_token_seconds_count") == 0
 
-    with _serving(create_app(pipe, served_model_name="tiny", max_queued=0, max_running=1)) as url:
+    with serving(create_app(pipe, served_model_name="tiny", max_queued=0, max_running=1)) as url:
         fresh = scrape(url)  # an app of its own: its counters start at zero beside the first app's
         assert value(fresh, "mmpipe_requests_total", endpoint="chat", outcome="error") == 0
         assert value(fresh, "mmpipe_generation_tokens_total") == 0

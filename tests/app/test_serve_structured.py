@@ -15,7 +15,8 @@ jsonschema = pytest.importorskip("jsonschema")
 from mmpipe.app.serve_api import create_app
 
 from mmpipe import SamplingParams
-from tests.app.test_serve import KEY, SCENE, _data_uri, _image_message, _serving
+from tests.app.serve_helpers import serving
+from tests.app.test_serve import KEY, SCENE, _data_uri, _image_message
 
 SCHEMA = {
     "type": "object",
@@ -31,8 +32,8 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHE
 
 
 @pytest.fixture(scope="module")
-def client(pipe):
-    with _serving(create_app(pipe, served_model_name="tiny", api_key=KEY)) as url:
+def client(engine):
+    with serving(create_app(engine, served_model_name="tiny", api_key=KEY)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
