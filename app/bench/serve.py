@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: the best available")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, images and arrivals")
     parser.add_argument("--client", choices=("openai", "raw"), default="openai",
-                        help="the load generator's client: the openai SDK, or bare HTTP (httpx), which leaves the "
+                        help="the load generator's client: the openai SDK, or bare HTTP (httpx, each body encoded before the run), which leaves the "
                              "SDK's own time per request out of the server's figures (default %(default)s)")
 
 

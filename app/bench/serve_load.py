@@ -128,18 +128,18 @@ def summarise(run: Run) -> dict[str, Any]:
 # ------------------------------------------------------------------ through the server
 
 
-def _post(client: Any, body: dict[str, Any]) -> Any:
+def _post(client: Any, body: dict[str, Any] | bytes) -> Any:
     """The streamed request: through the openai SDK, or (an `httpx` client: `--client raw`) as bare
-    HTTP, which leaves out the SDK's own work per request."""
-    if hasattr(client, "chat"):
-        return client.chat.completions.with_streaming_response.create(
-            model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
-            temperature=body["temperature"], stream=True, stream_options=body["stream_options"],
-            extra_body={"ignore_eos": body["ignore_eos"]})
-    return client.stream("POST", "chat/completions", json=body)
+    HTTP, its JSON encoded before the run: the client's own work per request is then only HTTP."""
+    if isinstance(body, bytes):
+        return client.stream("POST", "chat/completions", content=body, headers={"Content-Type": "application/json"})
+    return client.chat.completions.with_streaming_response.create(
+        model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
+        temperature=body["temperature"], stream=True, stream_options=body["stream_options"],
+        extra_body={"ignore_eos": body["ignore_eos"]})
 
 
-async def _stream_one(client: Any, body: dict[str, Any], record: Record, start: float) -> None:
+async def _stream_one(client: Any, body: dict[str, Any] | bytes, record: Record, start: float) -> None:
     record.sent = time.perf_counter() - start
     try:
         async with _post(client, body) as response:
@@ -168,11 +168,12 @@ async def drive_server(client: Any, bodies: Sequence[dict[str, Any]], offsets: S
     for one, and its times count from when it is sent."""
     records = [Record() for _ in bodies]
     slots = asyncio.Semaphore(concurrency or max(1, len(bodies)))
+    payloads = list(bodies) if hasattr(client, "chat") else [json.dumps(b).encode() for b in bodies]
     cpu, start = time.process_time(), time.perf_counter()
 
     async def one(i: int) -> None:
         async with slots:
-            await _stream_one(client, bodies[i], records[i], start)
+            await _stream_one(client, payloads[i], records[i], start)
 
     tasks = []
     for i, offset in enumerate(offsets):
