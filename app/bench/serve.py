@@ -139,8 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: the best available")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, images and arrivals")
     parser.add_argument("--client", choices=("openai", "raw"), default="openai",
-                        help="the load generator's client: the openai SDK, or bare HTTP (httpx, each body encoded before the run), which leaves the "
-                             "SDK's own time per request out of the server's figures (default %(default)s)")
+                        help="the load generator's client: the openai SDK, or bare HTTP (httpx, each body encoded "
+                             "before the run), which leaves the client's own work per request out of the server's "
+                             "figures (default %(default)s)")
 
 
 # ------------------------------------------------------------------ checkpoint and requests
@@ -347,9 +348,11 @@ def _progress(where: dict[str, Any], point: dict[str, Any]) -> None:
 
 def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        import openai  # noqa: F401
         import uvicorn  # noqa: F401
         from mmpipe.app.serve_api import create_app  # noqa: F401
+
+        if args.client == "openai":
+            import openai  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"mmpipe bench serve: {exc.name} is not installed; run  pip install 'mmpipe[serve]' openai")
     from mmpipe.app.serve_engine import EngineProcess

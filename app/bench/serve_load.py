@@ -187,8 +187,6 @@ async def drive_server(client: Any, bodies: Sequence[dict[str, Any]], offsets: S
 
 def _load_loop(conn: Any, base_url: str, api_key: str, kind: str = "openai") -> None:
     """The load process: one event loop and one client (its connections kept across runs)."""
-    import openai
-
     loop = asyncio.new_event_loop()
 
     async def make_client() -> Any:
@@ -199,6 +197,8 @@ def _load_loop(conn: Any, base_url: str, api_key: str, kind: str = "openai") -> 
                 import httpx
             return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", timeout=CLIENT_TIMEOUT_S,
                                      headers={"Authorization": f"Bearer {api_key}"})
+        import openai
+
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
     client = loop.run_until_complete(make_client())
