@@ -93,7 +93,7 @@ class StreamLoop:
                 entries = list(self._streams)
             try:
                 deliveries = self._step(entries)
-            except BaseException as exc:  # noqa: BLE001 (each stream's reader gets it)
+            except BaseException as exc:
                 log.debug("a step for the streams failed", exc_info=True)
                 with self._engine.lock:
                     for entry in entries:
@@ -146,7 +146,7 @@ def _hand_out(deliveries: list[tuple[_Entry, Any, bool]]) -> None:
     for hook in hooks:
         try:
             hook()
-        except Exception:  # noqa: BLE001 (the reader's code)
+        except Exception:
             log.exception("a stream's after-step hook failed")
 
 
@@ -179,7 +179,7 @@ def _deliver(entry: _Entry, delta: Any, done: bool) -> Callable[[], None] | None
             stream.fail(delta)
         else:
             stream.deliver(delta, done)
-    except Exception:  # noqa: BLE001 (the reader's code)
+    except Exception:
         log.exception("a stream's reader failed on its text; the stream ends")
         stream.aborting = True
     return hook

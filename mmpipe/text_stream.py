@@ -4,7 +4,8 @@ timings at any moment."""
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from mmpipe.engine.engine import Engine
 from mmpipe.engine.request import Request
@@ -32,7 +33,7 @@ class TextStream(Iterator[str]):
         self.after_step: Callable[[], None] | None = None  # the loop calls it once a step, after its deliveries
         self._started = self._ended = False
 
-    def __iter__(self) -> "TextStream":
+    def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
@@ -81,10 +82,10 @@ class TextStream(Iterator[str]):
         if self._started:
             self._loop.wake()
 
-    def __enter__(self) -> "TextStream":
+    def __enter__(self) -> TextStream:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # The stream loop's side.
