@@ -6,12 +6,15 @@ stops it: running requests are aborted, then the pipeline is closed."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mmpipe.app.arg_types import count, positive, scale_options
@@ -110,6 +113,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"mmpipe serve: {engine.failure or 'the engine process ended'}; the server stopped", file=sys.stderr)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def on_loopback(app: Any, start_timeout_s: float = 60.0) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port, on a thread of this process (no access log);
+    yields its base URL (http://127.0.0.1:PORT). For benchmarks and tests."""
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="mmpipe-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def _server_class() -> Any:

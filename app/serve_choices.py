@@ -155,20 +155,20 @@ class LocalEngine:
         self.max_model_len = pipe.runner.max_model_len
         self.max_running_requests = pipe.engine_config.max_running_requests
         self._outbox: Outbox | None = None
-        self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mmpipe-serve")
+        self._pool: ThreadPoolExecutor | None = None
         pipe.prepare_structured_output()  # response_format's first request would otherwise wait for it
 
     async def attach(self) -> None:
-        """Bind to the running event loop (the app's start-up)."""
+        """Serve the app on the running event loop (its start-up): events are handed to this loop."""
         self._outbox = Outbox(asyncio.get_running_loop())
+        self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mmpipe-serve")
 
     def start(self, receiver: Receiver, kind: str, payload: Any, sampling: SamplingParams) -> ChoiceFeed:
         """Start a choice; its events reach `receiver.receive` on the event loop. Returns its handle."""
-        outbox = self._outbox
-        if outbox is None or outbox.loop is not asyncio.get_running_loop():
-            outbox = self._outbox = Outbox(asyncio.get_running_loop())
+        outbox, pool = self._outbox, self._pool
+        assert outbox is not None and pool is not None, "attach() first (the app's start-up does)"
         feed = ChoiceFeed(stream_maker(self.pipe, kind, payload, sampling), lambda e: outbox.put(receiver, e))
-        self._pool.submit(feed.run)
+        pool.submit(feed.run)
         return feed
 
     def abort(self, handle: ChoiceFeed) -> None:
@@ -179,5 +179,8 @@ class LocalEngine:
         return self.pipe.stats()
 
     async def aclose(self) -> None:
-        """The app's shutdown: the choices have been stopped; the Pipeline stays its owner's."""
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown)
+        """The app's shutdown (its choices stopped): let the preparing threads end. The Pipeline
+        stays its owner's, and another app may attach after."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)

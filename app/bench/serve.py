@@ -41,10 +41,7 @@ import io
 import math
 import os
 import random
-import socket
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -240,27 +237,12 @@ def api_job(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
 
 @contextlib.contextmanager
 def serving(engine: Any, max_queued: int) -> Iterator[str]:
-    """`create_app(engine)` under uvicorn on a free loopback port, on a thread; yields the API's base URL."""
-    import uvicorn
+    """`create_app(engine)` on a free loopback port, on a thread; yields the API's base URL."""
+    from mmpipe.app.serve import on_loopback
     from mmpipe.app.serve_api import create_app
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    app = create_app(engine, served_model_name=MODEL_NAME, max_queued=max_queued)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, name="mmpipe-bench-uvicorn", daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with on_loopback(create_app(engine, served_model_name=MODEL_NAME, max_queued=max_queued)) as url:
+        yield url + "/v1"
 
 
 # What the benchmark runs in the engine's process (`EngineProcess.call`: function(pipe, *args)).

@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,10 +21,11 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+from mmpipe.app.serve import on_loopback as serving
 from mmpipe.app.serve_api import create_app
 
 from mmpipe import SamplingParams
-from tests.app.serve_helpers import free_port, idle, serving
+from tests.engine_helpers import idle
 from tests.video_helpers import make_video
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -264,7 +266,9 @@ def _alive(pid: int) -> bool:
 def _command(*flags: str):
     """`mmpipe serve` (the bundled model on the CPU) as a process; yields (process, base URL) once
     /health answers."""
-    port = free_port()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "serve", "--device", "cpu", "--port", str(port),
                              *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

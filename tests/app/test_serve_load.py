@@ -19,9 +19,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 
+from mmpipe.app.serve import on_loopback as serving
 from mmpipe.app.serve_api import create_app
 
-from tests.app.serve_helpers import serving
 from tests.app.test_serve import SCENE, _data_uri, _image_message
 from tests.app.test_serve_metrics import moved, scrape, settled, value
 

@@ -14,11 +14,11 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 
+from mmpipe.app.serve import on_loopback as serving
 from mmpipe.app.serve_api import create_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmpipe import Pipeline
-from tests.app.serve_helpers import serving
 from tests.app.test_serve import KEY, SCENE, _data_uri, _image_message
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]

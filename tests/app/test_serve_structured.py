@@ -12,10 +12,10 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
+from mmpipe.app.serve import on_loopback as serving
 from mmpipe.app.serve_api import create_app
 
 from mmpipe import SamplingParams
-from tests.app.serve_helpers import serving
 from tests.app.test_serve import KEY, SCENE, _data_uri, _image_message
 
 SCHEMA = {

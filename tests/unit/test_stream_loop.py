@@ -11,19 +11,10 @@ import time
 import pytest
 
 from mmpipe import Pipeline, SamplingParams
+from tests.engine_helpers import idle
 
 CONVERSATIONS = [[{"role": "user", "content": f"tell me about the picture number {i} " * (1 + i % 3)}]
                  for i in range(8)]
-
-
-def _idle(pipe: Pipeline, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = pipe.stats()
-        if stats["kv_pages"]["free"] == stats["kv_pages"]["total"] and stats["requests"]["running"] == 0:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +72,7 @@ def test_streams_on_many_threads_get_a_token_a_step_and_chats_text(bundled):
     for t in threads:
         t.join(60)
     assert results == [o.text for o in expected]
-    assert _idle(pipe)
+    assert idle(pipe)
 
 
 def test_abort_from_another_thread_and_a_dropped_stream_free_their_pages(pipe):
@@ -92,13 +83,13 @@ def test_abort_from_another_thread_and_a_dropped_stream_free_their_pages(pipe):
     threading.Timer(0.05, stream.abort).start()
     rest = list(stream)  # ends once the loop has aborted it
     assert stream.finish_reason == "abort" and len(first + "".join(rest)) < 4000
-    assert _idle(pipe)
+    assert idle(pipe)
     dropped = pipe.stream(CONVERSATIONS[1], SamplingParams(max_new_tokens=4000, temperature=0.0, ignore_eos=True))
     next(dropped)
     request = dropped.request
     del dropped
     gc.collect()
-    assert _idle(pipe)
+    assert idle(pipe)
     assert request.finish_reason == "abort" and len(request.output_ids) < 4000  # its reader gone: aborted
 
 
@@ -118,7 +109,7 @@ def test_a_failing_step_reaches_every_reader_and_the_pipeline_goes_on(checkpoint
             with pytest.raises(RuntimeError, match="fell over"):
                 list(stream)
         pipe.engine.step = step
-        assert _idle(pipe)
+        assert idle(pipe)
         assert pipe.chat(CONVERSATIONS[0], SamplingParams(max_new_tokens=4))[0].token_ids
         assert "".join(pipe.stream(CONVERSATIONS[0], SamplingParams(max_new_tokens=4)))
     finally:
@@ -163,7 +154,7 @@ def test_a_reader_callback_that_raises_ends_its_stream_only(pipe):
     reader.start()
     reader.join(30)
     assert not reader.is_alive() and text[0]
-    assert _idle(pipe)
+    assert idle(pipe)
 
 
 def test_a_subscribed_stream_nobody_keeps_still_reaches_its_listener(pipe):
