@@ -3,9 +3,9 @@ Python API on the same requests (issue 59).
 
 How it runs. As `mmpipe serve` runs: the Pipeline in an engine process (`EngineProcess`) and
 the real server, `create_app(engine)` under uvicorn on loopback, in this process (on a thread of
-its own, writing no access log). The load generator is a third process (spawned,
-`serve_load.LoadProcess`): one asyncio loop sending streaming chat completions; in the server's
-process its work would count as the server's. The Python API's side of the comparison runs in
+its own, writing no access log). The load comes from `--load-processes` processes of its own
+(spawned, `serve_load.LoadProcess`), each an asyncio loop sending streaming chat completions; in
+the server's process their work would count as the server's. The Python API's side of the comparison runs in
 the engine's process (`EngineProcess.call`), on the very same Pipeline (weights, graphs,
 memory): the two sides differ only in the way in.
 
@@ -135,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's max_running_requests (default: its own)")
     parser.add_argument("--device", default=None, help="default: the best available")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, images and arrivals")
+    parser.add_argument("--load-processes", type=positive, default=4,
+                        help="processes sending the load, sharing the requests and the concurrency cap (default "
+                             "%(default)s): one process reading many fast streams falls behind them")
     parser.add_argument("--client", choices=("openai", "raw"), default="openai",
                         help="the load generator's client: the openai SDK, or bare HTTP (httpx, each body encoded "
                              "before the run), which leaves the client's own work per request out of the server's "
@@ -348,7 +351,8 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     try:
         bodies = {kind: make_bodies(kind, engine.tokenizer, args.requests, args.input_tokens, args.output_tokens,
                                     args.image_size, args.seed) for kind in args.prompts}
-        with serving(engine, max(256, args.requests)) as url, LoadProcess(url, client=args.client) as load:
+        with serving(engine, max(256, args.requests)) as url, \
+                LoadProcess(url, client=args.client, processes=args.load_processes) as load:
             device = engine.call(f"{__name__}:device_name")
             if "image" in bodies:  # the ViT graphs for packs of these images, before anything is timed
                 engine.call(f"{__name__}:warm_up_images", bodies["image"][0]["messages"][0]["content"][0]["image_url"]["url"])

@@ -5,12 +5,12 @@ request, as the server runs them (`drive_api`); and what a run's records give (`
 TTFT, TPOT, inter-token latency and end-to-end latency (mean, p50, p90, p99), request and output
 token throughput.
 
-Every time is a `time.perf_counter()` reading in the driver's own process, in seconds from the
-run's start. A chunk is timed when it arrives, before it is parsed. The client reads the SSE
+Every time is a `time.perf_counter()` reading (one clock for every process of the machine), in
+seconds from the run's start. A chunk is timed when it arrives, before it is parsed. The client reads the SSE
 lines of `with_streaming_response` and parses each with `json.loads`: the openai SDK's typed
 chunk objects cost the client far more CPU per chunk than the server spends sending it, so a
-client that built them would measure itself at high token rates. The client's CPU share of the
-run (`client_cpu_share`) says whether it kept up.
+client that built them would measure itself at high token rates. The CPU share of the run of the
+busiest load process (`client_cpu_share`) says whether the load kept up.
 
 This module imports neither torch nor the server, so the load process starts quickly.
 """
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+START_MARGIN_S = 0.25  # the load processes start this long after their requests are handed out
 CLIENT_TIMEOUT_S = 3600.0  # one request's limit in the load generator (a slow point is measured, not cut)
 
 
@@ -52,7 +53,7 @@ class Record:
 class Run:
     records: list[Record]
     wall_s: float  # from the run's start to the last request's end
-    cpu_s: float | None = None  # CPU seconds of the load generator's process (None: not measured)
+    cpu_s: float | None = None  # CPU seconds of the (busiest) load generator's process (None: not measured)
 
 
 # ------------------------------------------------------------------ arrivals and requests
@@ -162,14 +163,18 @@ async def _stream_one(client: Any, body: dict[str, Any] | bytes, record: Record,
 
 
 async def drive_server(client: Any, bodies: Sequence[dict[str, Any]], offsets: Sequence[float],
-                       concurrency: int | None) -> Run:
-    """Send `bodies` with `client` (an `openai.AsyncOpenAI`), each at its arrival offset, at most
-    `concurrency` at once (None: no cap); a request that arrives while every slot is taken waits
-    for one, and its times count from when it is sent."""
+                       concurrency: int | None, start_at: float | None = None) -> Run:
+    """Send `bodies` with `client` (an `openai.AsyncOpenAI`, or an httpx client for bare HTTP), each
+    at its arrival offset, at most `concurrency` at once (None: no cap); a request that arrives
+    while every slot is taken waits for one, and its times count from when it is sent. Offsets
+    count from `start_at` (a `time.perf_counter()` reading, shared by every process of the machine)
+    when given, else from now."""
     records = [Record() for _ in bodies]
     slots = asyncio.Semaphore(concurrency or max(1, len(bodies)))
     payloads = list(bodies) if hasattr(client, "chat") else [json.dumps(b).encode() for b in bodies]
-    cpu, start = time.process_time(), time.perf_counter()
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    cpu, start = time.process_time(), start_at if start_at is not None else time.perf_counter()
 
     async def one(i: int) -> None:
         async with slots:
@@ -214,35 +219,56 @@ def _load_loop(conn: Any, base_url: str, api_key: str, kind: str = "openai") -> 
 
 
 class LoadProcess:
-    """`drive_server` in a process of its own (spawned, so it shares nothing with the server's
-    process: the client's parsing never holds the server's interpreter lock)."""
+    """`drive_server` in `processes` processes of its own (spawned, so they share nothing with the
+    server's process: the client's parsing never holds the server's interpreter lock). One asyncio
+    process reading many fast streams falls behind them; several share the requests round-robin
+    and the concurrency cap (never more processes than the cap), start together and their records
+    are merged in request order. `cpu_s` is the busiest process's."""
 
-    def __init__(self, base_url: str, api_key: str = "none", client: str = "openai") -> None:
+    def __init__(self, base_url: str, api_key: str = "none", client: str = "openai", processes: int = 1) -> None:
         context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_load_loop, args=(child, base_url, api_key, client), daemon=True,
-                                        name="mmpipe-bench-load")
-        self._process.start()
-        child.close()
+        self._children: list[tuple[Any, Any]] = []
+        for i in range(processes):
+            conn, child = context.Pipe()
+            process = context.Process(target=_load_loop, args=(child, base_url, api_key, client), daemon=True,
+                                      name=f"mmpipe-bench-load-{i}")
+            process.start()
+            child.close()
+            self._children.append((conn, process))
 
     def run(self, bodies: Sequence[dict[str, Any]], offsets: Sequence[float], concurrency: int | None) -> Run:
-        try:
-            self._conn.send((list(bodies), list(offsets), concurrency))
-            run, failure = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise RuntimeError(f"the load generator's process ended (exit code {self._process.exitcode})") from exc
-        if failure is not None:
-            raise RuntimeError(f"the load generator failed:\n{failure}")
-        return run
+        count = max(1, min(len(self._children), len(bodies), concurrency or len(bodies)))
+        used = self._children[:count]
+        start_at = time.perf_counter() + START_MARGIN_S
+        for j, (conn, process) in enumerate(used):
+            cap = None if concurrency is None else concurrency // count + (j < concurrency % count)
+            try:
+                conn.send((list(bodies[j::count]), list(offsets[j::count]), cap, start_at))
+            except (EOFError, OSError) as exc:
+                raise RuntimeError(f"a load generator's process ended (exit code {process.exitcode})") from exc
+        records: list[Record | None] = [None] * len(bodies)
+        wall, cpu = 0.0, 0.0
+        for j, (conn, process) in enumerate(used):
+            try:
+                run, failure = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise RuntimeError(f"a load generator's process ended (exit code {process.exitcode})") from exc
+            if failure is not None:
+                raise RuntimeError(f"the load generator failed:\n{failure}")
+            records[j::count] = run.records
+            wall, cpu = max(wall, run.wall_s), max(cpu, run.cpu_s or 0.0)
+        return Run([r for r in records if r is not None], wall, cpu)
 
     def close(self) -> None:
-        if self._process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send(None)
-            self._process.join(30)
-        if self._process.is_alive():
-            self._process.terminate()
-        self._conn.close()
+        for conn, process in self._children:
+            if process.is_alive():
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+        for conn, process in self._children:
+            process.join(30)
+            if process.is_alive():
+                process.terminate()
+            conn.close()
 
     def __enter__(self) -> Self:
         return self

@@ -22,6 +22,7 @@ from mmpipe.app.bench.serve_load import (
     Record,
     Run,
     arrival_offsets,
+    chat_body,
     drive_api,
     percentile,
     summarise,
@@ -217,3 +218,21 @@ def test_the_bench_runs_end_to_end_on_the_cpu(checkpoint, capsys):
     assert all(c["server"] is not None and c["ttft_p50_ms"]["diff"] is not None for c in result["comparison"])
     printed = capsys.readouterr().out
     assert "mmpipe serve under load" in printed and "Server vs Python API" in printed
+
+
+def test_several_load_processes_share_the_requests_and_the_cap(tpipe):
+    """Three processes, a cap of 4: at most 4 in flight over all of them, every request once, the
+    records in request order, times on one clock (none sent before it arrives)."""
+    bodies = [chat_body(bench_serve.MODEL_NAME, [{"role": "user", "content": "word " * (i + 1)}], TOKENS)
+              for i in range(9)]  # prompts of growing length: the records' order shows in their prompt tokens
+    offsets = arrival_offsets(9, 60.0, seed=4)
+    with bench_serve.serving(tpipe, 256) as url, LoadProcess(url, client="raw", processes=3) as load:
+        run = load.run(bodies, offsets, 4)
+        alone = load.run(bodies[:2], [0.0, 0.0], 1)  # a cap of 1 uses one process: one after the other
+    assert [r.error for r in run.records] == [None] * 9 and [r.tokens for r in run.records] == [TOKENS] * 9
+    prompt_tokens = [r.prompt_tokens for r in run.records]
+    assert prompt_tokens == sorted(set(prompt_tokens))  # every request once, in request order
+    assert all(r.sent >= offset - 1e-3 for r, offset in zip(run.records, offsets))
+    assert _most_in_flight(run.records) <= 4
+    assert run.wall_s == max(r.end for r in run.records) and 0 < run.cpu_s
+    assert alone.records[1].sent >= alone.records[0].end
