@@ -266,6 +266,20 @@ def device_name(pipe: Any) -> str:
     return torch.cuda.get_device_name(pipe.device) if pipe.device.type == "cuda" else str(pipe.device)
 
 
+GRAPH_RUNNERS = ("vit", "prefill", "decode")
+
+
+def graph_captures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The CUDA graphs a run captured (all runners) and the seconds that took, from
+    `Pipeline.stats()` before and after it: a run that meets a new shape pays its capture, and the
+    run after it does not."""
+    def total(stats: dict[str, Any], key: str) -> float:
+        return sum(stats.get(runner, {}).get(key, 0) for runner in GRAPH_RUNNERS)
+
+    return {"graph_captures": int(total(after, "captures") - total(before, "captures")),
+            "capture_s": total(after, "capture_seconds") - total(before, "capture_seconds")}
+
+
 def label(rate: float, cap: int | None) -> dict[str, Any]:
     return {"rate": "inf" if math.isinf(rate) else rate, "concurrency": "inf" if cap is None else cap}
 
@@ -297,7 +311,9 @@ def sweep(engine: Any, load: LoadProcess, bodies: dict[str, list[dict[str, Any]]
 
     def measured(drive: Callable[..., Run], *how: Any) -> dict[str, Any]:
         engine.call(f"{__name__}:clear_caches")
-        return summarise(drive(*how))
+        before = engine.stats()
+        point = summarise(drive(*how))
+        return {**point, **graph_captures(before, engine.stats())}
 
     def through_api(*how: Any) -> Run:  # `drive_api` beside the Pipeline, in the engine's process
         return engine.call(f"{drive_api.__module__}:drive_api", *how)
@@ -383,7 +399,7 @@ def report(result: dict[str, Any]) -> str:
         rows.append([p["prompts"], p["rate"], p["concurrency"], _num(p["request_throughput"]),
                      _num(p["output_throughput"], 1), _num(t["mean"]), _num(t["p50"]), _num(t["p90"]), _num(t["p99"]),
                      _num(o["p50"]), _num(o["p90"]), _num(o["p99"]), _num(i["p50"]), _num(i["p90"]), _num(i["p99"]),
-                     _num(e["p50"], 1), _num(e["p99"], 1), _num(p["tokens_per_chunk"]), _num(p["client_cpu_share"])])
+                     _num(e["p50"], 1), _num(e["p99"], 1), _num(p["tokens_per_chunk"]), _num(p["client_cpu_share"]), p.get("graph_captures", "-")])
     out = (f"{result['model']} on {result['device']}; {result['requests']} requests a point, "
            f"{result['output_tokens']} new tokens each (ignore_eos), text prompts of about {result['input_tokens']} "
            f"tokens, {result['image_size']} JPEGs as data URIs; client: "
@@ -391,7 +407,7 @@ def report(result: dict[str, Any]) -> str:
     out += table("mmpipe serve under load: throughput (requests/s, output tokens/s) and latency (ms)",
                  ["prompts", "rate", "concurrency", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p90",
                   "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99", "ITL p50", "ITL p90", "ITL p99", "E2E p50", "E2E p99",
-                  "tokens/chunk", "client CPU"], rows)
+                  "tokens/chunk", "client CPU", "graph captures"], rows)
     rows = []
     for c in result["comparison"]:
         t, m, o = c["ttft_p50_ms"], c["ttft_mean_ms"], c["output_throughput"]
@@ -417,4 +433,8 @@ def notes(result: dict[str, Any]) -> list[str]:
         found.append("some chunks carried several tokens (or none had text): ITL counts gaps between chunks")
     if busy := [p["client_cpu_share"] for p in everything if (p["client_cpu_share"] or 0) > 0.8]:
         found.append(f"the load generator was busy for up to {max(busy):.0%} of a run: it may have lagged the server")
+    if paid := [c for c in result["comparison"] if c["server"].get("graph_captures") or c["api"].get("graph_captures")]:
+        found.append("compared runs that captured CUDA graphs (first met a shape; the run after did not): " + ", ".join(
+            f"{c['prompts']} at {c['concurrency']} (server {c['server']['graph_captures']} in "
+            f"{c['server']['capture_s']:.2f} s, API {c['api']['graph_captures']})" for c in paid))
     return found

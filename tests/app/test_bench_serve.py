@@ -236,3 +236,12 @@ def test_several_load_processes_share_the_requests_and_the_cap(tpipe):
     assert _most_in_flight(run.records) <= 4
     assert run.wall_s == max(r.end for r in run.records) and 0 < run.cpu_s
     assert alone.records[1].sent >= alone.records[0].end
+
+
+def test_graph_captures_count_what_a_run_captured_over_every_runner():
+    before = {"vit": {"captures": 2, "capture_seconds": 1.0}, "prefill": {"captures": 5, "capture_seconds": 2.0},
+              "decode": {"captures": 7, "capture_seconds": 0.5}, "kv_pages": {}}
+    after = {"vit": {"captures": 3, "capture_seconds": 1.25}, "prefill": {"captures": 5, "capture_seconds": 2.0},
+             "decode": {"captures": 9, "capture_seconds": 0.75}, "kv_pages": {}}
+    assert bench_serve.graph_captures(before, after) == {"graph_captures": 3, "capture_s": pytest.approx(0.5)}
+    assert bench_serve.graph_captures(after, after) == {"graph_captures": 0, "capture_s": 0.0}
