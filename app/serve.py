@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"mmpipe serve: {exc.name} is not installed; run  pip install 'mmpipe[serve]'", file=sys.stderr)
         return 2
-    from mmpipe.app.serve_engine import EngineProcess
+    from mmpipe.app.serve_engine import EngineProcess, settle_heap
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     engine = EngineProcess(args.model, **engine_options(args))  # the Pipeline, in a process of its own
@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 server.should_exit = True
 
         threading.Thread(target=watch, name="mmpipe-engine-watch", daemon=True).start()
+        settle_heap()  # the event loop's pauses too
         server.run()
     finally:
         engine.close()

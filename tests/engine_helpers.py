@@ -16,3 +16,11 @@ def idle(engine: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def frozen_objects(pipe: Any) -> int:
+    """Run in an engine process (`EngineProcess.call`): how many objects are frozen out of the
+    garbage collector's view there."""
+    import gc
+
+    return gc.get_freeze_count()

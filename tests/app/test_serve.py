@@ -195,6 +195,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(client, engine):
     assert engine.stats()["runner"]  # the engine still answers
 
 
+def test_the_engine_process_froze_its_start_up_heap(engine_process):
+    """The engine process's start-up objects are out of the collector's view: a full collection
+    there would walk them all, a pause under whatever request is streaming."""
+    assert engine_process.call("tests.engine_helpers:frozen_objects") > 50_000
+
+
 def test_past_the_queue_the_server_answers_503_with_retry_after(pipe):
     app = create_app(pipe, served_model_name="tiny", max_queued=0, max_running=1)
     with serving(app) as url:  # admission is the app's: the engine's own process changes nothing here
@@ -301,6 +307,9 @@ def test_the_command_serves_and_sigterm_aborts_closes_the_pipeline_and_its_proce
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "pipeline closed" in out, out
+        deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends just after its parent
+        while [pid for pid in engines if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not [pid for pid in engines if _alive(pid)], "the engine's process outlived the server"
 
 
