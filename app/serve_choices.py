@@ -5,7 +5,7 @@ own (`mmpipe serve`). Either way the server's side (app/serve_api.py) sees the s
 event loop, through `Choice.receive`.
 
 Events are plain tuples, so they cross a process boundary as they are:
-  ("ready",)                                  the choice's stream is made and running
+  ("ready",)                                  the choice's stream is made (its request starts next)
   ("delta", text, token_ids, logprobs, first) new text; `first` = (ttft_s, prompt_tokens) with
                                               the choice's first tokens, else None
   ("end", RequestOutput, seen)                the end (after `seen` tokens were handed on)
@@ -82,12 +82,13 @@ class ChoiceFeed:
         self.stream = stream
         if self.cancel.is_set():  # stopped while the stream was being made
             stream.abort()
+        # "ready" before the request starts: its end may come from the stream loop before this
+        # thread runs again, and no event may follow a choice's end.
+        self.emit(("ready",))
         try:
-            stream.subscribe(self._on_text, self.after_step)  # first: the prefill starts while "ready" travels
+            stream.subscribe(self._on_text, self.after_step)
         except Exception as exc:  # noqa: BLE001 (the pipeline is closing)
             self.emit(("error", Failure.of(exc)))
-            return
-        self.emit(("ready",))
 
     def _on_text(self, delta: Any, done: bool) -> None:
         """The stream loop's call (its thread): new text, the end, or a failed step (`delta` is

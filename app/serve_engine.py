@@ -136,7 +136,8 @@ class EngineHost:
         self.pipe, self.link = pipe, link
         self.feeds: dict[int, ChoiceFeed] = {}
         self._events: list[tuple[int, tuple]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the feeds and the events not yet sent
+        self._flush_lock = threading.Lock()  # one batch taken and sent at a time
         self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mmpipe-engine")
 
     def serve(self) -> None:
@@ -177,14 +178,17 @@ class EngineHost:
         self.flush()  # "ready" (or the failure to start) goes at once
 
     def flush(self) -> None:
-        """Send what the choices emitted since the last flush (the stream loop calls it after each step)."""
-        with self._lock:
-            events, self._events = self._events, []
-        if events:
-            try:
-                self.link.send(("events", events))
-            except OSError:  # the server's process is gone: its socket's end ends `serve`
-                pass
+        """Send what the choices emitted since the last flush (the stream loop calls it after each
+        step; a preparing thread after a choice starts). Batches leave in the order they were
+        taken, so a choice's events arrive in the order it emitted them."""
+        with self._flush_lock:
+            with self._lock:
+                events, self._events = self._events, []
+            if events:
+                try:
+                    self.link.send(("events", events))
+                except OSError:  # the server's process is gone: its socket's end ends `serve`
+                    pass
 
     def _call(self, qid: int, name: str, args: tuple) -> None:
         """`stats`, or `module:function` called as function(pipe, *args) (the benchmark's API runs)."""
