@@ -201,6 +201,24 @@ def test_the_engine_process_froze_its_start_up_heap(engine_process):
     assert engine_process.call("tests.engine_helpers:frozen_objects") > 50_000
 
 
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_process_serves_the_same_tokens(pipe):
+    """The engine process starts tensor-parallel workers of its own (so it must not be a daemon)."""
+    from mmpipe.app.serve_engine import EngineProcess
+
+    engine = EngineProcess(device="cpu", tensor_parallel_size=2)
+    try:
+        with serving(create_app(engine, served_model_name="tiny")) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            messages = _image_message(_data_uri(SCENE))
+            reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+            assert engine.stats()["tensor_parallel"]["size"] == 2
+    finally:
+        engine.close()
+    assert reply.choices[0].message.content == pipe.chat(messages, SamplingParams(max_new_tokens=12,
+                                                                                  temperature=0))[0].text
+
+
 def test_past_the_queue_the_server_answers_503_with_retry_after(pipe):
     app = create_app(pipe, served_model_name="tiny", max_queued=0, max_running=1)
     with serving(app) as url:  # admission is the app's: the engine's own process changes nothing here
