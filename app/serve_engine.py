@@ -217,7 +217,8 @@ class EngineProcess:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         ours, theirs = socket.socketpair()
-        # Not a daemon: a tensor-parallel Pipeline starts worker processes of its own.
+        # Not a daemon: multiprocessing would terminate it at this interpreter's exit, and it
+        # ignores SIGTERM; `close` ends it (and it ends by itself once this process is gone).
         self._process = context.Process(target=engine_main, args=(theirs, model, options), name="mmpipe-engine")
         self._process.start()
         theirs.close()

@@ -203,7 +203,8 @@ def test_the_engine_process_froze_its_start_up_heap(engine_process):
 
 @pytest.mark.slow
 def test_a_tensor_parallel_engine_process_serves_the_same_tokens(pipe):
-    """The engine process starts tensor-parallel workers of its own (so it must not be a daemon)."""
+    """The engine process starts the tensor-parallel workers (processes of its own) and serves
+    their tokens; closing it ends them too."""
     from mmpipe.app.serve_engine import EngineProcess
 
     engine = EngineProcess(device="cpu", tensor_parallel_size=2)
