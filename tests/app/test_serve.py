@@ -214,8 +214,14 @@ def test_a_tensor_parallel_engine_process_serves_the_same_tokens(pipe):
             messages = _image_message(_data_uri(SCENE))
             reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
             assert engine.stats()["tensor_parallel"]["size"] == 2
+            workers = _children(engine._process.pid)
+            assert workers  # the rank-1 worker (and multiprocessing's own helpers)
     finally:
         engine.close()
+    deadline = time.monotonic() + 10
+    while [pid for pid in workers if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if _alive(pid)], "a worker outlived the engine process"
     assert reply.choices[0].message.content == pipe.chat(messages, SamplingParams(max_new_tokens=12,
                                                                                   temperature=0))[0].text
 
