@@ -96,10 +96,10 @@ def _picklable(exc: BaseException) -> BaseException:
 
 def settle_heap() -> None:
     """Collect once, then freeze every object alive (start-up's: modules, weights' wrappers, the
-    tokenizer) out of the garbage collector's view. A full collection walks the whole heap; with
-    transformers and torch imported that took about 170 ms on a CPU, a pause that lands on
-    whatever request is streaming when the collector decides to run. Frozen objects are never
-    walked again (nor freed, which start-up's need not be)."""
+    tokenizer) out of the garbage collector's view. A full collection walks the whole heap, which
+    with transformers and torch imported is a pause long enough to show in a streaming request's
+    latency wherever the collector decides to run. Frozen objects are never walked again (nor
+    freed, which start-up's need not be)."""
     gc.collect()
     gc.freeze()
 
