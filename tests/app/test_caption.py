@@ -486,7 +486,7 @@ def test_the_errors_file_lists_only_the_latest_runs_failures(dataset, tmp_path):
     root, _ = dataset
     errors = tmp_path / "errors.jsonl"
     command = [str(root), "--format", "txt", "--errors-file", str(errors), *CPU]
-    listed = lambda: sorted(os.path.basename(r["image"]) for r in read_jsonl(errors))
+    listed = lambda: sorted(os.path.basename(r["image"]) for r in read_jsonl(errors))  # noqa: E731
     (root / "first.png").write_bytes(b"not an image")
     assert main(command) == 1 and listed() == ["first.png"]
     (root / "first.png").unlink()
@@ -672,7 +672,7 @@ def test_a_killed_append_run_appends_each_caption_once(tmp_path):
         png.with_suffix(".txt").write_text("tag")
     command = [str(folder), "--format", "txt", "--append", "--separator", ", ", "--device", "cpu", "--quiet",
                "--workers", "1", "--batch-size", "2"]
-    appended = lambda: sum(p.read_text() != "tag" for p in folder.glob("*.txt"))
+    appended = lambda: sum(p.read_text() != "tag" for p in folder.glob("*.txt"))  # noqa: E731
     proc = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "caption", *command], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: appended() >= 5 or proc.poll() is not None, 120, "some appended captions")

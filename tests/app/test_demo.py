@@ -4,6 +4,7 @@ backend, and the real server on a localhost port driven by gradio_client, with i
 
 from __future__ import annotations
 
+
 import os
 import re
 import subprocess
