@@ -23,9 +23,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from multiprocessing import get_context
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
+
+if TYPE_CHECKING:  # PyAV is imported where clips are drawn and written: other benches run without it
+    import av
 
 MARGIN = 64  # pixels the canvas extends past the frame: the pan's range
 KEYINT = 250  # libx264's default keyframe interval, written out so segments can start on one
@@ -94,6 +97,8 @@ class Canvas:
 
     def frame(self, index: int) -> av.VideoFrame:
         """Frame `index` as a yuv420p frame (planes written in place)."""
+        import av
+
         swing = index % (2 * MARGIN)
         dx = swing if swing < MARGIN else 2 * MARGIN - swing
         dy = dx // 2
@@ -116,6 +121,8 @@ def encode(path: str, spec: ClipSpec, seed: int, first: int = 0, count: int | No
     the encoder's (0: its own choice)."""
     count = spec.frames - first if count is None else count
     canvas = Canvas(spec.width, spec.height, seed)
+    import av
+
     partial = f"{path}.partial.mp4"
     with av.open(partial, mode="w") as container:
         stream = container.add_stream("libx264", rate=spec.rate)
@@ -187,6 +194,8 @@ def write_long(folder: str, spec: ClipSpec, seed: int = 1 << 20, workers: int = 
 def join(parts: Sequence[str], path: str) -> str:
     """Concatenate mp4 files of one encoder setting (no B-frames) into `path` without re-encoding:
     each part's timestamps shifted past the end of the previous ones."""
+    import av
+
     partial = f"{path}.partial.mp4"
     with av.open(partial, mode="w") as out:
         target, offset = None, 0

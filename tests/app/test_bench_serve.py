@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -245,3 +247,14 @@ def test_graph_captures_count_what_a_run_captured_over_every_runner():
              "decode": {"captures": 9, "capture_seconds": 0.75}, "kv_pages": {}}
     assert bench_serve.graph_captures(before, after) == {"graph_captures": 3, "capture_s": pytest.approx(0.5)}
     assert bench_serve.graph_captures(after, after) == {"graph_captures": 0, "capture_s": 0.0}
+
+
+def test_the_bench_parser_needs_no_video_decoder():
+    """`mmpipe bench serve` on a machine without PyAV: only the video bench may need it, when it
+    writes its clips."""
+    code = ("import sys; sys.modules['av'] = None\n"
+            "from mmpipe.app.bench.main import build_parser\n"
+            "print(build_parser().parse_args(['serve', '--requests', '3']).requests)")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
