@@ -5,13 +5,13 @@ How it runs. As `mmpipe serve` runs: the Pipeline in an engine process (`EngineP
 the real server, `create_app(engine)` under uvicorn on loopback, in this process (on a thread of
 its own, writing no access log). The load comes from `--load-processes` processes of its own
 (spawned, `serve_load.LoadProcess`), each an asyncio loop sending streaming chat completions; in
-the server's process their work would count as the server's. The Python API's side of the comparison runs in
-the engine's process (`EngineProcess.call`), on the very same Pipeline (weights, graphs,
-memory): the two sides differ only in the way in.
+the server's process their work would count as the server's. The Python API's side runs in the
+engine's process (`EngineProcess.call`), on the very same Pipeline: only the way in differs.
 
 What it measures. For each kind of prompt (`--prompts`: text of about `--input-tokens` tokens,
 or one `--image-size` JPEG of noise, a new one for every request, sent as a data URI, plus a
-question) and each point of the grid `--rates` x `--concurrency`: `--requests` requests arrive
+question) and each point of the grid `--rates` x `--concurrency`: `--requests` requests (at the
+saturation point, `--saturation-requests`: a few waves of the batch would time its ramp) arrive
 as a Poisson process of that rate (all at once for inf) and are sent while fewer than the cap
 are in flight; each decodes exactly `--output-tokens` tokens (greedy, `ignore_eos`). Per request:
 TTFT, TPOT, every gap between chunks that carry text (ITL) and end-to-end latency; per point:
@@ -128,6 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the saturation point of the server vs Python API comparison")
     parser.add_argument("--prompts", type=kinds_arg, default="text,image", help="kinds of prompt: text, image (default %(default)s)")
     parser.add_argument("--requests", type=positive, default=64, help="requests per point (default %(default)s)")
+    parser.add_argument("--saturation-requests", type=positive, default=None,
+                        help="requests at rate inf and the largest cap (default: 16 times that cap)")
     parser.add_argument("--output-tokens", type=positive, default=128, help="tokens every request decodes (default %(default)s)")
     parser.add_argument("--input-tokens", type=positive, default=256, help="about this many tokens per text prompt (default %(default)s)")
     parser.add_argument("--image-size", type=size_arg, default="448x448", help="WIDTHxHEIGHT of the images (default %(default)s)")
@@ -303,10 +305,14 @@ def overhead(api: dict[str, Any], server: dict[str, Any], saturation: bool) -> d
             "ttft_within_target": ttft_ok, "throughput_within_target": tput_ok if saturation else None}
 
 
+def saturation_batch(caps: list[int | None], requests: int) -> int:
+    return max((c for c in caps if c is not None), default=None) or requests
+
+
 def sweep(engine: Any, load: LoadProcess, bodies: dict[str, list[dict[str, Any]]], rates: list[float],
-          caps: list[int | None], seed: int) -> dict[str, Any]:
+          caps: list[int | None], seed: int, requests: int, saturation_requests: int) -> dict[str, Any]:
     """Every grid point through the server; at rate inf, concurrency 1 and the batch, the API too."""
-    batch = max((c for c in caps if c is not None), default=None) or len(next(iter(bodies.values())))
+    batch = saturation_batch(caps, requests)
     points, comparison = [], []
 
     def measured(drive: Callable[..., Run], *how: Any) -> dict[str, Any]:
@@ -328,14 +334,15 @@ def sweep(engine: Any, load: LoadProcess, bodies: dict[str, list[dict[str, Any]]
         compared = sorted({1, batch})
         extra = [(math.inf, cap) for cap in compared if (math.inf, cap) not in grid]
         for rate, cap in grid + extra:
-            offsets = arrival_offsets(len(kind_bodies), rate, seed)
-            server = measured(load.run, kind_bodies, offsets, cap)
+            count = saturation_requests if math.isinf(rate) and cap == batch else requests
+            offsets = arrival_offsets(count, rate, seed)
+            server = measured(load.run, kind_bodies[:count], offsets, cap)
             where = {"prompts": kind, **label(rate, cap)}
             if (rate, cap) in grid:
                 points.append({**where, **server})
                 _progress(where, server)
             if math.isinf(rate) and cap in compared:
-                api = measured(through_api, jobs, offsets, cap)
+                api = measured(through_api, jobs[:count], offsets, cap)
                 comparison.append({**where, "server": server, "api": api, **overhead(api, server, cap == batch)})
                 _progress({**where, "via": "Python API"}, api)
     return {"batch": batch, "points": points, "comparison": comparison}
@@ -364,20 +371,22 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
     engine = EngineProcess(path, startup_sampling=sampling, **options)  # as `mmpipe serve` runs it
+    saturated = args.saturation_requests or 16 * saturation_batch(args.concurrency, args.requests)
     try:
-        bodies = {kind: make_bodies(kind, engine.tokenizer, args.requests, args.input_tokens, args.output_tokens,
+        most = max(args.requests, saturated)
+        bodies = {kind: make_bodies(kind, engine.tokenizer, most, args.input_tokens, args.output_tokens,
                                     args.image_size, args.seed) for kind in args.prompts}
-        with serving(engine, max(256, args.requests)) as url, \
+        with serving(engine, max(256, most)) as url, \
                 LoadProcess(url, client=args.client, processes=args.load_processes) as load:
             device = engine.call(f"{__name__}:device_name")
             if "image" in bodies:  # the ViT graphs for packs of these images, before anything is timed
                 engine.call(f"{__name__}:warm_up_images", bodies["image"][0]["messages"][0]["content"][0]["image_url"]["url"])
-            result = sweep(engine, load, bodies, args.rates, args.concurrency, args.seed)
+            result = sweep(engine, load, bodies, args.rates, args.concurrency, args.seed, args.requests, saturated)
     finally:
         engine.close()
     width, height = args.image_size
     result.update(device=device, model=path if args.model else f"{SHAPES[args.shape].label} shape, random",
-                  requests=args.requests, output_tokens=args.output_tokens, input_tokens=args.input_tokens,
+                  requests=args.requests, saturation_requests=saturated, output_tokens=args.output_tokens, input_tokens=args.input_tokens,
                   client=args.client,
                   image_size=f"{width}x{height}")
     print(report(result))
@@ -400,7 +409,8 @@ def report(result: dict[str, Any]) -> str:
                      _num(p["output_throughput"], 1), _num(t["mean"]), _num(t["p50"]), _num(t["p90"]), _num(t["p99"]),
                      _num(o["p50"]), _num(o["p90"]), _num(o["p99"]), _num(i["p50"]), _num(i["p90"]), _num(i["p99"]),
                      _num(e["p50"], 1), _num(e["p99"], 1), _num(p["tokens_per_chunk"]), _num(p["client_cpu_share"]), p.get("graph_captures", "-")])
-    out = (f"{result['model']} on {result['device']}; {result['requests']} requests a point, "
+    out = (f"{result['model']} on {result['device']}; {result['requests']} requests a point "
+           f"({result['saturation_requests']} at saturation), "
            f"{result['output_tokens']} new tokens each (ignore_eos), text prompts of about {result['input_tokens']} "
            f"tokens, {result['image_size']} JPEGs as data URIs; client: "
            f"{'bare HTTP' if result.get('client') == 'raw' else 'the openai SDK'}\n\n")

@@ -208,15 +208,15 @@ def test_the_bench_runs_end_to_end_on_the_cpu(checkpoint, capsys):
     from mmpipe.app.bench.main import build_parser
 
     args = build_parser().parse_args(["serve", "--model", checkpoint, "--device", "cpu", "--rates", "inf",
-                                      "--concurrency", "1,2", "--requests", "3", "--output-tokens", "3",
-                                      "--input-tokens", "16", "--image-size", "56x56"])
+                                      "--concurrency", "1,2", "--requests", "3", "--saturation-requests", "5",
+                                      "--output-tokens", "3", "--input-tokens", "16", "--image-size", "56x56"])
     result = bench_serve.run_serve(args)
-    assert [(p["prompts"], p["concurrency"]) for p in result["points"]] == [
-        ("text", 1), ("text", 2), ("image", 1), ("image", 2)]
-    assert all(p["completed"] == 3 and p["output_tokens"] == 9 for p in result["points"])
+    assert [(p["prompts"], p["concurrency"], p["completed"]) for p in result["points"]] == [
+        ("text", 1, 3), ("text", 2, 5), ("image", 1, 3), ("image", 2, 5)]  # the saturation point's own count
+    assert all(p["output_tokens"] == 3 * p["completed"] for p in result["points"])
     assert [(c["prompts"], c["concurrency"], c["saturation"]) for c in result["comparison"]] == [
         ("text", 1, False), ("text", 2, True), ("image", 1, False), ("image", 2, True)]
-    assert all(c["api"]["completed"] == 3 for c in result["comparison"])
+    assert [c["api"]["completed"] for c in result["comparison"]] == [3, 5, 3, 5]
     assert all(c["server"] is not None and c["ttft_p50_ms"]["diff"] is not None for c in result["comparison"])
     printed = capsys.readouterr().out
     assert "mmpipe serve under load" in printed and "Server vs Python API" in printed
