@@ -169,6 +169,10 @@ class EngineConfig:
     max_vision_patches: int = 16384
     # Vision embeddings kept for reuse (same image in several requests or turns), in bytes.
     encoder_cache_bytes: int = 1 << 30
+    # Prefix caching: full KV pages stay cached after their request, and a request whose
+    # sequence starts with cached pages (a chat's earlier turns, a repeated image and question)
+    # prefills only the rest. Cached pages nobody holds are evicted before any preemption.
+    prefix_caching: bool = True
     # Preprocessed images kept by the content of their encoded file (the same file again is not
     # decoded and resized again: a chat's later turns, repeated images), in bytes of resized pixels;
     # 0 turns it off.

@@ -28,6 +28,7 @@ class RequestOutput:
     `finish_reason`: "stop" (a stop token or string), "length" (max_new_tokens), "abort", or
     "error" (then `error` says why and `text` is empty). `logprobs`, when asked for, has one
     {token_id: logprob} dict per generated token: the top-k tokens plus the chosen one.
+    `num_cached_tokens`: prompt tokens whose K/V the prefix cache already held.
     """
 
     index: int
@@ -38,6 +39,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def ok(self) -> bool:

@@ -321,7 +321,7 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         """Engine statistics: graph mode; ViT, decode and prefill graphs (graphs, captures, capture
         seconds, bytes held, replays, eager fallbacks); step counters and decode host time; KV
-        pages, requests and the encoder cache; tensor parallelism (size, and with several ranks
+        pages, requests, the encoder cache and the prefix cache; tensor parallelism (size, and with several ranks
         the vision split and the images the workers encoded)."""
         with self.engine.lock:
             scheduler = self.engine.scheduler
@@ -333,6 +333,8 @@ class Pipeline:
                 "requests": {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                              "preemptions": scheduler.preemptions},
                 "encoder_cache": self.engine.cache.stats(),
+                "prefix_cache": {"enabled": self.engine.cfg.prefix_caching, **scheduler.prefix.as_dict(),
+                                 **self.runner.pages.cache_stats()},
                 "preprocessed_cache": self.processor.preprocessed.stats(),
                 "steps": self.engine.steps,
                 "overlap_schedule": self.engine.overlap,
@@ -340,6 +342,12 @@ class Pipeline:
                 "vision_stream": self.runner.vision_stream is not None,
                 "startup": self.startup.as_dict(),
             }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV page, e.g. between benchmark runs that must not share them; the
+        number of pages forgotten (pages running requests hold stay theirs, uncached)."""
+        with self.engine.lock:
+            return self.engine.reset_prefix_cache()
 
     def close(self) -> None:
         """Release the model and KV cache (GPU memory)."""

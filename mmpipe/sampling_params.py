@@ -28,7 +28,8 @@ class SamplingParams:
     there at all. `json_schema` (a JSON Schema as a dict or a JSON string; `{"type": "object"}`
     for any object) constrains the output to JSON that validates against it: at every step only
     tokens that keep the text a valid prefix are allowed, and the end of sequence only once it is
-    complete.
+    complete. `cache_salt` keeps the request's prefix-cache entries apart: only requests with the
+    same salt share cached pages (give one per user or tenant who must not share them).
     """
 
     max_new_tokens: int | None = None
@@ -47,8 +48,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     json_schema: dict[str, Any] | str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InputError(f"SamplingParams.cache_salt={self.cache_salt!r}: give a string")
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         if isinstance(self.stop, str):
@@ -111,6 +115,7 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty),
             presence_penalty=float(self.presence_penalty),
             json_schema=self.json_schema,  # type: ignore[arg-type]  (made a string by __post_init__)
+            cache_salt=self.cache_salt or None,
         )
 
 
@@ -195,6 +200,7 @@ class ResolvedSampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     json_schema: str | None = None  # canonical JSON text of the schema the output must follow
+    cache_salt: str | None = None  # seeds the prefix cache's keys (see SamplingParams)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

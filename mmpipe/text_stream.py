@@ -112,6 +112,11 @@ class TextStream(Iterator[str]):
         return self.request.prompt_len
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache already held (known once the request is admitted)."""
+        return self.request.num_cached_tokens
+
+    @property
     def num_image_tokens(self) -> int:
         return sum(image.num_tokens for image in self.request.images)
 

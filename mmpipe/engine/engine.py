@@ -15,6 +15,9 @@ and a request found finished when its tokens arrive has its extra row in the ste
 launched dropped, never shown. Off, every step's tokens are read before `step()` returns.
 Finished requests release their KV pages as soon as their last token is read.
 
+Prefix caching: after each launch the pages its requests filled are registered in the cache
+(`Scheduler.cache_computed`; every later reader is queued after the writes on the same stream).
+
 Structured output: a decode step with a row constrained by a grammar is launched in two parts
 (`ModelRunner.finish_decode`): its forward, then, once the step before's tokens are read and the
 grammars advanced by them, its masks and its sampler, so the grammars' host work overlaps the
@@ -92,6 +95,7 @@ class Engine:
         try:
             launched = self._launch(plan)
             self._in_flight = launched
+            self.scheduler.cache_computed([c.request for c in plan.prefill] + plan.decode)
             finished = self._resolve(previous) if previous is not None else []
             if launched.decode_tokens is not None and launched.decode_tokens.tokens is None:
                 # A constrained step: its forward runs on the GPU while the tokens just read
@@ -118,11 +122,16 @@ class Engine:
             involved[id(request)] = request
             request.pending, request.pending_decode = 0, False
         requests = list(involved.values())
+        self.scheduler.forget_computed(requests)
         for request in requests:
             if request.finished:
                 self.scheduler.finish(request)
         self.runner.release(requests)
         self.scheduler.requeue([r for r in requests if not r.finished])
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV page (pages running requests hold stay theirs); the number forgotten."""
+        return self.scheduler.pages.clear_cache()
 
     def drain(self) -> list[Request]:
         """Read the tokens of the step in flight, if any; returns the requests they finished."""

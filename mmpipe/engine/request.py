@@ -34,6 +34,13 @@ class Request:
     image_embeds: list[torch.Tensor | None] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # Prefix cache: keys of its full pages (`prefix_keys`), how many leading pages are cached
+    # (found at admission or registered since), from which page on it registered them itself,
+    # and the prompt tokens its first admission found cached.
+    cache_keys: list[bytes] = field(default_factory=list)
+    pages_cached: int = 0
+    own_pages_from: int = 0
+    num_cached_tokens: int = 0
     # Tokens sampled by launched steps and not yet on the host (overlapped scheduling: at most
     # one at planning time), and whether the newest came from a decode step, whose row then
     # feeds it on the device (a token sampled after a prefill must reach the host first).
@@ -159,6 +166,7 @@ class Request:
         text = "" if self.error else self.final_text()
         return RequestOutput(index=self.index, text=text, token_ids=list(self.output_ids),
                              finish_reason=self.finish_reason, num_prompt_tokens=self.prompt_len,
+                             num_cached_tokens=self.num_cached_tokens,
                              logprobs=list(self.logprobs) if self.sampling.logprobs else None,
                              metrics=metrics, error=self.error)
 

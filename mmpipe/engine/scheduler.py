@@ -13,6 +13,13 @@ request is preempted: its pages are freed, it goes back to the front of the wait
 it is recomputed from its prompt and the tokens it had generated, so nothing is lost or
 duplicated. Finished and aborted requests free their pages at once.
 
+Prefix caching (`EngineConfig.prefix_caching`): admission looks up the request's leading full
+pages in the cache (`prefix_keys`), holds those found and starts its prefill after them (never
+at its last token, whose logits it needs); pages it computes itself are registered once full
+(`cache_computed`, after each launch, and when its pages are released), so a preempted,
+finished or aborted request leaves its pages cached. After a failed step the pages its requests
+registered are forgotten (`forget_computed`): their contents are in doubt.
+
 Overlapped scheduling (the engine plans step N+1 before step N's tokens reach the host): a
 request's token in flight (`Request.pending`) counts in its length. A decoding request is
 planned again at once, since its decode row feeds that token on the device; a request whose
@@ -31,7 +38,24 @@ from mmpipe.config import EngineConfig
 from mmpipe.engine.batch import PrefillChunk
 from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.kv_pages import PageAllocator, pages_needed
+from mmpipe.engine.prefix_keys import extend_keys
 from mmpipe.engine.request import Request
+
+
+@dataclass
+class PrefixStats:
+    """First admissions: how many, how many found cached pages, their prompt tokens and how many
+    of those came from the cache."""
+
+    requests: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        share = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {"requests": self.requests, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "cached_share": share}
 
 
 @dataclass
@@ -52,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.prefix = PrefixStats()
         self._watermark = max(1, pages.capacity // 100)  # headroom so new admissions do not evict at once
 
     @property
@@ -155,11 +180,55 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         need = pages_needed(request.total_len, self.page_size)
+        found = self._cached_prefix(request) if self.cfg.prefix_caching else []
+        reclaimed = sum(1 for page in found if not self.pages.held(page))  # counted free until held
         headroom = self._watermark if self.running else 0
-        if need + headroom > self.pages.num_free:
+        if need - len(found) + headroom > self.pages.num_free - reclaimed:
             return False
-        request.pages = self.pages.allocate(need)
+        self.pages.hold(found)
+        request.pages = found + self.pages.allocate(need - len(found))
+        request.num_computed = len(found) * self.page_size
+        request.pages_cached = request.own_pages_from = len(found)
+        if request.first_scheduled is None:
+            request.num_cached_tokens = request.num_computed
+            self.prefix.requests += 1
+            self.prefix.hits += bool(found)
+            self.prefix.prompt_tokens += request.prompt_len
+            self.prefix.cached_tokens += request.num_computed
         return True
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The cached pages the request's sequence starts with, short of its last token."""
+        found: list[int] = []
+        for index in range((request.total_len - 1) // self.page_size):
+            key = extend_keys(request, index + 1, self.page_size)[index]
+            page = self.pages.lookup(key)
+            if page is None:
+                break
+            found.append(page)
+        return found
+
+    def cache_computed(self, requests: list[Request]) -> None:
+        """Register the requests' pages that are full and computed (their tokens known on the host)."""
+        if not self.cfg.prefix_caching:
+            return
+        size = self.page_size
+        for request in requests:
+            full = min(request.num_computed, request.total_len) // size
+            if full <= request.pages_cached or not request.pages:
+                continue
+            keys = extend_keys(request, full, size)
+            for index in range(request.pages_cached, full):
+                self.pages.register(request.pages[index], keys[index])
+            request.pages_cached = full
+
+    def forget_computed(self, requests: list[Request]) -> None:
+        """After a failed step: drop the cache entries these requests registered, and register
+        nothing more of the pages they hold."""
+        for request in requests:
+            for index in range(request.own_pages_from, min(request.pages_cached, len(request.pages), len(request.cache_keys))):
+                self.pages.unregister(request.pages[index], request.cache_keys[index])
+            request.pages_cached = len(request.pages)
 
     def _grow(self, request: Request, tokens: int) -> bool:
         """Make the request's pages cover `tokens` tokens."""
@@ -186,8 +255,10 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.pages:
+            self.cache_computed([request])
             self.pages.free(request.pages)
             request.pages = []
+        request.pages_cached = request.own_pages_from = 0
 
 
 def _decode_ready(request: Request) -> bool:

@@ -612,7 +612,8 @@ def test_a_request_preempted_mid_prefill_is_not_prefilled_in_the_same_step(check
     decode_params = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=0.0)
     prompt_params = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.0)
     pipe = Pipeline.from_pretrained(checkpoint, device="cpu", num_kv_pages=37, kv_page_size=4, max_prefill_tokens=16,
-                                    overlap_schedule=False)  # the step counts below assume tokens read at once
+                                    overlap_schedule=False,  # the step counts below assume tokens read at once
+                                    prefix_caching=False)  # else the prompts' shared template is not prefilled
     build = lambda i, text, p: pipe.processor.build(  # noqa: E731
         i, *pipe.processor.render_chat([{"role": "user", "content": text}], "t"), p, "t")
     first, second = build(0, "hi", decode_params), build(1, words, prompt_params)

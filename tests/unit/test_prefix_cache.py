@@ -1,0 +1,243 @@
+"""Prefix caching: with the cache on, every answer equals the cache-off engine's (float32 greedy
+tokens, log-probabilities to rounding), while the cached part of each prompt is not prefilled
+again; the key keeps different images, salts and evicted pages apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_decode_graphs import simulated_graphs  # noqa: F401  (a fixture)
+from tests.unit.test_prefill_graphs import simulated_piece_graphs  # noqa: F401  (a fixture)
+
+from mmpipe import Pipeline, SamplingParams
+from mmpipe.engine.kv_pages import PageAllocator
+from tests.helpers import random_image
+
+PAGE = 4
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
+IMAGE_A, IMAGE_B = random_image(200, 150, seed=11), random_image(200, 150, seed=12)  # one size: same tokens
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": p} if not isinstance(p, str)
+                                        else {"type": "text", "text": p} for p in parts]}
+
+
+def assert_same(ours, reference) -> None:
+    assert ours.error is None and reference.error is None
+    assert ours.token_ids == reference.token_ids
+    for a, b in zip(ours.logprobs, reference.logprobs):
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def pipes(checkpoint):
+    """The same engine with the cache on and off (small pages: prompts span many)."""
+    on = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE)
+    off = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE, prefix_caching=False)
+    yield on, off
+    on.close()
+    off.close()
+
+
+@pytest.fixture
+def on(pipes):
+    pipes[0].reset_prefix_cache()
+    return pipes[0]
+
+
+def image_span(pipe, conversation) -> tuple[int, int]:
+    request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "t"), GREEDY, "t")
+    return request.image_starts[0], request.image_starts[0] + request.images[0].num_tokens
+
+
+def test_a_conversation_prefills_each_earlier_turn_once(pipes, on):
+    off = pipes[1]
+    conversation = [user(IMAGE_A, "Describe this image.")]
+    for turn in range(3):
+        before = (on.runner.stats.images_encoded, on.engine.cache.hits + on.engine.cache.misses,
+                  on.runner.stats.prefill_tokens)
+        ours, reference = on.chat(conversation, GREEDY)[0], off.chat(conversation, GREEDY)[0]
+        assert_same(ours, reference)
+        if turn:  # everything before this turn's new text was cached, the image included
+            assert ours.num_cached_tokens >= image_span(on, conversation)[1]
+            assert (on.runner.stats.images_encoded, on.engine.cache.hits + on.engine.cache.misses) == before[:2]
+            assert on.runner.stats.prefill_tokens - before[2] == ours.num_prompt_tokens - ours.num_cached_tokens
+        conversation = conversation + [{"role": "assistant", "content": ours.text}, user(f"And then? ({turn})")]
+    stats = on.stats()["prefix_cache"]
+    assert stats["enabled"] and stats["hits"] == 2 and 0 < stats["cached_share"] < 1
+
+
+def test_an_identical_request_prefills_only_its_last_page(pipes, on):
+    conversation = [user(IMAGE_A, "What is in the picture?")]
+    first, again = on.chat(conversation, GREEDY)[0], on.chat(conversation, GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (again.num_prompt_tokens - 1) // PAGE * PAGE  # its last token is computed
+    assert_same(again, pipes[1].chat(conversation, GREEDY)[0])
+
+
+def test_the_same_image_with_a_new_question_reuses_the_image(pipes, on):
+    on.chat([user(IMAGE_A, "What is in the picture?")], GREEDY)
+    conversation = [user(IMAGE_A, "Which colours dominate it?")]
+    ours = on.chat(conversation, GREEDY)[0]
+    assert ours.num_cached_tokens >= image_span(on, conversation)[1] // PAGE * PAGE
+    assert_same(ours, pipes[1].chat(conversation, GREEDY)[0])
+
+
+def test_two_images_with_the_same_text_share_nothing_past_the_first_image_token(pipes, on):
+    """Both images have the same size, so the same token ids and positions: only the image
+    hash in the key keeps the second from reading the first one's pages."""
+    off = pipes[1]
+    a, b = [user(IMAGE_A, "Describe this image.")], [user(IMAGE_B, "Describe this image.")]
+    assert off.chat(a, GREEDY)[0].token_ids != off.chat(b, GREEDY)[0].token_ids  # the images matter
+    on.chat(a, GREEDY)
+    ours = on.chat(b, GREEDY)[0]
+    assert ours.num_cached_tokens <= image_span(on, b)[0]
+    assert_same(ours, off.chat(b, GREEDY)[0])
+
+
+def test_a_cached_prefix_that_ends_inside_an_image(checkpoint, pipes):
+    """A request aborted after a prompt chunk that ended inside its image leaves the pages before
+    the cut cached; the same request then starts its prefill mid-image."""
+    conversation = [user(IMAGE_A, "Describe this image.")]
+    first, end = image_span(pipes[1], conversation)
+    cut = (first + end) // 2 // PAGE * PAGE + PAGE // 2  # not on a page boundary
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE, max_prefill_tokens=cut)
+    request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "t"), GREEDY, "t")
+    pipe.engine.add(request)
+    pipe.engine.step()
+    assert request.num_computed == cut
+    pipe.engine.abort(request)
+    ours = pipe.chat(conversation, GREEDY)[0]
+    assert first < ours.num_cached_tokens == cut // PAGE * PAGE < end
+    assert_same(ours, pipes[1].chat(conversation, GREEDY)[0])
+    pipe.close()
+
+
+def test_a_salt_keeps_cache_entries_apart(on):
+    conversation = [user(IMAGE_A, "Describe this image.")]
+    salted = [SamplingParams(max_new_tokens=2, temperature=0.0, cache_salt=salt) for salt in ("alice", "bob")]
+    on.chat(conversation, salted[0])
+    assert on.chat(conversation, salted[1])[0].num_cached_tokens == 0
+    assert on.chat(conversation, SamplingParams(max_new_tokens=2, temperature=0.0))[0].num_cached_tokens == 0
+    assert on.chat(conversation, salted[0])[0].num_cached_tokens > 0
+
+
+def test_preemption_and_eviction_in_a_small_pool_change_no_answer(checkpoint, pipes):
+    """A pool too small for the batch: requests are preempted (their pages stay cached), cached
+    pages are evicted and handed to other requests, and a request whose pages were evicted and
+    reused gets its own answer, not one read from another request's pages."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE, num_kv_pages=60)
+    repeated = [user(IMAGE_A, "Describe this image.")]
+    first = pipe.chat(repeated, GREEDY)[0]
+    crowd = [[user(random_image(120 + 8 * i, 90, seed=40 + i), f"Picture {i}: describe it in detail.")]
+             for i in range(6)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.0, logprobs=3)
+    for ours, reference in zip(pipe.chat(crowd + [repeated], [params] * 6 + [GREEDY]),
+                               pipes[1].chat(crowd + [repeated], [params] * 6 + [GREEDY])):
+        assert_same(ours, reference)
+    stats = pipe.stats()
+    assert stats["requests"]["preemptions"] > 0 and stats["prefix_cache"]["evictions"] > 0
+    assert_same(pipe.chat(repeated, GREEDY)[0], first)
+    pipe.close()
+
+
+def test_a_failed_step_forgets_the_pages_its_requests_registered(checkpoint, pipes):
+    """Pages registered by a step whose tokens never arrived may hold half-written K/V: after the
+    failure they are no longer found, and the retried request still gets the right answer."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE, overlap_schedule=True)
+    conversation = [user(IMAGE_A, "Describe this image.")]
+    request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "t"), GREEDY, "t")
+    pipe.engine.add(request)
+    while not (request.pending and request.pending_decode):  # until a decode step is in flight
+        pipe.engine.step()
+    assert pipe.runner.pages.num_cached > 0
+    launch = pipe.runner.launch_decode
+
+    def broken(requests):
+        raise RuntimeError("device lost")
+
+    pipe.runner.launch_decode = broken
+    with pytest.raises(RuntimeError):
+        pipe.engine.step()
+    assert pipe.runner.pages.num_cached == 0
+    pipe.runner.launch_decode = launch
+    while pipe.engine.scheduler.num_unfinished:
+        pipe.engine.step()
+    assert request.output_ids == pipes[1].chat(conversation, GREEDY)[0].token_ids
+    pipe.close()
+
+
+def test_the_page_allocator_holds_shares_and_evicts_least_recently_used_tails_first():
+    pages = PageAllocator(8)  # 7 usable
+    chain = pages.allocate(3)
+    for page, key in zip(chain, (b"a", b"b", b"c")):
+        assert pages.register(page, key)
+    assert not pages.register(chain[0], b"z") and not pages.register(pages.allocate(1)[0], b"a")
+    pages.hold([pages.lookup(b"a")])  # a second holder of the head
+    pages.free(chain)
+    assert pages.num_free == 7 - 2 and pages.num_cached == 3  # the head is still held; the rest cached
+    taken = pages.allocate(4)  # 3 never-cached pages, then the least recently freed cached one: c
+    assert chain[2] in taken and pages.lookup(b"c") is None and pages.lookup(b"b") == chain[1]
+    assert pages.evictions == 1
+    pages.unregister(chain[1], b"b")
+    assert pages.lookup(b"b") is None and pages.num_free == 1
+    pages.free([chain[0]])
+    assert pages.clear_cache() == 1 and pages.num_free == 2 and pages.lookup(b"a") is None
+
+
+def conversation_turns(pipe, reference, first_turn: dict, turns: int = 3) -> list:
+    """Each turn through both pipelines (answers compared); the cache-on outputs."""
+    conversation, outputs = [first_turn], []
+    for turn in range(turns):
+        ours, expected = pipe.chat(conversation, GREEDY)[0], reference.chat(conversation, GREEDY)[0]
+        assert_same(ours, expected)
+        outputs.append(ours)
+        conversation = conversation + [{"role": "assistant", "content": ours.text}, user(f"More, please ({turn}).")]
+    assert all(o.num_cached_tokens > 0 for o in outputs[1:])
+    return outputs
+
+
+@pytest.mark.parametrize("graphs", ["simulated_graphs", "simulated_piece_graphs"], ids=["decode", "piecewise"])
+def test_graph_modes_with_the_cache_equal_eager_without(checkpoint, pipes, graphs, request):
+    """Decode graphs, or prefill pieces replayed for prompts that start at a cached offset."""
+    request.getfixturevalue(graphs)
+    from mmpipe.config import GraphConfig
+
+    kind = {"simulated_graphs": "decode_graph", "simulated_piece_graphs": "prefill_graph"}[graphs]
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE,
+                                    **{kind: GraphConfig(buckets=(1, 2, 4) if kind == "decode_graph" else (16, 32, 64))})
+    conversation_turns(pipe, pipes[1], user(IMAGE_A, "Describe this image."))
+    part = pipe.stats()["decode" if kind == "decode_graph" else "prefill"]
+    assert part["replays" if kind == "decode_graph" else "graph_runs"] > 0
+    pipe.close()
+
+
+def test_qwen3_vl_deepstack_rows_after_a_cached_prefix(checkpoint_factory):
+    """Qwen3-VL adds the image's deepstack features in early layers: a turn whose image is cached
+    must not need them, and one whose prefix ends inside the image must add the right rows."""
+    path = checkpoint_factory(family="qwen3_vl")
+    on = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE)
+    off = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE, prefix_caching=False)
+    conversation_turns(on, off, user(IMAGE_A, "Describe this image."), turns=2)
+    on.close()
+    off.close()
+
+
+def test_a_video_conversation_reuses_its_frames(pipes, on, tmp_path):
+    """Frame groups are keyed like images (their pixel hashes); positions carry the timestamps."""
+    from tests.video_helpers import make_video
+
+    clip = make_video(tmp_path / "clip.mp4", 12, 96, 72, fps=6)
+    outputs = conversation_turns(on, pipes[1], {"role": "user", "content": [
+        {"type": "video", "video": clip, "nframes": 4}, {"type": "text", "text": "What happens?"}]}, turns=2)
+    assert outputs[1].num_cached_tokens > outputs[1].num_prompt_tokens // 2
+
+
+def test_two_ranks_read_the_cached_pages_rank_0_found(checkpoint, pipes):
+    """Rank 0 schedules: the other rank computes into and reads the very pages it names."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE, tensor_parallel_size=2)
+    try:
+        conversation_turns(pipe, pipes[1], user(IMAGE_A, "Describe this image."), turns=2)
+    finally:
+        pipe.close()
