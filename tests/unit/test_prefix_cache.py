@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_decode_graphs import simulated_graphs  # noqa: F401  (a fixture)
-from tests.unit.test_prefill_graphs import simulated_piece_graphs  # noqa: F401  (a fixture)
-
 from mmpipe import Pipeline, SamplingParams
 from mmpipe.engine.kv_pages import PageAllocator
 from tests.helpers import random_image
+from tests.unit.test_decode_graphs import simulated_graphs  # noqa: F401  (a fixture)
+from tests.unit.test_prefill_graphs import simulated_piece_graphs  # noqa: F401  (a fixture)
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
