@@ -109,7 +109,7 @@ class MmpipeSystem:
         from mmpipe import Pipeline
 
         options: dict[str, Any] = dict(num_kv_pages=num_kv_pages, max_running_requests=max_running_requests,
-                                       graph_mode=graph_mode)
+                                       graph_mode=graph_mode, prefix_caching=False)  # every run prefills
         self.note = ""
         self.pipe, self.startup_s = timed(lambda: Pipeline.from_pretrained(path, device=str(device), dtype=dtype,
                                                                            **options), device)

@@ -58,7 +58,7 @@ class MmpipeTTFT:
         # A fixed KV cache (65k tokens) so the two mmpipe systems fit side by side.
         options.setdefault("num_kv_pages", 4096)
         self.pipe, self.startup_s = timed(lambda: Pipeline.from_pretrained(
-            path, device="cuda", dtype="bfloat16", graph_mode=mode, encoder_cache_bytes=0, max_running_requests=64,
+            path, device="cuda", dtype="bfloat16", graph_mode=mode, encoder_cache_bytes=0, prefix_caching=False, max_running_requests=64,
             **options))
 
     def request_fn(self, token_ids: list[int] | None = None, image: Any = None, text: str = "") -> Callable[[], Any]:

@@ -254,9 +254,10 @@ def serving(engine: Any, max_queued: int) -> Iterator[str]:
 
 
 def clear_caches(pipe: Any) -> None:
-    """Forget encoded and preprocessed images, so the next run decodes and encodes its own."""
+    """Forget decoded and encoded images and cached KV pages: each run does all its own work."""
     with pipe.engine.lock:
         pipe.engine.cache.clear()
+        pipe.engine.reset_prefix_cache()
         pipe.processor.preprocessed.clear()
 
 
@@ -323,7 +324,6 @@ def sweep(engine: Any, load: LoadProcess, bodies: dict[str, list[dict[str, Any]]
 
     def through_api(*how: Any) -> Run:  # `drive_api` beside the Pipeline, in the engine's process
         return engine.call(f"{drive_api.__module__}:drive_api", *how)
-
 
     for kind, kind_bodies in bodies.items():
         jobs = [api_job(b) for b in kind_bodies]

@@ -85,7 +85,8 @@ def run_mmpipe(checkpoint: str, clips: Sequence[str], warmup: Sequence[str], opt
         _checked(pipe.chat([conversation(p, options.fps, options.prompt) for p in warmup], params,
                            progress=False), options.new_tokens)
         pipe.engine.drain()
-        pipe.engine.cache.clear()  # every clip is encoded, warm-up or not
+        pipe.engine.cache.clear()  # every clip is encoded and prefilled, warm-up or not
+        pipe.engine.reset_prefix_cache()
         before = pipe.stats()
         outputs, wall, cpu, busy = _measured(lambda: pipe.chat(convs, params, progress=False), device)
         tokens = _checked(outputs, options.new_tokens)
