@@ -319,10 +319,11 @@ async def _whole(server: Server, job: Job, choices: list[Choice], queue: asyncio
             answers.append({"index": i, "text": text, "finish_reason": finish_reason(out.finish_reason),
                             "logprobs": completion_logprobs(tokenizer, out.token_ids, lps, _top(job))
                             if lps is not None else None})
-    prompt = sum(outputs[p * n].num_prompt_tokens for p in range(len(choices) // n))
+    prompts = [[outputs[p * n + i] for i in range(n)] for p in range(len(choices) // n)]  # by prompt
     return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": "chat.completion" if chat else
             "text_completion", "created": job.created, "model": job.model, "choices": answers,
-            "usage": usage(prompt, completion)}
+            "usage": usage(sum(o[0].num_prompt_tokens for o in prompts), completion,
+                           sum(min(c.num_cached_tokens for c in o) for o in prompts))}
 
 
 async def _stream(server: Server, job: Job, choices: list[Choice], queue: asyncio.Queue, early: list[tuple],
@@ -347,7 +348,7 @@ async def _stream(server: Server, job: Job, choices: list[Choice], queue: asynci
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         return {**head, "choices": [choice], **extra}
 
-    prompt_tokens, completion = {}, 0
+    prompt_tokens, cached, completion = {}, {}, 0
     try:
         for choice in choices:
             if chat:
@@ -364,9 +365,11 @@ async def _stream(server: Server, job: Job, choices: list[Choice], queue: asynci
             rest_lps = out.logprobs[seen:] if out.logprobs else []
             completion += len(out.token_ids)
             prompt_tokens[index // n] = out.num_prompt_tokens
+            cached[index // n] = min(out.num_cached_tokens, cached.get(index // n, out.num_cached_tokens))
             yield _sse(chunk(index, None, rest, rest_lps, finish_reason(out.finish_reason)))
         if job.include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion)})
+            yield _sse({**head, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion,
+                                                                      sum(cached.values()))})
         yield "data: [DONE]\n\n"
     except ApiError as exc:
         yield _sse(exc.body())

@@ -114,6 +114,10 @@ def sampling_of(body: dict[str, Any], chat: bool) -> tuple[list[SamplingParams],
     for name in ("frequency_penalty", "presence_penalty"):
         common[name] = _number(body, name, float, -2, 2) or 0.0
     common["json_schema"] = _response_format(body.get("response_format"))
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise bad("'cache_salt' must be a non-empty string", "cache_salt")
+    common["cache_salt"] = salt
     if common["top_k"] == -1:  # vLLM's "no top-k"
         common["top_k"] = 0
     if common["top_p"] == 0:
@@ -279,5 +283,7 @@ def finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length"}.get(reason or "", reason)
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached`: prompt tokens the prefix cache held."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -87,6 +87,26 @@ def test_streamed_chat_joins_to_the_whole_answer_and_reports_usage(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_usage_counts_the_cached_prompt_tokens_each_salt_apart(client):
+    """OpenAI's `prompt_tokens_details.cached_tokens`; vLLM's `cache_salt` in the body."""
+    messages = _image_message(_data_uri(SCENE), "Which objects are there?")
+
+    def cached(salt: str, stream: bool = False) -> int:
+        options = dict(model="tiny", messages=messages, max_tokens=2, extra_body={"cache_salt": salt})
+        if stream:
+            chunks = list(client.chat.completions.create(**options, stream=True,
+                                                         stream_options={"include_usage": True}))
+            return chunks[-1].usage.prompt_tokens_details.cached_tokens
+        return client.chat.completions.create(**options).usage.prompt_tokens_details.cached_tokens
+
+    first = cached("usage-test-a")
+    assert first == 0  # nothing was cached under this salt
+    assert cached("usage-test-a") > 0 and cached("usage-test-a", stream=True) > 0
+    assert cached("usage-test-b", stream=True) == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body={"cache_salt": 7})
+
+
 def test_a_local_video_and_a_local_image_under_the_allowed_folder(client, media):
     video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": str(media / "clip.mp4")}},
                                           {"type": "text", "text": "Describe this video."}]}]
