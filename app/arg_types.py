@@ -50,3 +50,14 @@ def positive_number(value: str) -> float:
     if not number > 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return number
+
+
+def add_prefix_caching_arg(group: Any) -> None:
+    """`--prefix-caching` / `--no-prefix-caching`: `EngineConfig.prefix_caching` from the commands
+    that serve conversations."""
+    group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the KV cache of earlier turns and repeated prompts (default: on)")
+
+
+def prefix_caching_option(args: argparse.Namespace) -> dict[str, Any]:
+    return {} if args.prefix_caching is None else {"prefix_caching": args.prefix_caching}

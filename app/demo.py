@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 # `from mmpipe.app.demo import ChatBackend, launch` is how a program embeds the demo (docs/demo.md).
+from mmpipe.app.arg_types import add_prefix_caching_arg, prefix_caching_option
 from mmpipe.app.demo_chat import ChatBackend
 from mmpipe.app.demo_page import launch
 
@@ -55,6 +56,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="smallest image area in pixels (default: the checkpoint's)")
     parser.add_argument("--max-pixels", type=int, default=None,
                         help="largest image area in pixels (default: the checkpoint's); fewer image tokens")
+    add_prefix_caching_arg(parser)
     return parser
 
 
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         if args.vit_parallel:
             options["vit_parallel"] = args.vit_parallel
         pipe = Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
-                                        min_pixels=args.min_pixels, max_pixels=args.max_pixels, **options)
+                                        min_pixels=args.min_pixels, max_pixels=args.max_pixels, **options,
+                                        **prefix_caching_option(args))
     except MmpipeError as exc:
         print(f"mmpipe demo: {exc}", file=sys.stderr)
         return 2

@@ -22,14 +22,15 @@ def answer_panel(stream: Any, error: str | None = None, media: tuple[int, int] |
          if generated else "waiting"),
         ("Decode speed", f"{metrics.decode_tokens_per_s:.1f} tokens/s" if generated > 1 else "-"),
         ("Generated", f"{generated} tokens" + (f" ({finish})" if finish else " so far")),
-        ("Prompt", f"{stream.num_prompt_tokens} tokens, {stream.num_image_tokens} of them from {sources}"),
+        ("Prompt", f"{stream.num_prompt_tokens} tokens, {stream.num_image_tokens} of them from {sources}; "
+                   f"{stream.num_cached_tokens} found in the prefix cache"),
         ("Queued", f"{metrics.queued_s * 1e3:.0f} ms"),
     ]
     return table("This answer", rows)
 
 
 def engine_panel(pipe: Any) -> str:
-    """Markdown: the shared engine's requests, KV pages, graphs and encoder cache."""
+    """Markdown: the shared engine's requests, KV pages, graphs, encoder cache and prefix cache."""
     stats = pipe.stats()
     kv, requests, cache = stats["kv_pages"], stats["requests"], stats["encoder_cache"]
     used = kv["total"] - kv["free"]
@@ -42,8 +43,17 @@ def engine_panel(pipe: Any) -> str:
         ("Prefill graphs", _graphs(stats["prefill"])),
         ("Decode graphs", _graphs(stats["decode"])),
         ("Encoder cache", f"{cache['entries']} images, {cache['hits']} hits, {cache['misses']} misses"),
+        ("Prefix cache", _prefix(stats["prefix_cache"])),
     ]
     return table("Engine", rows)
+
+
+def _prefix(cache: dict[str, Any]) -> str:
+    """'12 pages, 3 hits in 5 requests, 61% of prompt tokens from the cache'."""
+    if not cache["enabled"]:
+        return "off"
+    return (f"{cache['cached_pages']} pages, {cache['hits']} hits in {cache['requests']} requests, "
+            f"{cache['cached_share']:.0%} of prompt tokens from the cache")
 
 
 def _media(images: int, videos: int) -> str:

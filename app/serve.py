@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mmpipe.app.arg_types import count, positive, scale_options
+from mmpipe.app.arg_types import add_prefix_caching_arg, count, positive, prefix_caching_option, scale_options
 
 from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
 from mmpipe.errors import InputError
@@ -29,7 +29,7 @@ DESCRIPTION = ("An OpenAI-compatible server: /v1/chat/completions (text, images,
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine options a serving command takes: device, dtype, quantization, tensor parallel,
-    graph mode, pixel limits, batch size."""
+    graph mode, pixel limits, batch size, prefix caching."""
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the best available)")
     group.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default: by device)")
@@ -45,6 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="largest image area in pixels (default: the checkpoint's); fewer image tokens")
     group.add_argument("--batch-size", type=positive, default=None,
                        help="most requests decoding together (default: the engine's 256)")
+    add_prefix_caching_arg(group)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,7 +53,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise InputError(f"--min-pixels ({args.min_pixels}) must not be above --max-pixels ({args.max_pixels})")
     return {"device": args.device, "dtype": args.dtype, "graph_mode": args.graph_mode,
-            "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, **scale_options(args)}
+            "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, **scale_options(args),
+            **prefix_caching_option(args)}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

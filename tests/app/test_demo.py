@@ -159,6 +159,22 @@ def test_answer_streams_as_growing_prefixes_with_live_statistics(pipe):
     assert "0 running, 0 waiting" in updates[-1][2]
 
 
+def test_a_second_turn_shows_its_cached_prompt_in_both_panels(pipe):
+    """The answer panel counts the prompt tokens found cached; the engine panel sums them up."""
+    backend = ChatBackend(pipe, update_interval_s=0.0)
+    message = {"text": "Describe this image.", "files": [sample("scene_2.png")]}
+    first = respond_all(backend, message)[-1]
+    history = [{"role": "user", "content": [{"path": sample("scene_2.png")}, "Describe this image."]},
+               {"role": "assistant", "content": first[0]}]
+    second = respond_all(backend, {"text": "Anything else?", "files": []}, history)[-1]
+    prompt, cached = (int(v) for v in re.search(r"Prompt \| (\d+) tokens, .*; (\d+) found in the prefix cache",
+                                                 second[1]).groups())
+    image = pipe.processor.load_image(sample("scene_2.png"), "test").num_tokens
+    assert image < cached < prompt
+    found = re.search(r"Prefix cache \| \d+ pages, (\d+) hits in (\d+) requests, (\d+)% of prompt tokens", second[2])
+    assert found and int(found.group(1)) >= 1
+
+
 def test_max_new_tokens_and_seed_reach_the_sampler(pipe):
     backend = ChatBackend(pipe)
     message = {"text": "Describe this image.", "files": [sample("scene_5.png")]}
@@ -407,6 +423,9 @@ def test_demo_engine_flags_reach_the_pipeline(monkeypatch, capsys):
     assert seen["tensor_parallel_size"] == 2 and seen["quantization"] == "fp8" and seen["vit_parallel"] == "tensor"
     seen.clear()
     assert main(["--device", "cpu"]) == 2 and "tensor_parallel_size" not in seen and "vit_parallel" not in seen
+    assert "prefix_caching" not in seen  # the engine's default
+    seen.clear()
+    assert main(["--device", "cpu", "--no-prefix-caching"]) == 2 and seen["prefix_caching"] is False
     monkeypatch.undo()
     assert main(["--device", "cpu", "--tp", "0"]) == 2
     assert "tensor_parallel_size=0: must be a positive integer" in capsys.readouterr().err

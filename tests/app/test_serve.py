@@ -373,3 +373,12 @@ def test_the_engine_process_dying_fails_open_streams_and_stops_the_command():
                 pass
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1 and "the engine process ended" in out, out
+
+
+def test_engine_flags_become_the_pipeline_options():
+    from mmpipe.app.serve import build_parser, engine_options
+
+    assert engine_options(build_parser().parse_args(["--no-prefix-caching", "--batch-size", "8"])) == {
+        "device": None, "dtype": None, "graph_mode": None, "min_pixels": None, "max_pixels": None,
+        "max_running_requests": 8, "prefix_caching": False}
+    assert "prefix_caching" not in engine_options(build_parser().parse_args([]))  # the engine's default
