@@ -333,7 +333,7 @@ class Pipeline:
                 "requests": {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                              "preemptions": scheduler.preemptions},
                 "encoder_cache": self.engine.cache.stats(),
-                "prefix_cache": {"enabled": self.engine.cfg.prefix_caching, **scheduler.prefix.as_dict(),
+                "prefix_cache": {"enabled": scheduler.prefix_caching, **scheduler.prefix.as_dict(),
                                  **self.runner.pages.cache_stats()},
                 "preprocessed_cache": self.processor.preprocessed.stats(),
                 "steps": self.engine.steps,

@@ -11,7 +11,7 @@ and every comparison is measured in the same process.
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded). This module is
 the command; each benchmark is a module of its own (`kernels`, `throughput`, `vit`, `decode`,
-`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`, `serve`, `structured`), their shared timing is `timing`, their
+`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`, `serve`, `prefix`, `structured`), their shared timing is `timing`, their
 tables and JSON `results`.
 """
 
@@ -45,6 +45,8 @@ BENCHMARKS = {
              "video",
     "serve": "mmpipe serve under load (openai client, Poisson arrivals, concurrency caps): TTFT, TPOT, ITL, "
              "throughput; server vs Python API on the same requests",
+    "prefix": "prefix caching: time to first token of a conversation's turn 4 and of a repeated request, "
+              "cache on vs off; captioning new files on vs off",
     "structured": "structured output's cost: decode ms/step with half the batch constrained by a JSON schema vs "
                   "none, at several batch sizes",
 }

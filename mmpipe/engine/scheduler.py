@@ -77,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self.prefix = PrefixStats()
+        self.prefix_caching = cfg.prefix_caching  # switchable between steps (a benchmark compares both)
         self._watermark = max(1, pages.capacity // 100)  # headroom so new admissions do not evict at once
 
     @property
@@ -180,7 +181,7 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         need = pages_needed(request.total_len, self.page_size)
-        found = self._cached_prefix(request) if self.cfg.prefix_caching else []
+        found = self._cached_prefix(request) if self.prefix_caching else []
         reclaimed = sum(1 for page in found if not self.pages.held(page))  # counted free until held
         headroom = self._watermark if self.running else 0
         if need - len(found) + headroom > self.pages.num_free - reclaimed:
@@ -210,7 +211,7 @@ class Scheduler:
 
     def cache_computed(self, requests: list[Request]) -> None:
         """Register the requests' pages that are full and computed (their tokens known on the host)."""
-        if not self.cfg.prefix_caching:
+        if not self.prefix_caching:
             return
         size = self.page_size
         for request in requests:
