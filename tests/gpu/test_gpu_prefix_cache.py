@@ -1,0 +1,99 @@
+"""Prefix caching on the GPU: in every graph mode, with the cache on, a multi-turn image
+conversation, an identical request, a new question about the same image, a different image with
+the same text and a prefix ending inside an image give the cache-off eager engine's float32 tokens
+(log-probabilities to the graph tests' rounding); and a pool small enough to evict and preempt
+changes no greedy answer. Run with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmpipe import GraphConfig, Pipeline, SamplingParams
+from tests.gpu.test_gpu_decode_graphs import assert_same
+from tests.helpers import random_image
+
+pytestmark = pytest.mark.gpu
+
+MODES = ["none", "piecewise", "full_decode_only", "full_and_piecewise"]
+PAGE = 16
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.0, logprobs=4)
+IMAGES = [random_image(308, 224, seed=21), random_image(308, 224, seed=22)]  # one size: same tokens
+
+
+def user(image, text: str) -> dict:
+    return {"role": "user", "content": ([{"type": "image", "image": image}] if image is not None else [])
+            + [{"type": "text", "text": text}]}
+
+
+def make(checkpoint: str, mode: str, **options) -> Pipeline:
+    return Pipeline.from_pretrained(checkpoint, device="cuda", dtype="float32", graph_mode=mode, kv_page_size=PAGE,
+                                    max_running_requests=8, decode_graph=GraphConfig(buckets=(1, 2, 4, 8)), **options)
+
+
+@pytest.fixture(scope="module")
+def eager(checkpoint):
+    pipe = make(checkpoint, "none", prefix_caching=False, overlap_schedule=False)
+    yield pipe
+    pipe.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_graph_mode_with_the_cache_gives_eager_tokens_without_it(checkpoint, eager, mode):
+    pipe = make(checkpoint, mode)
+    try:
+        conversation = [user(IMAGES[0], "Describe this image.")]
+        for turn in range(3):  # each turn finds the earlier ones cached
+            ours, reference = pipe.chat(conversation, GREEDY), eager.chat(conversation, GREEDY)
+            assert_same(ours, reference)
+            assert turn == 0 or ours[0].num_cached_tokens > ours[0].num_prompt_tokens // 2
+            conversation = conversation + [{"role": "assistant", "content": ours[0].text}, user(None, "More?")]
+        repeated = [user(IMAGES[0], "Describe this image.")]
+        same_image = [user(IMAGES[0], "What colours are there?")]
+        other_image = [user(IMAGES[1], "Describe this image.")]
+        batch = [repeated, same_image, other_image]
+        ours = pipe.chat(batch, GREEDY)
+        assert_same(ours, eager.chat(batch, GREEDY))
+        assert ours[0].num_cached_tokens == (ours[0].num_prompt_tokens - 1) // PAGE * PAGE
+        request = pipe.processor.build(0, *pipe.processor.render_chat(other_image, "t"), GREEDY, "t")
+        assert ours[2].num_cached_tokens <= request.image_starts[0]  # not the first image's pages
+        assert pipe.stats()["prefix_cache"]["hits"] >= 4
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_prefix_ending_inside_an_image_in_the_prefill_graphs(checkpoint, eager, mode):
+    conversation = [user(IMAGES[1], "Describe this image.")]
+    probe = eager.processor.build(0, *eager.processor.render_chat(conversation, "t"), GREEDY, "t")
+    first, end = probe.image_starts[0], probe.image_starts[0] + probe.images[0].num_tokens
+    cut = (first + end) // 2 // PAGE * PAGE + PAGE // 2
+    pipe = make(checkpoint, mode, max_prefill_tokens=cut)
+    try:
+        request = pipe.processor.build(0, *pipe.processor.render_chat(conversation, "t"), GREEDY, "t")
+        pipe.engine.add(request)
+        pipe.engine.step()
+        pipe.engine.drain()
+        pipe.engine.abort(request)
+        ours = pipe.chat(conversation, GREEDY)
+        assert first < ours[0].num_cached_tokens < end
+        assert_same(ours, eager.chat(conversation, GREEDY))
+        assert pipe.stats()["prefill"]["graph_runs"] > 0
+    finally:
+        pipe.close()
+
+
+def test_eviction_and_preemption_change_no_greedy_answer(checkpoint):
+    kw = dict(device="cuda", dtype="float32", kv_page_size=PAGE, num_kv_pages=48, max_running_requests=8)
+    pipe = Pipeline.from_pretrained(checkpoint, **kw)
+    reference = Pipeline.from_pretrained(checkpoint, prefix_caching=False, **{**kw, "num_kv_pages": 4096})
+    try:
+        crowd = [[user(random_image(200 + 28 * (i % 3), 140, seed=60 + i), f"Picture {i}, in detail.")]
+                 for i in range(8)] * 2  # the second half repeats the first: hits, where not evicted
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.0)
+        ours = pipe.chat(crowd, params)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in reference.chat(crowd, params)]
+        stats = pipe.stats()
+        assert stats["prefix_cache"]["evictions"] > 0 and stats["requests"]["preemptions"] > 0
+    finally:
+        pipe.close()
+        reference.close()
