@@ -19,6 +19,7 @@ Times to first token are medians of `--repeats` runs, the device synchronized ar
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -32,6 +33,8 @@ from mmpipe.app.bench.serve import size_arg
 from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint
 from mmpipe.app.bench.timing import timed
 from PIL import Image
+
+from mmpipe.errors import InputError
 
 QUESTIONS = ["Describe the first picture.", "And this one?", "Compare the two pictures.",
              "Which one would you choose, and why?"]
@@ -66,10 +69,13 @@ def history_filler(pipe: Any, images: list[Any], target: int) -> str:
     """Filler replies sized so turn 4's prompt has about `target` tokens before its question."""
     words = ["the", "picture", "shows", "a", "quiet", "street", "with", "trees", "and", "a", "red", "door", "under", "a", "pale", "sky"]
 
-    def tokens(count: int) -> int:
+    def tokens(count: int) -> float:
         text = " ".join(words[i % len(words)] for i in range(count))
-        request = pipe.processor.build(0, *pipe.processor.render_chat(conversation(images, text, 4), "bench"),
-                                       _one_token(), "bench")
+        try:
+            request = pipe.processor.build(0, *pipe.processor.render_chat(conversation(images, text, 4), "bench"),
+                                           _one_token(), "bench")
+        except InputError:  # past max_model_len: too many words
+            return math.inf
         return request.prompt_len
 
     low, high = 1, target  # every word is a token at least, and the filler comes thrice

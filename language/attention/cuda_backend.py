@@ -8,12 +8,17 @@ Extend has two implementations:
 "auto" picks by context length, as `mmpipe bench kernels` measured (docs/performance.md): the
 Triton kernel up to a few thousand tokens of context, varlen from about 8k on. Float32 always
 uses Triton (FlashAttention has no float32).
+
+A step whose sequences each add only a few tokens to a long cached context (a prompt found in
+the prefix cache but for its last page) would give the extend kernel a program per sequence and
+head, leaving most of the GPU idle: there every query token runs as a decode row of its own (its
+sequence's page table, its causal length) through the split-KV decode kernel.
 """
 
 from __future__ import annotations
 
 import torch
-from mmpipe.language.attention.metadata import AttentionMetadata
+from mmpipe.language.attention.metadata import AttentionMetadata, decode_rows
 
 from mmpipe import settings
 from mmpipe.kernels.decode_attention import decode_num_splits, paged_decode, paged_decode_rope
@@ -25,6 +30,10 @@ VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the
 # from two rows on, slower at one row, where every split's program rotates the same query heads
 # before its short loop (measured; docs/performance.md).
 ROPE_FUSED_FROM_ROWS = 2
+# Extend steps as decode rows: at most this many query tokens per sequence, over a context of at
+# least DECODE_ROWS_FROM_CONTEXT tokens, with fewer extend programs than SMs.
+DECODE_ROWS_UP_TO = 16
+DECODE_ROWS_FROM_CONTEXT = 256
 
 
 class CudaLMAttention:
@@ -54,6 +63,15 @@ class CudaLMAttention:
             # step serves any lengths.
             splits = decode_num_splits(meta.split_rows or q.shape[0], k_cache.shape[2], self._sms(q.device))
             paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, self.scale, splits)
+            return out
+        if self._as_decode_rows(q, meta):
+            if meta.decode_rows is None:  # once per forward: every layer reads the same rows
+                meta.decode_rows = decode_rows(meta)
+            index, lens = meta.decode_rows
+            n = index.shape[0]
+            splits = decode_num_splits(n, k_cache.shape[2], self._sms(q.device))
+            paged_decode(q[:n], k_cache, v_cache, meta.page_table.index_select(0, index), lens, out[:n],
+                         self.scale, splits)
             return out
         if self._use_varlen(q.dtype, meta):
             if meta.query_lens_host == meta.seq_lens_host:  # nothing cached: attend to the new K/V
@@ -90,6 +108,12 @@ class CudaLMAttention:
         if index not in self._num_sms:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._num_sms[index]
+
+    def _as_decode_rows(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        if meta.seq_lens_host is None or meta.max_seq_len is None or meta.max_query_len > DECODE_ROWS_UP_TO:
+            return False
+        return (meta.max_seq_len >= DECODE_ROWS_FROM_CONTEXT
+                and len(meta.seq_lens_host) * q.shape[1] < self._sms(q.device))
 
     def _use_varlen(self, dtype: torch.dtype, meta: AttentionMetadata) -> bool:
         if dtype not in (torch.float16, torch.bfloat16) or not self._varlen or self.extend == "triton":

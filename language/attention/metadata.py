@@ -35,7 +35,25 @@ class AttentionMetadata:
     # Decode: the batch size the split-KV count is chosen for. The padded bucket inside a graph,
     # and the same bucket when the batch runs eagerly, so eager and graph steps reduce alike.
     split_rows: int | None = None
+    # An extend step's query tokens as decode rows (`decode_rows`), made by the
+    # first layer that runs them so, kept for the others.
+    decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not self.seq_len_bound and self.max_seq_len is not None:
             self.seq_len_bound = self.max_seq_len
+
+
+def decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each real query token of an extend step as a decode row: the index of its sequence (to
+    pick its page-table row) and the keys it sees (int32: its sequence's prefix, itself and the
+    tokens before it in the step). Device work only, sized from the host lengths: no sync."""
+    lens_host = meta.query_lens_host or []
+    batch, total = len(lens_host), sum(lens_host)
+    device = meta.seq_lens.device
+    starts = meta.query_start_loc[:batch + 1].long()
+    query_lens = starts[1:] - starts[:-1]
+    index = torch.repeat_interleave(torch.arange(batch, device=device), query_lens, output_size=total)
+    local = torch.arange(total, device=device) - starts[:-1][index]
+    keys = meta.seq_lens[:batch].long()[index] - query_lens[index] + local + 1
+    return index, keys.to(torch.int32)

@@ -90,6 +90,19 @@ def test_extend_matches_reference(extend, dtype, dim, heads, kv_heads, page_size
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,heads,kv_heads,page_size", SHAPES[:4])
+def test_a_few_tokens_over_long_cached_contexts_run_as_decode_rows(dtype, dim, heads, kv_heads, page_size):
+    """A prompt found cached but for its last tokens: each query token a decode row of its own."""
+    seqs = [(1500, 13), (17, 3), (0, 0), (333, 1), (4000, 16)]
+    q, k, v, kc, vc, meta = paged_setup(seqs, page_size, heads, kv_heads, dim, dtype, seed=dim + 5 * heads)
+    backend = cuda_backend()
+    backend.scale = dim ** -0.5
+    out, ref = run_both(backend, q, k, v, kc, vc, meta)
+    assert meta.decode_rows is not None  # the path under test ran
+    assert rel(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plain_prefill_and_long_context_extend(dtype):
     """No cached prefix, and an 8k-token chunk over a 24k prefix (varlen under "auto" in bf16)."""
     for seqs in ([(0, 1), (0, 513), (0, 77)], [(24000, 8192)]):

@@ -240,3 +240,20 @@ def test_two_ranks_read_the_cached_pages_rank_0_found(checkpoint, pipes):
         conversation_turns(pipe, pipes[1], user(IMAGE_A, "Describe this image."), turns=2)
     finally:
         pipe.close()
+
+
+def test_an_extend_steps_tokens_as_decode_rows_see_their_prefix_and_the_tokens_before_them():
+    """The rows the CUDA backend runs through the decode kernel: sequence index and key count of
+    each real query token (sequences without new tokens and padding rows have none)."""
+    import torch
+    from mmpipe.language.attention.metadata import AttentionMetadata, decode_rows
+
+    seqs = [(1500, 3), (0, 0), (17, 2), (5, 1)]
+    lens, new = [a + b for a, b in seqs], [b for _, b in seqs]
+    starts = torch.tensor([0, 3, 3, 5, 6, 6], dtype=torch.int32)  # and a padding sequence
+    meta = AttentionMetadata(is_decode=False, num_tokens=8, slot_mapping=torch.zeros(8, dtype=torch.long),
+                             seq_lens=torch.tensor([*lens, 0], dtype=torch.int32), query_start_loc=starts,
+                             page_table=torch.zeros(5, 4, dtype=torch.int32), seq_lens_host=lens,
+                             query_lens_host=new, max_query_len=3, max_seq_len=1503)
+    index, keys = decode_rows(meta)
+    assert index.tolist() == [0, 0, 0, 2, 2, 3] and keys.tolist() == [1501, 1502, 1503, 18, 19, 6]
