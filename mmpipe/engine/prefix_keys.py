@@ -11,7 +11,6 @@ preprocessing (`ImageInput.key`).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 
 import numpy as np
@@ -30,28 +29,29 @@ def extend_keys(request: Request, pages: int, page_size: int) -> list[bytes]:
     """The keys of the request's first `pages` full pages (each computed once, kept on the request);
     every token of them must be known on the host."""
     keys = request.cache_keys
-    while len(keys) < pages:
-        index = len(keys)
-        parent = keys[-1] if keys else chain_root(request.sampling.cache_salt)
-        keys.append(page_key(request, parent, index * page_size, (index + 1) * page_size))
+    done = len(keys)
+    if done >= pages:
+        return keys
+    start, end = done * page_size, pages * page_size
+    # Bytes of every page at once, cut per page below (a page is page_size ids, then their positions).
+    tokens = np.asarray(request.tokens(start, end), dtype=np.int64).tobytes()
+    positions = np.ascontiguousarray(np.asarray(request.positions_of(start, end), dtype=np.int64).T).tobytes()
+    spans = [(first, first + image.num_tokens, image.key) for first, image in zip(request.image_starts, request.images)
+             if first + image.num_tokens > start and first < end]
+    parent = keys[-1] if keys else chain_root(request.sampling.cache_salt)
+    span = 0
+    for index in range(done, pages):
+        lo, hi = index * page_size, (index + 1) * page_size
+        at = (lo - start) * 8
+        digest = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
+        digest.update(tokens[at:at + page_size * 8])
+        digest.update(positions[3 * at:3 * (at + page_size * 8)])
+        while span < len(spans) and spans[span][1] <= lo:  # spans ending before this page
+            span += 1
+        for first, last, key in spans[span:]:
+            if first >= hi:
+                break
+            digest.update(f"{key}@{first - lo};".encode())
+        parent = digest.digest()
+        keys.append(parent)
     return keys
-
-
-def page_key(request: Request, parent: bytes, start: int, end: int) -> bytes:
-    digest = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
-    digest.update(np.asarray(request.tokens(start, end), dtype=np.int64).tobytes())
-    digest.update(np.ascontiguousarray(request.positions_of(start, end), dtype=np.int64).tobytes())
-    for first, image in media_in(request, start, end):
-        digest.update(f"{image.key}@{first - start};".encode())
-    return digest.digest()
-
-
-def media_in(request: Request, start: int, end: int) -> list[tuple[int, object]]:
-    """(first token, image) of every image or frame group with tokens in [start, end)."""
-    starts = request.image_starts
-    found = []
-    index = bisect.bisect_left(starts, end) - 1  # the last one starting before `end`
-    while index >= 0 and starts[index] + request.images[index].num_tokens > start:
-        found.append((starts[index], request.images[index]))
-        index -= 1
-    return found[::-1]

@@ -201,8 +201,7 @@ class Scheduler:
     def _cached_prefix(self, request: Request) -> list[int]:
         """The cached pages the request's sequence starts with, short of its last token."""
         found: list[int] = []
-        for index in range((request.total_len - 1) // self.page_size):
-            key = extend_keys(request, index + 1, self.page_size)[index]
+        for key in extend_keys(request, (request.total_len - 1) // self.page_size, self.page_size):
             page = self.pages.lookup(key)
             if page is None:
                 break

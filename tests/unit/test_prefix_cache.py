@@ -257,3 +257,36 @@ def test_an_extend_steps_tokens_as_decode_rows_see_their_prefix_and_the_tokens_b
                              query_lens_host=new, max_query_len=3, max_seq_len=1503)
     index, keys = decode_rows(meta)
     assert index.tolist() == [0, 0, 0, 2, 2, 3] and keys.tolist() == [1501, 1502, 1503, 18, 19, 6]
+
+
+class _Stub:
+    """What `extend_keys` reads of a request: 12 tokens, one image of 2 tokens inside a page."""
+
+    def __init__(self, image_key: str, salt: str | None = None) -> None:
+        from types import SimpleNamespace
+
+        import numpy as np
+
+        self.ids = list(range(100, 112))
+        self.pos = np.tile(np.arange(12), (3, 1))
+        self.image_starts = [5]
+        self.images = [SimpleNamespace(key=image_key, num_tokens=2)]
+        self.sampling = SimpleNamespace(cache_salt=salt)
+        self.cache_keys: list[bytes] = []
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return self.ids[start:end]
+
+    def positions_of(self, start: int, end: int):
+        return self.pos[:, start:end]
+
+
+def test_a_page_key_covers_an_image_wholly_inside_the_page_and_the_salt():
+    from mmpipe.engine.prefix_keys import extend_keys
+
+    a, b, salted = extend_keys(_Stub("A"), 3, 4), extend_keys(_Stub("B"), 3, 4), extend_keys(_Stub("A", "s"), 3, 4)
+    assert a[0] == b[0] and a[1] != b[1]  # the image's tokens 5 and 6 are in page 1 alone
+    assert all(x != y for x, y in zip(a, salted))
+    again = _Stub("A")
+    extend_keys(again, 1, 4)
+    assert extend_keys(again, 3, 4) == a  # computed in two calls: the same chain
