@@ -32,7 +32,7 @@ VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the
 ROPE_FUSED_FROM_ROWS = 2
 # Extend steps as decode rows: at most this many query tokens per sequence, over a context of at
 # least DECODE_ROWS_FROM_CONTEXT tokens, with fewer extend programs than SMs.
-DECODE_ROWS_UP_TO = 16
+DECODE_ROWS_UP_TO = 64
 DECODE_ROWS_FROM_CONTEXT = 256
 
 

@@ -93,7 +93,7 @@ def test_extend_matches_reference(extend, dtype, dim, heads, kv_heads, page_size
 @pytest.mark.parametrize("dim,heads,kv_heads,page_size", SHAPES[:4])
 def test_a_few_tokens_over_long_cached_contexts_run_as_decode_rows(dtype, dim, heads, kv_heads, page_size):
     """A prompt found cached but for its last tokens: each query token a decode row of its own."""
-    seqs = [(1500, 13), (17, 3), (0, 0), (333, 1), (4000, 16)]
+    seqs = [(1500, 13), (17, 3), (0, 0), (333, 1), (4000, 64)]
     q, k, v, kc, vc, meta = paged_setup(seqs, page_size, heads, kv_heads, dim, dtype, seed=dim + 5 * heads)
     backend = cuda_backend()
     backend.scale = dim ** -0.5
