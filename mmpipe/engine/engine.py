@@ -114,7 +114,8 @@ class Engine:
         """After a failed step: tokens not yet read are dropped; requests that finished before the
         failure are done (their pages go back); every other request of the step, or of a step
         still in flight, goes back in line to be recomputed from the tokens it has, so the engine
-        stays usable for whoever steps it next."""
+        stays usable for whoever steps it next. The prefix cache is emptied: a page written by an
+        unfinished step may have been cached (at launch, or by a request aborted meanwhile)."""
         self._in_flight = None
         involved: dict[int, Request] = {}
         for request in [c.request for c in plan.prefill] + plan.decode + [
@@ -122,7 +123,8 @@ class Engine:
             involved[id(request)] = request
             request.pending, request.pending_decode = 0, False
         requests = list(involved.values())
-        self.scheduler.forget_computed(requests)
+        self.scheduler.forget_computed(requests)  # and they register none of the pages they hold
+        self.reset_prefix_cache()
         for request in requests:
             if request.finished:
                 self.scheduler.finish(request)

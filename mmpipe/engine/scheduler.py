@@ -18,7 +18,8 @@ pages in the cache (`prefix_keys`), holds those found and starts its prefill aft
 at its last token, whose logits it needs); pages it computes itself are registered once full
 (`cache_computed`, after each launch, and when its pages are released), so a preempted,
 finished or aborted request leaves its pages cached. After a failed step the pages its requests
-registered are forgotten (`forget_computed`): their contents are in doubt.
+registered are forgotten (`forget_computed`, and the engine empties the cache): their contents
+are in doubt.
 
 Overlapped scheduling (the engine plans step N+1 before step N's tokens reach the host): a
 request's token in flight (`Request.pending`) counts in its length. A decoding request is
