@@ -202,7 +202,8 @@ class Scheduler:
     def _cached_prefix(self, request: Request) -> list[int]:
         """The cached pages the request's sequence starts with, short of its last token."""
         found: list[int] = []
-        for key in extend_keys(request, (request.total_len - 1) // self.page_size, self.page_size):
+        limit = (request.total_len - 1) // self.page_size  # it may hold keys past it (a token dropped)
+        for key in extend_keys(request, limit, self.page_size)[:limit]:
             page = self.pages.lookup(key)
             if page is None:
                 break

@@ -113,6 +113,28 @@ def test_a_cached_prefix_that_ends_inside_an_image(checkpoint, pipes):
     pipe.close()
 
 
+def test_a_request_that_holds_keys_of_all_its_pages_still_computes_its_last_token(pipes, on):
+    """A request requeued after a failed step has its in-flight token dropped but keeps the keys
+    it computed with it: with its whole prompt cached, admission must still leave its last token
+    to compute (its logits give the next token), or it would wait forever."""
+    from mmpipe.engine.prefix_keys import extend_keys
+
+    text = "Describe this image"
+    while True:
+        conversation = [user(IMAGE_A, text)]
+        probe = on.processor.build(0, *on.processor.render_chat(conversation, "t"), GREEDY, "t")
+        if probe.prompt_len % PAGE == 0:
+            break
+        text += "!"
+    first = on.chat(conversation, GREEDY)[0]  # every full page of the prompt cached
+    extend_keys(probe, probe.prompt_len // PAGE, PAGE)  # keys of every page, the last one included
+    on.engine.add(probe)
+    with on.engine.lock:
+        while not probe.finished:
+            on.engine.step()
+    assert probe.output_ids == first.token_ids
+
+
 def test_a_salt_keeps_cache_entries_apart(on):
     conversation = [user(IMAGE_A, "Describe this image.")]
     salted = [SamplingParams(max_new_tokens=2, temperature=0.0, cache_salt=salt) for salt in ("alice", "bob")]
