@@ -54,6 +54,7 @@ class LaunchedStep:
     prefill_tokens: PendingDecode | None = None
     decoded: list[Request] = field(default_factory=list)
     decode_tokens: PendingDecode | None = None
+    prefilled: list[Request] = field(default_factory=list)  # every request with a prompt chunk in it
 
 
 class Engine:
@@ -119,7 +120,7 @@ class Engine:
         self._in_flight = None
         involved: dict[int, Request] = {}
         for request in [c.request for c in plan.prefill] + plan.decode + [
-                r for step in unread for r in step.sampled + step.decoded]:
+                r for step in unread for r in step.prefilled + step.decoded]:
             involved[id(request)] = request
             request.pending, request.pending_decode = 0, False
         requests = list(involved.values())
@@ -148,6 +149,7 @@ class Engine:
         if plan.prefill:
             with phase("prefill"):
                 logits = self.runner.prefill(plan.prefill)
+                launched.prefilled = [c.request for c in plan.prefill]
                 launched.sampled = [c.request for c in plan.prefill if c.completes]
                 if launched.sampled:
                     launched.prefill_tokens = self.runner.launch_sample(launched.sampled, logits)

@@ -43,6 +43,9 @@ from mmpipe.engine.prefix_keys import extend_keys
 from mmpipe.engine.request import Request
 
 
+KEYS_AT_ONCE = 64  # prefix-cache keys hashed per batch at admission
+
+
 @dataclass
 class PrefixStats:
     """First admissions: how many, how many found cached pages, their prompt tokens and how many
@@ -203,11 +206,13 @@ class Scheduler:
         """The cached pages the request's sequence starts with, short of its last token."""
         found: list[int] = []
         limit = (request.total_len - 1) // self.page_size  # it may hold keys past it (a token dropped)
-        for key in extend_keys(request, limit, self.page_size)[:limit]:
-            page = self.pages.lookup(key)
-            if page is None:
-                break
-            found.append(page)
+        for start in range(0, limit, KEYS_AT_ONCE):  # keys in batches: a miss stops the hashing early
+            end = min(limit, start + KEYS_AT_ONCE)
+            for key in extend_keys(request, end, self.page_size)[start:end]:
+                page = self.pages.lookup(key)
+                if page is None:
+                    return found
+                found.append(page)
         return found
 
     def cache_computed(self, requests: list[Request]) -> None:

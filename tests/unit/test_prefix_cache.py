@@ -73,6 +73,11 @@ def test_an_identical_request_prefills_only_its_last_page(pipes, on):
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (again.num_prompt_tokens - 1) // PAGE * PAGE  # its last token is computed
     assert_same(again, pipes[1].chat(conversation, GREEDY)[0])
+    long = [user(IMAGE_A, "Describe this image. " * 60)]  # its keys are hashed in several batches
+    on.chat(long, GREEDY)
+    repeat = on.chat(long, GREEDY)[0]
+    assert repeat.num_prompt_tokens > 64 * PAGE + PAGE
+    assert repeat.num_cached_tokens == (repeat.num_prompt_tokens - 1) // PAGE * PAGE
 
 
 def test_the_same_image_with_a_new_question_reuses_the_image(pipes, on):
