@@ -42,7 +42,6 @@ from mmpipe.engine.kv_pages import PageAllocator, pages_needed
 from mmpipe.engine.prefix_keys import extend_keys
 from mmpipe.engine.request import Request
 
-
 KEYS_AT_ONCE = 64  # prefix-cache keys hashed per batch at admission
 
 
