@@ -1,12 +1,14 @@
 """Prefix caching on the GPU: in every graph mode, with the cache on, a multi-turn image
 conversation, an identical request, a new question about the same image, a different image with
 the same text and a prefix ending inside an image give the cache-off eager engine's float32 tokens
-(log-probabilities to the graph tests' rounding); and a pool small enough to evict and preempt
-changes no greedy answer. Run with `pytest -m gpu`."""
+(log-probabilities to the graph tests' rounding); a pool small enough to evict and preempt
+changes no greedy answer; and with FP8 weights the cache changes no bfloat16 greedy answer. Run
+with `pytest -m gpu`."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mmpipe import GraphConfig, Pipeline, SamplingParams
 from tests.gpu.test_gpu_decode_graphs import assert_same
@@ -94,6 +96,28 @@ def test_eviction_and_preemption_change_no_greedy_answer(checkpoint):
         assert [o.token_ids for o in ours] == [o.token_ids for o in reference.chat(crowd, params)]
         stats = pipe.stats()
         assert stats["prefix_cache"]["evictions"] > 0 and stats["requests"]["preemptions"] > 0
+    finally:
+        pipe.close()
+        reference.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores")
+def test_fp8_weights_with_the_cache_give_the_greedy_answers_without_it(checkpoint):
+    """At-load FP8 (every projection, activations quantized per row): turns 2 and 3 and a repeated
+    request read their history's K/V from cached pages written by earlier forwards."""
+    kw = dict(device="cuda", dtype="bfloat16", kv_page_size=PAGE, quantization="fp8-all", num_kv_pages=1024)
+    pipe, reference = (Pipeline.from_pretrained(checkpoint, prefix_caching=on, **kw) for on in (True, False))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.0)
+    try:
+        conversation = [user(IMAGES[0], "Describe this image.")]
+        for turn in range(3):
+            ours, expected = pipe.chat(conversation, params)[0], reference.chat(conversation, params)[0]
+            assert ours.token_ids == expected.token_ids
+            assert turn == 0 or ours.num_cached_tokens > 0
+            conversation = conversation + [{"role": "assistant", "content": ours.text}, user(None, "More?")]
+        again = pipe.chat(conversation, params)[0]
+        assert again.num_cached_tokens > 0 and again.token_ids == reference.chat(conversation, params)[0].token_ids
     finally:
         pipe.close()
         reference.close()
