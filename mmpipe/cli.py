@@ -101,9 +101,11 @@ def _attention_summary(vit: Any) -> str:
 
 
 def _scheduling_summary(stats: dict[str, Any]) -> str:
-    """One line: whether steps overlap the host's work and whether the ViT has its own stream."""
+    """One line: whether steps overlap the host's work, whether the ViT has its own stream, and
+    whether prompts reuse cached KV pages."""
     on = lambda flag: "on" if flag else "off"  # noqa: E731
-    return f"overlapped scheduling {on(stats['overlap_schedule'])}, vision stream {on(stats['vision_stream'])}"
+    return (f"overlapped scheduling {on(stats['overlap_schedule'])}, vision stream {on(stats['vision_stream'])}, "
+            f"prefix caching {on(stats['prefix_cache']['enabled'])}")
 
 
 def _graph_summary(stats: dict[str, Any]) -> str:

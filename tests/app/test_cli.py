@@ -29,7 +29,7 @@ def test_info_reports_versions_and_the_model(checkpoint, capsys):
     assert info["model"]["family"] == "Qwen2.5-VL" and "window 56px" in info["model"]["vision"]
     assert "2 blocks" in info["model"]["vision"] and info["model"]["device"] == "cpu"
     assert info["model"]["graphs"] == "mode none; decode off; prefill off; vit off"  # the CPU runs no graphs
-    assert info["model"]["scheduling"] == "overlapped scheduling off, vision stream off"  # nothing is asynchronous
+    assert info["model"]["scheduling"] == "overlapped scheduling off, vision stream off, prefix caching on"
     assert info["model"]["quantization"] == "none"
 
 
