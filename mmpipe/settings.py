@@ -9,8 +9,8 @@
 | `MMPIPE_CAPTION_SHARD_STATUS` | unset | set by `mmpipe caption --gpus N` for its processes: the folder where each marks its shard done |
 
 The names `MMPIPE_DISABLE` takes (`docs/configuration.md` says more of each). None changes what
-is computed, except that `gemv` and `fp8-triton-gemm` run the same products on other kernels
-(another summation order, so other last bits):
+is computed, except that `gemv`, `fp8-triton-gemm` and `extend-decode-rows` run the same products
+on other kernels (another summation order, so other last bits):
 
 | name | turns off |
 | --- | --- |
@@ -24,6 +24,7 @@ is computed, except that `gemv` and `fp8-triton-gemm` run the same products on o
 | `fp8-fused-quant` | norm and SiLU kernels writing the FP8 input of the product after them |
 | `fp8-triton-gemm` | mmpipe's Triton FP8 GEMM for 33-256 decode rows (cuBLASLt instead) |
 | `blocking-sync` | the engine sleeping while it waits for a step's tokens (it spins on a core instead) |
+| `extend-decode-rows` | an extend step of a few tokens per sequence over long contexts run as split-KV decode rows (the extend kernel instead) |
 
 The variables are read once, at the first `current()`; `refresh()` reads them again (tests, or a
 process that changes its own environment). An unknown name in `MMPIPE_DISABLE`, a flag other than
@@ -55,6 +56,7 @@ DISABLE_NAMES = {
     "fp8-fused-quant": "fp8_fused_quant",
     "fp8-triton-gemm": "fp8_triton_gemm",
     "blocking-sync": "blocking_sync",
+    "extend-decode-rows": "extend_decode_rows",
 }
 # Variables of earlier releases, one per switch: set, they would silently do nothing.
 _RETIRED = {"MMPIPE_GEMV": "gemv", "MMPIPE_PDL": "pdl", "MMPIPE_PDL_PREFETCH": "pdl-prefetch",
@@ -81,6 +83,7 @@ class Settings:
     fp8_fused_quant: bool = True
     fp8_triton_gemm: bool = True
     blocking_sync: bool = True
+    extend_decode_rows: bool = True
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> "Settings":

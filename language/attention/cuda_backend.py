@@ -112,6 +112,8 @@ class CudaLMAttention:
     def _as_decode_rows(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
         if meta.seq_lens_host is None or meta.max_seq_len is None or meta.max_query_len > DECODE_ROWS_UP_TO:
             return False
+        if not settings.current().extend_decode_rows:  # MMPIPE_DISABLE=extend-decode-rows
+            return False
         return (meta.max_seq_len >= DECODE_ROWS_FROM_CONTEXT
                 and len(meta.seq_lens_host) * q.shape[1] < self._sms(q.device))
 

@@ -102,6 +102,16 @@ def test_a_few_tokens_over_long_cached_contexts_run_as_decode_rows(dtype, dim, h
     assert rel(out, ref) <= TOL[dtype]
 
 
+def test_the_decode_rows_switch_turns_the_path_off(switch):
+    seqs = [(1500, 13), (17, 3)]
+    q, k, v, kc, vc, meta = paged_setup(seqs, 16, 16, 2, 128, torch.bfloat16, seed=3)
+    switch("extend-decode-rows", "0")
+    backend = cuda_backend()
+    backend.scale = 128 ** -0.5
+    out, ref = run_both(backend, q, k, v, kc, vc, meta)
+    assert meta.decode_rows is None and rel(out, ref) <= TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plain_prefill_and_long_context_extend(dtype):
     """No cached prefix, and an 8k-token chunk over a 24k prefix (varlen under "auto" in bf16)."""

@@ -48,7 +48,8 @@ def test_only_the_settings_module_reads_the_environment_for_mmpipe():
 TURNS_OFF = {"gemv": "gemv", "pdl": "pdl", "pdl-prefetch": "pdl_prefetch", "decode-rope-fusion": "decode_rope_fused",
              "decode-norm-fusion": "decode_norm_fused", "triton-direct-launch": "triton_direct",
              "prefill-plans": "prefill_plans", "fp8-fused-quant": "fp8_fused_quant",
-             "fp8-triton-gemm": "fp8_triton_gemm", "blocking-sync": "blocking_sync"}
+             "fp8-triton-gemm": "fp8_triton_gemm", "blocking-sync": "blocking_sync",
+             "extend-decode-rows": "extend_decode_rows"}
 
 
 def test_the_disable_names_are_the_documented_ones():
