@@ -124,8 +124,8 @@ class Engine:
             involved[id(request)] = request
             request.pending, request.pending_decode = 0, False
         requests = list(involved.values())
-        self.scheduler.forget_computed(requests)  # and they register none of the pages they hold
         self.reset_prefix_cache()
+        self.scheduler.stop_caching(requests)  # nor are the pages they hold cached later
         for request in requests:
             if request.finished:
                 self.scheduler.finish(request)

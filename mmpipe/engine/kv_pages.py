@@ -100,15 +100,6 @@ class PageAllocator:
         self._key_of[page] = key
         return True
 
-    def unregister(self, page: int, key: bytes) -> None:
-        """Forget `key` if it names `page` (its contents are in doubt); the page stays held."""
-        if self._page_of.get(key) == page:
-            del self._page_of[key]
-            del self._key_of[page]
-            if self._holders[page] == 0:
-                del self._unheld[page]
-                self._free.append(page)
-
     def clear_cache(self) -> int:
         """Forget every cached page (held ones stay with their holders); the number forgotten."""
         forgotten = len(self._key_of)

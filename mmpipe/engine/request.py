@@ -35,11 +35,10 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     # Prefix cache: keys of its full pages (`prefix_keys`), how many leading pages are cached
-    # (found at admission or registered since), from which page on it registered them itself,
-    # and the prompt tokens its first admission found cached.
+    # (found at admission or registered since), and the prompt tokens its first admission found
+    # cached.
     cache_keys: list[bytes] = field(default_factory=list)
     pages_cached: int = 0
-    own_pages_from: int = 0
     num_cached_tokens: int = 0
     # Tokens sampled by launched steps and not yet on the host (overlapped scheduling: at most
     # one at planning time), and whether the newest came from a decode step, whose row then

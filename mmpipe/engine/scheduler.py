@@ -18,8 +18,8 @@ pages in the cache (`prefix_keys`), holds those found and starts its prefill aft
 at its last token, whose logits it needs); pages it computes itself are registered once full
 (`cache_computed`, after each launch, and when its pages are released), so a preempted,
 finished or aborted request leaves its pages cached. After a failed step the pages its requests
-registered are forgotten (`forget_computed`, and the engine empties the cache): their contents
-are in doubt.
+registered are forgotten (the engine empties the cache) and their other pages are never
+registered (`stop_caching`): their contents are in doubt.
 
 Overlapped scheduling (the engine plans step N+1 before step N's tokens reach the host): a
 request's token in flight (`Request.pending`) counts in its length. A decoding request is
@@ -192,7 +192,7 @@ class Scheduler:
         self.pages.hold(found)
         request.pages = found + self.pages.allocate(need - len(found))
         request.num_computed = len(found) * self.page_size
-        request.pages_cached = request.own_pages_from = len(found)
+        request.pages_cached = len(found)
         if request.first_scheduled is None:
             request.num_cached_tokens = request.num_computed
             self.prefix.requests += 1
@@ -228,12 +228,10 @@ class Scheduler:
                 self.pages.register(request.pages[index], keys[index])
             request.pages_cached = full
 
-    def forget_computed(self, requests: list[Request]) -> None:
-        """After a failed step: drop the cache entries these requests registered, and register
-        nothing more of the pages they hold."""
+    def stop_caching(self, requests: list[Request]) -> None:
+        """After a failed step: register none of the pages these requests hold (their contents are
+        in doubt; the engine empties the cache of those already registered)."""
         for request in requests:
-            for index in range(request.own_pages_from, min(request.pages_cached, len(request.pages), len(request.cache_keys))):
-                self.pages.unregister(request.pages[index], request.cache_keys[index])
             request.pages_cached = len(request.pages)
 
     def _grow(self, request: Request, tokens: int) -> bool:
@@ -264,7 +262,7 @@ class Scheduler:
             self.cache_computed([request])
             self.pages.free(request.pages)
             request.pages = []
-        request.pages_cached = request.own_pages_from = 0
+        request.pages_cached = 0
 
 
 def _decode_ready(request: Request) -> bool:
