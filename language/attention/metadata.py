@@ -35,8 +35,8 @@ class AttentionMetadata:
     # Decode: the batch size the split-KV count is chosen for. The padded bucket inside a graph,
     # and the same bucket when the batch runs eagerly, so eager and graph steps reduce alike.
     split_rows: int | None = None
-    # An extend step's query tokens as decode rows (`decode_rows`), made by the
-    # first layer that runs them so, kept for the others.
+    # An extend step's query tokens as decode rows (`decode_rows`): made by the first layer that
+    # needs them, kept for the others.
     decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
