@@ -254,11 +254,13 @@ def serving(engine: Any, max_queued: int) -> Iterator[str]:
 
 
 def clear_caches(pipe: Any) -> None:
-    """Forget decoded and encoded images and cached KV pages: each run does all its own work."""
+    """Forget tokenized prompts, decoded and encoded images and cached KV pages: each run does all
+    its own work (the server's run would otherwise tokenize the prompts the API's run then finds)."""
     with pipe.engine.lock:
         pipe.engine.cache.clear()
         pipe.engine.reset_prefix_cache()
         pipe.processor.preprocessed.clear()
+        pipe.processor.forget_prompts()
 
 
 def warm_up_images(pipe: Any, image: str) -> None:

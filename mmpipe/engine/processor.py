@@ -72,6 +72,10 @@ class InputProcessor:
         self._timestamps: dict[str, tuple[int, ...]] = {}  # Qwen3-VL's "<t seconds>" texts, tokenised
         self.grammars = Grammars(tokenizer, model.language.vocab_size, defaults.eos_token_ids)
 
+    def forget_prompts(self) -> None:
+        """Drop the token ids kept for recent prompts (a benchmark run then tokenizes its own)."""
+        self._kept_ids.cache_clear()
+
     def token_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids (a new list: callers may extend it)."""
         return list(self._kept_ids(prompt) if len(prompt) <= PROMPT_CHARS_KEPT else self._tokenize(prompt))

@@ -258,3 +258,21 @@ def test_the_bench_parser_needs_no_video_decoder():
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3"
+
+
+def test_clearing_the_caches_leaves_a_run_nothing_an_earlier_run_prepared(tpipe):
+    """The server's run goes first: the API's run must not find its prompts tokenized, its
+    images decoded or its KV pages cached."""
+    conversation = [{"role": "user", "content": "A prompt that both runs send, word for word. " * 8}]
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    tpipe.chat([conversation], params)
+    rendered = tpipe.processor.render_chat(conversation, "test")[0]
+    kept = tpipe.processor._kept_ids
+    assert kept.cache_info().currsize > 0
+    hits = kept.cache_info().hits
+    tpipe.processor.token_ids(rendered)
+    assert kept.cache_info().hits == hits + 1  # kept: the next run would not tokenize it
+    assert tpipe.stats()["prefix_cache"]["cached_pages"] > 0
+    bench_serve.clear_caches(tpipe)
+    assert kept.cache_info().currsize == 0
+    assert tpipe.stats()["prefix_cache"]["cached_pages"] == 0
