@@ -41,7 +41,9 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import torch
 from mmpipe.language.attention import AttentionMetadata
+from mmpipe.language.attention.metadata import host_decode_rows
 from mmpipe.language.attention.op import attention
+from mmpipe.language.extend_row_graphs import ROW_GRAPH_MAX_TOKENS, RowGraphs
 from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
 from mmpipe.language.prefill_schedule import default_prefill_schedule
 
@@ -71,18 +73,23 @@ class PrefillTensors(NamedTuple):
     count: torch.Tensor  # [1] int64 holding T: kernels read it, so their launch does not depend on T
 
 
-def upload_inputs(inputs: PrefillInputs, uploader: PackedUploader) -> PrefillTensors:
+def upload_inputs(inputs: PrefillInputs, uploader: PackedUploader, rows_up_to: int = 0) -> PrefillTensors:
     """The step's inputs on the uploader's device, through one host-to-device copy (views valid
-    for this step's kernels only, see `PackedUploader`)."""
+    for this step's kernels only, see `PackedUploader`). A step of at most `rows_up_to` tokens
+    over a longer context also carries its tokens as decode rows (`meta.decode_rows`)."""
     t = inputs.token_ids.shape[0]
-    ids, pos, slots, logit_rows, count, lens, cu, table = uploader.upload(
-        [inputs.token_ids, inputs.positions.T, inputs.slot_mapping, inputs.logit_rows, np.array([t], dtype=np.int64),
-         np.asarray(inputs.seq_lens, dtype=np.int32),
-         np.asarray([0, *itertools.accumulate(inputs.query_lens)], dtype=np.int32), inputs.page_table])
+    arrays = [inputs.token_ids, inputs.positions.T, inputs.slot_mapping, inputs.logit_rows, np.array([t], dtype=np.int64),
+              np.asarray(inputs.seq_lens, dtype=np.int32),
+              np.asarray([0, *itertools.accumulate(inputs.query_lens)], dtype=np.int32), inputs.page_table]
+    rows = 0 < t <= rows_up_to and max(inputs.seq_lens) > t
+    if rows:
+        arrays += host_decode_rows(inputs.query_lens, inputs.seq_lens, inputs.page_table)
+    ids, pos, slots, logit_rows, count, lens, cu, table, *row_arrays = uploader.upload(arrays)
     meta = AttentionMetadata(
         is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens, query_start_loc=cu,
         page_table=table, seq_lens_host=inputs.seq_lens, query_lens_host=inputs.query_lens,
-        max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
+        max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
+        decode_rows=(row_arrays[0], row_arrays[1]) if rows else None)
     return PrefillTensors(ids, pos, meta, logit_rows, count)
 
 
@@ -93,9 +100,12 @@ class PrefillRunner(GraphRunner):
 
     def __init__(self, lm: Any, kv: KVCache, device: torch.device, max_tokens: int, piecewise: bool,
                  graphs: GraphConfig | None = None, compiler: str = "eager", cache_dir: str | Path | None = None,
-                 memory: GraphMemory | None = None, traced: bool | None = None) -> None:
+                 memory: GraphMemory | None = None, traced: bool | None = None,
+                 max_model_len: int | None = None) -> None:
         """`traced`: trace the forward with torch.compile and split the FX graph (default: only for
-        a compiler other than "eager", whose pieces are captured from the eager forward itself)."""
+        a compiler other than "eager", whose pieces are captured from the eager forward itself).
+        `max_model_len`: the longest sequence, which sizes the row graphs' page tables (None: no
+        row graphs, see `language/extend_row_graphs`)."""
         self.lm, self.kv, self.max_tokens = lm, kv, max_tokens
         dtype = lm.embed_tokens.weight.dtype
         # Static buffers, outside graph memory; every forward reads slices of them.
@@ -116,6 +126,10 @@ class PrefillRunner(GraphRunner):
                          memory or "shared", max_graphs=None)
         self.schedule = self.sizes
         self.uploader = PackedUploader(device)  # each step's inputs, in one host-to-device copy
+        # Short extends over long contexts: the whole forward as one graph, attention as decode rows.
+        self.rows = RowGraphs(lm, kv, device, self.schedule, -(-(max_model_len or 0) // kv.page_size),
+                              self._forward_rows, self.slots, wanted=self.cache is not None and bool(max_model_len),
+                              memory=self.cache.memory if self.cache is not None else "shared")
         self.compiled_runs = 0  # compiled forwards without a graph (above the schedule, a failed size)
         self._warm = False  # this capture_all has run a warm-up forward: later sizes capture without one
         self.warmup_retries = 0  # sizes whose capture without a warm-up failed and was redone
@@ -148,7 +162,7 @@ class PrefillRunner(GraphRunner):
 
     def upload(self, inputs: PrefillInputs) -> PrefillTensors:
         """A step's host inputs on the device, in one copy (views valid for this step only)."""
-        return upload_inputs(inputs, self.uploader)
+        return upload_inputs(inputs, self.uploader, ROW_GRAPH_MAX_TOKENS)
 
     def rows_for(self, num_tokens: int) -> int:
         """Rows the forward runs: the smallest schedule size >= num_tokens; num_tokens above the
@@ -178,6 +192,11 @@ class PrefillRunner(GraphRunner):
             self.slots[:n].copy_(meta.slot_mapping)
             self.slots[n:size].fill_(self.dummy_slot)
         self._write_images(images)
+        meta.split_rows = size  # decode rows split as the graph of this size would (see extend_row_graphs)
+        rows = self.rows.serves(n, meta, self.lm.layers[0].self_attn.num_heads) if self.piecewise else None
+        if rows is not None:
+            self.padded_tokens += rows - n
+            return self.rows.run_rows(rows, meta)
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             if not self.piecewise:
                 eager = lambda: self.lm(self.input_embeds[:n], self.positions[:n].t(), self.kv.layers,  # noqa: E731
@@ -278,6 +297,17 @@ class PrefillRunner(GraphRunner):
             self.state.memory = None
             self.state.size = None
             self._warm = False
+        self.rows.capture_all(self.rows.startup_keys(), progress)
+
+    @property
+    def lockstep(self) -> bool:
+        return self._lockstep
+
+    @lockstep.setter
+    def lockstep(self, on: bool) -> None:
+        GraphRunner.lockstep.fset(self, on)  # type: ignore[attr-defined]
+        if getattr(self, "rows", None) is not None:
+            self.rows.lockstep = on
 
     def startup_keys(self) -> list[Any]:
         """The schedule `capture_all` captures, largest first (none without piecewise graphs)."""
@@ -366,7 +396,8 @@ class PrefillRunner(GraphRunner):
                                "traced": self.compiled is not None,
                                "compiled_runs": self.compiled_runs, "padded_tokens": self.padded_tokens,
                                "replay_plans": len(plans), "plan_runs": sum(plan.runs for plan in plans.values()),
-                               "failed_sizes": self.failed_sizes()}
+                               "failed_sizes": self.failed_sizes(),
+                               "row_graphs": self.rows.stats()["graphs"], **self.rows.detail()}
         if self.split is not None:
             out.update(pieces=self.split.pieces, split_points=max(0, self.split.pieces - 1),
                        warmup_retries=self.warmup_retries)
@@ -383,6 +414,7 @@ class PrefillRunner(GraphRunner):
 
     def close(self) -> None:
         """Destroy the graphs (the shared memory itself belongs to whoever made it)."""
+        self.rows.close()
         self.state.drop_plans()
         if self.split is not None:
             self.split.drop()

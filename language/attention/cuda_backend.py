@@ -64,14 +64,14 @@ class CudaLMAttention:
             splits = decode_num_splits(meta.split_rows or q.shape[0], k_cache.shape[2], self._sms(q.device))
             paged_decode(q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, self.scale, splits)
             return out
-        if self._as_decode_rows(q, meta):
+        if self.runs_as_rows(meta, q.shape[1], q.device):
             if meta.decode_rows is None:  # once per forward: every layer reads the same rows
                 meta.decode_rows = decode_rows(meta)
-            index, lens = meta.decode_rows
-            n = index.shape[0]
-            splits = decode_num_splits(n, k_cache.shape[2], self._sms(q.device))
-            paged_decode(q[:n], k_cache, v_cache, meta.page_table.index_select(0, index), lens, out[:n],
-                         self.scale, splits)
+            table, lens = meta.decode_rows
+            n = table.shape[0]
+            # Splits by the padded size, as the step's graph (`extend_row_graphs`) plans them.
+            splits = decode_num_splits(meta.split_rows or n, k_cache.shape[2], self._sms(q.device))
+            paged_decode(q[:n], k_cache, v_cache, table, lens, out[:n], self.scale, splits)
             return out
         if self._use_varlen(q.dtype, meta):
             if meta.query_lens_host == meta.seq_lens_host:  # nothing cached: attend to the new K/V
@@ -95,7 +95,8 @@ class CudaLMAttention:
         `ROPE_FUSED_FROM_ROWS`, or switched off (`MMPIPE_DISABLE=decode-rope-fusion`). Chosen by the
         bucket, so an eager step and its graph take the same path."""
         rows = meta.split_rows or qkv.shape[0]
-        if not meta.is_decode or rows < ROPE_FUSED_FROM_ROWS or not settings.current().decode_rope_fused:
+        if (not meta.is_decode or meta.extend_rows or rows < ROPE_FUSED_FROM_ROWS
+                or not settings.current().decode_rope_fused):
             return False
         k_cache, v_cache = cache
         splits = decode_num_splits(rows, k_cache.shape[2], self._sms(qkv.device))
@@ -109,13 +110,17 @@ class CudaLMAttention:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._num_sms[index]
 
-    def _as_decode_rows(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        if meta.seq_lens_host is None or meta.max_seq_len is None or meta.max_query_len > DECODE_ROWS_UP_TO:
+    def runs_as_rows(self, meta: AttentionMetadata, heads: int, device: torch.device) -> bool:
+        """Whether this extend step's attention runs as decode rows (`heads`: query heads here):
+        at most DECODE_ROWS_UP_TO query tokens per sequence over a context of at least
+        DECODE_ROWS_FROM_CONTEXT, with fewer extend programs than SMs; not with
+        `MMPIPE_DISABLE=extend-decode-rows`."""
+        if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None \
+                or meta.max_query_len > DECODE_ROWS_UP_TO:
             return False
-        if not settings.current().extend_decode_rows:  # MMPIPE_DISABLE=extend-decode-rows
+        if not settings.current().extend_decode_rows:
             return False
-        return (meta.max_seq_len >= DECODE_ROWS_FROM_CONTEXT
-                and len(meta.seq_lens_host) * q.shape[1] < self._sms(q.device))
+        return meta.max_seq_len >= DECODE_ROWS_FROM_CONTEXT and len(meta.seq_lens_host) * heads < self._sms(device)
 
     def _use_varlen(self, dtype: torch.dtype, meta: AttentionMetadata) -> bool:
         if dtype not in (torch.float16, torch.bfloat16) or not self._varlen or self.extend == "triton":

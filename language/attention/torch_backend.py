@@ -26,6 +26,10 @@ class TorchLMAttention:
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
+    def runs_as_rows(self, meta: AttentionMetadata, heads: int, device: torch.device) -> bool:
+        """Never: the reference attends each sequence's queries at once (see the CUDA backend)."""
+        return False
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 out: torch.Tensor | None = None,
                 cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -98,7 +98,8 @@ class ModelRunner:
         with startup.phase("prefill graphs", merge=True):
             self.prefiller = family.prefill_runner(lm, self.kv, self.device, cfg.max_prefill_tokens, prefill_graphs,
                                                    replace(cfg.prefill_graph, enabled=prefill_graphs),
-                                                   cfg.prefill_compiler, cfg.compile_cache_dir, memory=pool)
+                                                   cfg.prefill_compiler, cfg.compile_cache_dir, memory=pool,
+                                                   max_model_len=self.max_model_len)
             self.prefiller.lockstep = model.tp is not None
         with startup.phase("decode graphs", merge=True):
             self.decoder = family.decode_runner(lm, self.kv, cfg.max_running_requests, self.max_model_len,

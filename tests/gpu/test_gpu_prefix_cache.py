@@ -121,3 +121,23 @@ def test_fp8_weights_with_the_cache_give_the_greedy_answers_without_it(checkpoin
     finally:
         pipe.close()
         reference.close()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_short_turns_over_a_long_cached_context_replay_one_graph_as_decode_rows(checkpoint, eager, mode):
+    """A turn of a few new tokens over a context long enough for the CUDA backend to run them as
+    decode rows: the whole forward replays as one graph, and the answers are the cache-off eager
+    engine's."""
+    pipe = make(checkpoint, mode)
+    try:
+        conversation = [user(IMAGES[0], "Describe this image in every detail. " * 30)]
+        for turn in range(3):
+            runs = pipe.stats()["prefill"]["detail"]["row_graph_runs"]
+            ours, reference = pipe.chat(conversation, GREEDY), eager.chat(conversation, GREEDY)
+            assert_same(ours, reference)
+            assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == runs + (turn > 0)
+            assert turn == 0 or ours[0].num_prompt_tokens - ours[0].num_cached_tokens <= 64
+            conversation = conversation + [{"role": "assistant", "content": ours[0].text}, user(None, "More?")]
+        assert pipe.stats()["prefill"]["detail"]["row_graphs"] == 4  # sizes 8, 16, 32 and 64, at start-up
+    finally:
+        pipe.close()

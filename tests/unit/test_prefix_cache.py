@@ -237,6 +237,44 @@ def test_graph_modes_with_the_cache_equal_eager_without(checkpoint, pipes, graph
     pipe.close()
 
 
+def rows_like_the_cuda_backend(monkeypatch) -> None:
+    """The reference backend takes the CUDA backend's decision to run a short extend over a
+    longer cached context as decode rows (its own attention serves decode rows too)."""
+    from mmpipe.language.attention.torch_backend import TorchLMAttention
+
+    monkeypatch.setattr(TorchLMAttention, "runs_as_rows", lambda self, meta, heads, device: (
+        not meta.is_decode and meta.seq_lens_host is not None and meta.max_query_len <= 64
+        and meta.max_seq_len >= 2 * meta.max_query_len))
+
+
+@pytest.mark.usefixtures("simulated_piece_graphs")
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_short_turns_over_a_cached_conversation_replay_one_graph_as_decode_rows(checkpoint_factory, monkeypatch, family):
+    """A turn whose new tokens fit a row graph (text alone, or a new image's tokens with Qwen3-VL's
+    deepstack rows) runs its whole forward as one graph, each token a decode row; the answers
+    equal the cache-off eager engine's."""
+    from mmpipe.config import GraphConfig
+
+    rows_like_the_cuda_backend(monkeypatch)
+    path = checkpoint_factory(family=family)
+    pipe = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE, prefill_graph=GraphConfig(buckets=(8, 16, 64, 256)))
+    off = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE, prefix_caching=False)
+    small = random_image(56, 84, seed=13)  # a few image tokens: the turn still fits 64 rows
+    conversation = [user(IMAGE_A, "Describe this image.")]
+    try:
+        for turn, question in enumerate([user("And then?"), user(small, "And this one?"), user("Why?"), None]):
+            runs = pipe.stats()["prefill"]["detail"]["row_graph_runs"]
+            ours, expected = pipe.chat(conversation, GREEDY)[0], off.chat(conversation, GREEDY)[0]
+            assert_same(ours, expected)
+            new = ours.num_prompt_tokens - ours.num_cached_tokens
+            assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == runs + (turn > 0 and new <= 64)
+            conversation += [{"role": "assistant", "content": ours.text}, question]
+        assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == 3
+    finally:
+        pipe.close()
+        off.close()
+
+
 def test_qwen3_vl_deepstack_rows_after_a_cached_prefix(checkpoint_factory):
     """Qwen3-VL adds the image's deepstack features in early layers: a turn whose image is cached
     must not need them, and one whose prefix ends inside the image must add the right rows."""
@@ -268,20 +306,26 @@ def test_two_ranks_read_the_cached_pages_rank_0_found(checkpoint, pipes):
 
 
 def test_an_extend_steps_tokens_as_decode_rows_see_their_prefix_and_the_tokens_before_them():
-    """The rows the CUDA backend runs through the decode kernel: sequence index and key count of
-    each real query token (sequences without new tokens and padding rows have none)."""
+    """The rows the CUDA backend runs through the decode kernel: page-table row and key count of
+    each real query token (sequences without new tokens and padding rows have none), the same
+    from the device tensors and from the host inputs a short step uploads."""
+    import numpy as np
     import torch
-    from mmpipe.language.attention.metadata import AttentionMetadata, decode_rows
+    from mmpipe.language.attention.metadata import AttentionMetadata, decode_rows, host_decode_rows
 
     seqs = [(1500, 3), (0, 0), (17, 2), (5, 1)]
     lens, new = [a + b for a, b in seqs], [b for _, b in seqs]
+    table = np.arange(20, dtype=np.int32).reshape(5, 4)  # row i: the pages of sequence i
     starts = torch.tensor([0, 3, 3, 5, 6, 6], dtype=torch.int32)  # and a padding sequence
     meta = AttentionMetadata(is_decode=False, num_tokens=8, slot_mapping=torch.zeros(8, dtype=torch.long),
                              seq_lens=torch.tensor([*lens, 0], dtype=torch.int32), query_start_loc=starts,
-                             page_table=torch.zeros(5, 4, dtype=torch.int32), seq_lens_host=lens,
+                             page_table=torch.from_numpy(table), seq_lens_host=lens,
                              query_lens_host=new, max_query_len=3, max_seq_len=1503)
-    index, keys = decode_rows(meta)
-    assert index.tolist() == [0, 0, 0, 2, 2, 3] and keys.tolist() == [1501, 1502, 1503, 18, 19, 6]
+    rows, keys = decode_rows(meta)
+    assert rows.tolist() == table[[0, 0, 0, 2, 2, 3]].tolist() and keys.tolist() == [1501, 1502, 1503, 18, 19, 6]
+    host_rows, host_keys = host_decode_rows(new, lens, table[:4])
+    assert host_rows.tolist() == rows.tolist() and host_keys.tolist() == keys.tolist()
+    assert host_rows.dtype == np.int32 and host_keys.dtype == np.int32
 
 
 class _Stub:
