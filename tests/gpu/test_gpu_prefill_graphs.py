@@ -53,7 +53,9 @@ def test_on_between_and_above_schedule_sizes_equal_eager(checkpoint, reference, 
     lengths = [o.num_prompt_tokens for o in alone]
     # Sizes: exactly the first two prompts' lengths, one between the others, none for the batch.
     schedule = (lengths[0], lengths[1], max(lengths[2:]) + 5)
-    pipe = make(checkpoint, mode, prefill_graph=GraphConfig(buckets=schedule), max_prefill_tokens=512)
+    # Without the prefix cache: each prompt is prefilled whole, in one step of its own length.
+    pipe = make(checkpoint, mode, prefill_graph=GraphConfig(buckets=schedule), max_prefill_tokens=512,
+                prefix_caching=False)
     stats = pipe.stats()["prefill"]
     # Pieces captured from the eager forward: nothing traced, one piece more than attention calls.
     assert stats["enabled"] and stats["graphs"] == 3 * stats["detail"]["pieces"] and not stats["detail"]["traced"]
