@@ -15,9 +15,8 @@ saturation point, `--saturation-requests`: a few waves of the batch would time i
 as a Poisson process of that rate (all at once for inf) and are sent while fewer than the cap
 are in flight; each decodes exactly `--output-tokens` tokens (greedy, `ignore_eos`). Per request:
 TTFT, TPOT, every gap between chunks that carry text (ITL) and end-to-end latency; per point:
-request and output token throughput; mean, p50, p90 and p99 (`serve_load.summarise`). The encoder
-and preprocessed-image caches are cleared before every run, so every run decodes and encodes its
-images. Each kind first runs one untimed batch through both ways in.
+request and output token throughput; mean, p50, p90 and p99 (`serve_load.summarise`). Every run
+starts with empty caches (`clear_caches`). Each kind first runs one untimed batch both ways in.
 
 The overhead comparison. At rate inf with concurrency 1 and with the largest cap (saturation:
 the batch), the same requests also run through `Pipeline.stream`, one thread each, as the server
@@ -254,8 +253,7 @@ def serving(engine: Any, max_queued: int) -> Iterator[str]:
 
 
 def clear_caches(pipe: Any) -> None:
-    """Forget tokenized prompts, decoded and encoded images and cached KV pages: each run does all
-    its own work (the server's run would otherwise tokenize the prompts the API's run then finds)."""
+    """Forget tokenized prompts, decoded and encoded images, cached KV pages: each run does its own."""
     with pipe.engine.lock:
         pipe.engine.cache.clear()
         pipe.engine.reset_prefix_cache()
