@@ -196,6 +196,7 @@ class PrefillRunner(GraphRunner):
         rows = self.rows.serves(n, meta, self.lm.layers[0].self_attn.num_heads) if self.piecewise else None
         if rows is not None:
             self.padded_tokens += rows - n
+            self.counts.graph_runs += 1  # a prefill served by a graph, as the pieces count theirs
             return self.rows.run_rows(rows, meta)
         with forward_context(ForwardContext(meta, self.kv.layers, self.lm.attention)):
             if not self.piecewise:

@@ -226,8 +226,8 @@ class Qwen2DecoderLayer(nn.Module):
         residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin, kv_cache, slot_mapping),
                                         post.weight, post.eps, fp8_input(self.mlp.gate_up_proj, residual))
         mlp_out = self.mlp(normed)
-        if extra is not None:
-            residual = residual + mlp_out  # prefill only: a tensor, never K-split partial sums
+        if extra is not None:  # prefill only; a short one's rows may come as K-split partial sums
+            residual = residual + (mlp_out.total() if isinstance(mlp_out, PartialSums) else mlp_out)
             mlp_out = extra
         fp8 = fp8_input(next_proj, residual)  # (None: no reader of the norm to quantize for)
         return add_rms_norm(residual, mlp_out, next_norm.weight, next_norm.eps, fp8)

@@ -72,8 +72,11 @@ class CapturedGraph:
 
 
 class GraphCache:
-    def __init__(self, name: str, device: torch.device, memory: GraphMemory, max_graphs: int | None = None) -> None:
+    def __init__(self, name: str, device: torch.device, memory: GraphMemory, max_graphs: int | None = None,
+                 owns_memory: bool = True) -> None:
+        """`owns_memory`: `close` closes the memory too (False: another cache's, or its maker's)."""
         self.name, self.device, self.memory = name, device, memory
+        self.owns_memory = owns_memory
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[Hashable, CapturedGraph] = OrderedDict()
         self.failed: set[Hashable] = set()  # keys whose capture failed: they run eagerly from then on
@@ -199,7 +202,8 @@ class GraphCache:
         while self.graphs:
             self._destroy(self.graphs.popitem(last=False)[1])
         self.stats.graphs_live = 0
-        self.memory.close()
+        if self.owns_memory:
+            self.memory.close()
         self.closed = True
 
 

@@ -72,9 +72,10 @@ class GraphRunner:
         self.cache: GraphCache | None = None
         self.precompiled_keys: set[Hashable] = set()  # `precompile_cold` compiled them or found them cached
         if self.enabled:
-            if isinstance(memory, str):
+            made = isinstance(memory, str)  # a memory given is its giver's to close
+            if made:
                 memory = make_graph_memory(memory, device)
-            self.cache = GraphCache(name, device, memory, max_graphs)
+            self.cache = GraphCache(name, device, memory, max_graphs, owns_memory=made)
 
     # ------------------------------------------------------------------ hooks
 

@@ -160,6 +160,29 @@ def test_deepstack_buffers_are_zero_outside_image_rows(family_checkpoints):
     pipe.close()
 
 
+def test_mlp_products_left_as_partial_sums_change_no_deepstack_layer(family_checkpoints, monkeypatch):
+    """On the GPU a product of a few rows may come as K-split partial sums (`gemv.linear_split`),
+    and a short prefill's rows (a row graph's) take those kernels: a deepstack layer must add them
+    up before its features, to the very logits of the plain products."""
+    from mmpipe.kernels.partial_sums import PartialSums
+    from mmpipe.layers.mlp import GatedMLP
+
+    path = family_checkpoints("qwen3_vl")
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=5)
+    pipe = Pipeline.from_pretrained(path, device="cpu")
+    expected = pipe.chat(one_image(), params)[0]
+    plain = GatedMLP.forward
+
+    def split(self, x):  # two slices whose sum, rounded, is the plain product
+        out = plain(self, x)
+        return PartialSums(torch.stack([out.float(), torch.zeros_like(out, dtype=torch.float32)]), out.dtype)
+
+    monkeypatch.setattr(GatedMLP, "forward", split)
+    ours = pipe.chat(one_image(), params)[0]
+    assert ours.token_ids == expected.token_ids and ours.logprobs == expected.logprobs
+    pipe.close()
+
+
 @pytest.mark.usefixtures("simulated_piece_graphs")
 def test_piecewise_prefill_reads_deepstack_after_a_text_only_capture(family_checkpoints):
     """Graphs captured on text-only start-up forwards, a text-only step replayed first, then image

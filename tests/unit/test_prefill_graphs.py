@@ -458,3 +458,29 @@ def test_eager_pieces_without_graphs_run_the_exact_size():
     assert traced.rows_for(5) == 8
     run(plain_pieces, [(0, 5)], seed=1)
     assert plain_pieces.padded_tokens == 0
+
+
+def test_a_runner_closes_only_the_graph_memory_it_made(monkeypatch):
+    """The row graphs borrow the prefill pieces' memory: closing them must leave it to its maker
+    (an arena closed under live graphs would free their memory)."""
+    closed = []
+
+    class Memory:
+        name = "fake"
+
+        def __init__(self, label):
+            self.label = label
+
+        def close(self):
+            closed.append(self.label)
+
+    class Backend:
+        graph_safe = True
+
+    monkeypatch.setattr(graph_runner_module, "can_capture_on", lambda device: True)
+    monkeypatch.setattr(graph_runner_module, "make_graph_memory", lambda kind, device: Memory("made"))
+    made = graph_runner_module.GraphRunner("made", CPU, [1], True, Backend(), "shared")
+    borrowing = graph_runner_module.GraphRunner("borrowing", CPU, [1], True, Backend(), Memory("given"))
+    borrowing.close()
+    made.close()
+    assert closed == ["made"]
