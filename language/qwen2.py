@@ -59,6 +59,11 @@ class TextConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before the rotation
     mrope_interleaved: bool = False  # Qwen3: frequency i takes axis i % 3 (within the sections)
     deepstack_levels: int = 0  # Qwen3-VL: features added after each of the first N layers
+    # Mixture of experts (Qwen3-VL-MoE, `language/qwen3_moe.py`): 0 experts for a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -224,7 +229,7 @@ class Qwen2DecoderLayer(nn.Module):
         quantizes its input (FP8, `fp8_input`), the norm comes quantized that way (`Fp8Rows`)."""
         post = self.post_attention_layernorm
         residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin, kv_cache, slot_mapping),
-                                        post.weight, post.eps, fp8_input(self.mlp.gate_up_proj, residual))
+                                        post.weight, post.eps, fp8_input(getattr(self.mlp, "gate_up_proj", None), residual))
         mlp_out = self.mlp(normed)
         if extra is not None:  # prefill only; a short one's rows may come as K-split partial sums
             residual = residual + (mlp_out.total() if isinstance(mlp_out, PartialSums) else mlp_out)

@@ -4,7 +4,7 @@ deepstack: the vision tower's features from `deepstack_visual_indexes` are added
 stream after each of the first len(indexes) decoder layers, at the image-token rows.
 
 The decoder's code is shared, not copied: every difference is a `TextConfig` field read here.
-(Qwen3-VL's mixture-of-experts checkpoints would swap the layer's MLP module; not supported yet.)
+(Qwen3-VL's mixture-of-experts checkpoints swap the sparse layers' MLP: `language/qwen3_moe.py`.)
 """
 
 from __future__ import annotations

@@ -78,6 +78,9 @@ def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 def check_shardable(cfg: Any, size: int) -> None:
     """An `UnsupportedModelError` naming what does not divide (before anything is sharded)."""
+    if getattr(cfg, "num_experts", 0):
+        raise UnsupportedModelError(f"tensor_parallel_size={size}: tensor parallelism does not split the "
+                                    "experts of a mixture-of-experts model yet")
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")

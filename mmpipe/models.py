@@ -23,6 +23,7 @@ from mmpipe.language.mrope import mrope_positions_of_runs
 from mmpipe.language.prefill_graphs import PrefillRunner
 from mmpipe.language.qwen2 import Qwen2LanguageModel, TextConfig
 from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
+from mmpipe.language.qwen3_moe import Qwen3MoeLanguageModel, qwen3_moe_text_config
 from mmpipe.language.tensor_parallel import shard_language_model, shard_slices
 from mmpipe.layers.buffers import no_init
 from mmpipe.layers.fp8 import Fp8Linear, fp8_available, quantize_linears
@@ -111,6 +112,8 @@ REGISTRY: dict[str, ModelSpec] = {spec.architecture: spec for spec in (
              Qwen2VisionTransformer, TextConfig.from_hf, Qwen2LanguageModel, "index"),
     _qwen_vl("Qwen3VLForConditionalGeneration", "Qwen3-VL", qwen3_vision_config, Qwen3VisionTransformer,
              qwen3_text_config, Qwen3LanguageModel, "timestamps"),
+    _qwen_vl("Qwen3VLMoeForConditionalGeneration", "Qwen3-VL-MoE", qwen3_vision_config, Qwen3VisionTransformer,
+             qwen3_moe_text_config, Qwen3MoeLanguageModel, "timestamps"),
 )}
 
 
@@ -191,6 +194,10 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     fp8 = fp8_checkpoint(hf_config, path)  # an unsupported quantization is refused before anything loads
     vision_cfg = spec.vision_config(hf_config)
     text_cfg = spec.text_config(hf_config)
+    if text_cfg.num_experts and (device.type != "cpu" or fp8 is not None):
+        raise UnsupportedModelError(f"{path}: {spec.family} runs on the CPU only in this version, from bfloat16 or "
+                                    "float32 weights: its experts run on a reference path, and the fused expert "
+                                    "kernels the GPU needs (FP8 ones too) are not written yet")
     vision_attention = make_vision_attention(attention_backend, device, dtype)
     try:
         language_attention = make_lm_attention(attention_backend, device, dtype, text_cfg.head_dim**-0.5,

@@ -121,7 +121,7 @@ def hf_inputs(path: str, conversation: Sequence[dict[str, Any]], device: str = "
         elif piece == "<|video_pad|>":
             video = next(video_it)
             t, h, w = video.grid_thw
-            if family == "qwen3_vl":
+            if family in ("qwen3_vl", "qwen3_vl_moe"):  # the same processor
                 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
                 times = Qwen3VLProcessor._calculate_timestamps(None, list(video.frame_indices), video.video_fps, 2)

@@ -2,7 +2,7 @@
 
 - `build_tokenizer`: a byte-level BPE tokenizer trained with `tokenizers` on a small corpus,
   carrying the Qwen special tokens and a Qwen2-VL style chat template.
-- `qwen2_5_vl_config`, `qwen2_vl_config`, `qwen3_vl_config` (`FAMILY_CONFIGS`): a config of each
+- `qwen2_5_vl_config`, `qwen2_vl_config`, `qwen3_vl_config`, `qwen3_vl_moe_config` (`FAMILY_CONFIGS`): a config of each
   supported family, of any size (tiny for tests, real shapes for benchmarks).
 - `write_checkpoint`: random (or given) weights saved with `save_pretrained`, plus tokenizer,
   preprocessor and generation configs: a directory `Pipeline.from_pretrained` and
@@ -148,11 +148,28 @@ def qwen3_vl_config(tokenizer: Any, *, vision: dict[str, Any] | None = None, tex
                          **_token_ids(tokenizer))
 
 
+def qwen3_vl_moe_config(tokenizer: Any, *, vision: dict[str, Any] | None = None, text: dict[str, Any] | None = None,
+                        tie_word_embeddings: bool = False) -> Any:
+    """A Qwen3-VL-MoE config: Qwen3-VL's (tiny by default) with 8 experts of width 48, 2 per
+    token, in every layer but the second (`mlp_only_layers`, a dense MLP there)."""
+    from transformers import Qwen3VLMoeConfig
+
+    text = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "decoder_sparse_step": 1,
+            "mlp_only_layers": [1], **(text or {})}
+    dense = qwen3_vl_config(tokenizer, vision=vision, text=text, tie_word_embeddings=tie_word_embeddings)
+    return Qwen3VLMoeConfig(vision_config=dense.vision_config.to_dict(), text_config=dense.text_config.to_dict(),
+                            tie_word_embeddings=tie_word_embeddings, **_token_ids(tokenizer))
+
+
 def random_model(config: Any, seed: int = 0, logit_scale: float = 1.0) -> Any:
     """transformers' model for `config`'s family with random weights. `logit_scale` > 1 sharpens
     the output distribution so greedy decoding has clear winners (random heads give near-ties)."""
     torch.manual_seed(seed)
     model = model_class(config)(config).eval()
+    with torch.no_grad():  # routers with a spread: tokens go to many experts, never to near-ties
+        for name, weight in model.named_parameters():
+            if name.endswith(".mlp.gate.weight") and weight.dim() == 2 and weight.shape[0] > 1:
+                weight.normal_(0.0, 2.0 / weight.shape[1] ** 0.5)
     if logit_scale != 1.0:
         with torch.no_grad():
             model.lm_head.weight.mul_(logit_scale)
@@ -164,11 +181,13 @@ def model_class(config: Any) -> Any:
     import transformers
 
     name = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-            "qwen3_vl": "Qwen3VLForConditionalGeneration"}[config.model_type]
+            "qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}[config.model_type]
     return getattr(transformers, name)
 
 
-FAMILY_CONFIGS = {"qwen2_5_vl": qwen2_5_vl_config, "qwen2_vl": qwen2_vl_config, "qwen3_vl": qwen3_vl_config}
+FAMILY_CONFIGS = {"qwen2_5_vl": qwen2_5_vl_config, "qwen2_vl": qwen2_vl_config, "qwen3_vl": qwen3_vl_config,
+                  "qwen3_vl_moe": qwen3_vl_moe_config}
 
 
 def write_checkpoint(path: str, model: Any, tokenizer: Any, *, min_pixels: int | None = None,
@@ -189,7 +208,7 @@ def write_checkpoint(path: str, model: Any, tokenizer: Any, *, min_pixels: int |
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)
-    qwen3 = model.config.model_type == "qwen3_vl"
+    qwen3 = model.config.model_type in ("qwen3_vl", "qwen3_vl_moe")
     patch = 16 if qwen3 else 14
     factor = patch * 2
     normalise = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if qwen3 else {}

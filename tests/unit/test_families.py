@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen3-VL against transformers on tiny checkpoints built with its own classes
+"""Qwen2-VL, Qwen3-VL and Qwen3-VL-MoE against transformers on tiny checkpoints built with its own classes
 (float32, CPU): preprocessing, the vision tower (with Qwen3-VL's deepstack levels), first-step
 logits and 32 greedy steps with their top-5 log-probabilities, for text, one image, two images of
 different sizes, multi-turn and a batch of mixed lengths; both tensor-name layouts; deepstack rows
@@ -27,7 +27,7 @@ from tests.helpers import (
 from tests.parity_cases import CASES, GREEDY_32, assert_matches, one_image, two_images
 from tests.unit.test_prefill_graphs import simulated_piece_graphs  # noqa: F401  (a fixture)
 
-FAMILIES = ["qwen2_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
 @pytest.fixture(scope="module")

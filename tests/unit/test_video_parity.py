@@ -1,4 +1,4 @@
-"""Video prompts against transformers on tiny checkpoints of all three families (float32, CPU):
+"""Video prompts against transformers on tiny checkpoints of every family (float32, CPU):
 greedy tokens and every step's top log-probabilities for one video, an image and a video, two
 videos (a file and a list of frames), a multi-turn chat, and a video whose tokens are split
 across prefill chunks. transformers' model is fed the frames mmpipe sampled and resized; the
@@ -17,7 +17,7 @@ from tests.helpers import hf_model, make_checkpoint, random_image
 from tests.parity_cases import assert_chunked_matches, assert_matches
 from tests.video_helpers import make_video
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 GREEDY_8 = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 

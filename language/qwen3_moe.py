@@ -1,0 +1,124 @@
+"""The Qwen3 mixture-of-experts decoder of Qwen3-VL-MoE (30B-A3B, 235B-A22B): the dense Qwen3
+decoder of `language/qwen3.py` whose MLP, in the sparse layers, is a router and a set of experts.
+
+The router scores every expert (a linear layer without bias), takes the softmax in float32, keeps
+the `experts_per_token` best and renormalises their weights to sum to one; each token's output is
+the weighted sum of its chosen experts' gated MLPs (SiLU(gate) * up, then down). Layers in
+`mlp_only_layers`, or off the `decoder_sparse_step` grid, keep the dense MLP.
+
+This is the reference path: every expert runs over every row, weighted by a routing weight that
+is zero where the token did not choose it, so shapes never depend on the routing (no host sync)
+and each token's sum runs over its experts in index order, as transformers adds them. It costs
+every expert's work, so only the CPU runs it; the GPU needs fused expert kernels that read only
+the chosen experts, which are not written yet (`load_model` refuses the family elsewhere).
+
+Expert weights are two 3D tensors per layer, `experts.gate_up_proj` [experts, 2 * width, hidden]
+and `experts.down_proj` [experts, hidden, width] (transformers' layout in memory, and what it
+writes); the published checkpoints store each transposed ([experts, hidden, 2 * width],
+[experts, width, hidden]), which loads too (`ExpertWeightMap`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from mmpipe.language.qwen2 import TextConfig, text_fields
+from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
+from torch import nn
+
+from mmpipe.errors import CheckpointError
+from mmpipe.layers.mlp import activation
+from mmpipe.layers.weight_map import WeightMap
+
+EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
+MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size")  # what the dense config refuses
+
+
+def qwen3_moe_text_config(cfg: dict[str, Any]) -> TextConfig:
+    """Qwen3's config plus the experts: how many, how many per token, their width, and which
+    layers have them (every `decoder_sparse_step`-th, except `mlp_only_layers`)."""
+    tc = text_fields(cfg)
+    try:
+        experts = int(tc.get("num_experts") or tc["num_local_experts"])
+        per_token, width = int(tc["num_experts_per_tok"]), int(tc["moe_intermediate_size"])
+    except KeyError as exc:
+        raise CheckpointError(f"config.json: the mixture-of-experts config lacks {exc.args[0]!r}") from None
+    layers, step = int(tc["num_hidden_layers"]), int(tc.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in tc.get("mlp_only_layers") or ()}
+    if not 0 < per_token <= experts:
+        raise CheckpointError(f"config.json: num_experts_per_tok={per_token} with {experts} experts")
+    sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    dense_cfg = {k: v for k, v in cfg.items() if k not in MOE_KEYS}
+    dense_cfg["text_config"] = {k: v for k, v in tc.items() if k not in MOE_KEYS}
+    return replace(qwen3_text_config(dense_cfg), num_experts=experts, experts_per_token=per_token,
+                   moe_intermediate_size=width, moe_layers=sparse)
+
+
+class Experts(nn.Module):
+    """The experts' weights as two 3D tensors (see the module docstring for the layout)."""
+
+    def __init__(self, experts: int, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`) and experts of one layer; `forward(x [T, hidden]) -> [T, hidden]`."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.act = activation(cfg.hidden_act)
+
+    def routing(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's weight for every expert [T, experts] in x's dtype: its renormalised softmax
+        share for the experts it chose, zero for the others."""
+        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        top = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
+        return torch.zeros_like(probs, dtype=x.dtype).scatter_(1, chosen, top)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.routing(x)
+        out = torch.zeros_like(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        for e in range(gate_up.shape[0]):
+            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
+            out += F.linear(self.act(gate) * up, down[e]) * weights[:, e:e + 1]
+        return out
+
+
+class Qwen3MoeLanguageModel(Qwen3LanguageModel):
+    """Qwen3 decoder layers whose MLP is a `SparseMoE` in `cfg.moe_layers`."""
+
+    def __init__(self, cfg: TextConfig, attention: Any = None) -> None:
+        super().__init__(cfg, attention)
+        for index in cfg.moe_layers:
+            self.layers[index].mlp = SparseMoE(cfg)
+
+    def weight_map(self) -> WeightMap:
+        base = super().weight_map()
+        return ExpertWeightMap(self, fused=base.fused, blocks=base.blocks)
+
+
+class ExpertWeightMap(WeightMap):
+    """`WeightMap` that also takes expert tensors stored transposed (the published layout)."""
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
+        return super().load((name, self._as_held(name, tensor)) for name, tensor in weights)
+
+    def _as_held(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        param = self.params.get(name)
+        if param is None or not name.endswith(EXPERT_TENSORS) or tensor.shape == param.shape:
+            return tensor
+        if tensor.dim() == 3 and tensor.shape == (param.shape[0], param.shape[2], param.shape[1]):
+            return tensor.transpose(1, 2)
+        raise CheckpointError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)} or its "
+                              "last two dimensions swapped")

@@ -1,0 +1,113 @@
+"""Qwen3-VL-MoE's experts on the CPU reference path: the layer against transformers' sparse MoE
+block, routers that spread tokens over many experts, both expert-tensor layouts, and the clear
+refusals (the GPU, tensor parallelism) until the fused kernels exist. Generation against
+transformers runs in `test_families.py` with the other families."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from mmpipe.language.qwen3_moe import SparseMoE, qwen3_moe_text_config
+
+from mmpipe import Pipeline, SamplingParams
+from mmpipe.errors import CheckpointError, UnsupportedModelError
+from mmpipe.weights import read_json
+from tests.helpers import make_checkpoint
+from tests.parity_cases import one_image, two_images
+
+PARAMS = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("moe")), family="qwen3_vl_moe")
+
+
+def test_the_layer_equals_transformers_sparse_moe_block(checkpoint):
+    """Same weights, random rows: the routing weights and the layer's output in float32."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+
+    hf_config = AutoConfig.from_pretrained(checkpoint).text_config
+    reference = Qwen3VLMoeTextSparseMoeBlock(hf_config).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weight in reference.parameters():
+            weight.normal_(0.0, 0.3)
+    ours = SparseMoE(qwen3_moe_text_config(read_json(checkpoint, "config.json")))
+    ours.gate.weight.data.copy_(reference.gate.weight)
+    ours.experts.gate_up_proj.data.copy_(reference.experts.gate_up_proj)
+    ours.experts.down_proj.data.copy_(reference.experts.down_proj)
+    x = torch.randn(37, hf_config.hidden_size)
+    with torch.no_grad():
+        expected = reference(x[None])[0]
+        _, scores, chosen = reference.gate(x)
+        weights = ours.routing(x)
+        assert torch.equal(weights.gather(1, chosen), scores)
+        assert ((weights > 0).sum(dim=1) == hf_config.num_experts_per_tok).all()
+        assert (ours(x) - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+def test_tokens_spread_over_many_experts(checkpoint):
+    """The tiny checkpoint's routers send a prompt's tokens to every expert, none taking most of
+    them, and choose clearly: parity would not test the routing if every token chose the same
+    few, nor hold if choices were near-ties."""
+    pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
+    seen: list[torch.Tensor] = []
+    margins: list[torch.Tensor] = []  # each token's last chosen probability over the best unchosen
+    original = SparseMoE.routing
+
+    def record(self, x):
+        weights = original(self, x)
+        seen.append(weights > 0)
+        ranked = torch.softmax(torch.nn.functional.linear(x, self.gate.weight), dim=-1).sort(dim=-1).values
+        margins.append(ranked[:, -self.top_k] / ranked[:, -self.top_k - 1])
+        return weights
+
+    SparseMoE.routing = record
+    try:
+        pipe.chat(two_images(), PARAMS)
+    finally:
+        SparseMoE.routing = original
+        pipe.close()
+    chosen = torch.cat([s for s in seen if s.shape[0] > 1])  # the prompt's steps
+    share = chosen.float().mean(dim=0) / chosen.float().sum(dim=1).mean()
+    assert (chosen.sum(dim=0) > 0).sum() == chosen.shape[1]  # every expert is chosen somewhere
+    assert share.max() < 0.5
+    assert torch.cat(margins).median() > 1.2  # clear choices, which no rounding difference flips
+
+
+def test_the_published_expert_layout_loads_to_the_same_answers(checkpoint, tmp_path):
+    """Qwen's files store each expert tensor with its last two dimensions swapped."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    published = str(tmp_path / "published")
+    shutil.copytree(checkpoint, published)
+    file = os.path.join(published, "model.safetensors")
+    tensors = load_file(file)
+    swapped = {name: t.transpose(1, 2).contiguous() if ".experts." in name else t for name, t in tensors.items()}
+    assert sum(".experts." in name for name in swapped) == 4  # two sparse layers, two tensors each
+    save_file(swapped, file, metadata={"format": "pt"})
+    answers = []
+    for path in (checkpoint, published):
+        pipe = Pipeline.from_pretrained(path, device="cpu")
+        answers.append(pipe.chat(one_image(), PARAMS)[0])
+        pipe.close()
+    assert answers[0].token_ids == answers[1].token_ids and answers[0].logprobs == answers[1].logprobs
+    bad = {name: t[:, :-1].contiguous() if name.endswith("experts.down_proj") else t for name, t in tensors.items()}
+    save_file(bad, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="experts.down_proj: shape"):
+        Pipeline.from_pretrained(published, device="cpu")
+
+
+def test_the_gpu_and_tensor_parallelism_are_refused_with_the_reason(checkpoint):
+    from mmpipe.models import check_tensor_parallel_split, load_model
+
+    with pytest.raises(UnsupportedModelError, match="CPU only.*fused expert kernels"):
+        load_model(checkpoint, torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match="does not split the experts"):
+        check_tensor_parallel_split(checkpoint, 2)
