@@ -47,6 +47,8 @@ class RowGraphs(GraphRunner):
                  memory: GraphMemory | str = "shared") -> None:
         super().__init__("prefill rows", device, [s for s in sizes if s <= ROW_GRAPH_MAX_TOKENS], wanted,
                          lm.attention, memory, max_graphs=None)
+        if self.cache is not None:  # the prefill pieces' memory, borrowed: theirs to close
+            self.cache.owns_memory = False
         self.lm, self.kv, self.forward_rows = lm, kv, forward_rows
         rows = self.sizes[-1] if self.sizes else 1
         self.table = torch.full((rows, max(1, max_pages)), DUMMY_PAGE, dtype=torch.int32, device=device)

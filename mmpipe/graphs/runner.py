@@ -72,10 +72,9 @@ class GraphRunner:
         self.cache: GraphCache | None = None
         self.precompiled_keys: set[Hashable] = set()  # `precompile_cold` compiled them or found them cached
         if self.enabled:
-            made = isinstance(memory, str)  # a memory given is its giver's to close
-            if made:
+            if isinstance(memory, str):
                 memory = make_graph_memory(memory, device)
-            self.cache = GraphCache(name, device, memory, max_graphs, owns_memory=made)
+            self.cache = GraphCache(name, device, memory, max_graphs)
 
     # ------------------------------------------------------------------ hooks
 

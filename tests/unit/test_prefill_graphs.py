@@ -460,27 +460,20 @@ def test_eager_pieces_without_graphs_run_the_exact_size():
     assert plain_pieces.padded_tokens == 0
 
 
-def test_a_runner_closes_only_the_graph_memory_it_made(monkeypatch):
-    """The row graphs borrow the prefill pieces' memory: closing them must leave it to its maker
+def test_a_cache_closes_its_graph_memory_only_if_it_owns_it():
+    """The row graphs borrow the prefill pieces' memory: closing them must leave it to its owner
     (an arena closed under live graphs would free their memory)."""
+    from mmpipe.graphs.cache import GraphCache
+
     closed = []
 
     class Memory:
-        name = "fake"
-
         def __init__(self, label):
             self.label = label
 
         def close(self):
             closed.append(self.label)
 
-    class Backend:
-        graph_safe = True
-
-    monkeypatch.setattr(graph_runner_module, "can_capture_on", lambda device: True)
-    monkeypatch.setattr(graph_runner_module, "make_graph_memory", lambda kind, device: Memory("made"))
-    made = graph_runner_module.GraphRunner("made", CPU, [1], True, Backend(), "shared")
-    borrowing = graph_runner_module.GraphRunner("borrowing", CPU, [1], True, Backend(), Memory("given"))
-    borrowing.close()
-    made.close()
-    assert closed == ["made"]
+    GraphCache("borrowing", CPU, Memory("borrowed"), owns_memory=False).close()
+    GraphCache("owning", CPU, Memory("owned")).close()
+    assert closed == ["owned"]

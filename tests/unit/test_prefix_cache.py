@@ -259,6 +259,8 @@ def test_short_turns_over_a_cached_conversation_replay_one_graph_as_decode_rows(
     path = checkpoint_factory(family=family)
     pipe = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE, prefill_graph=GraphConfig(buckets=(8, 16, 64, 256)))
     off = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE, prefix_caching=False)
+    prefiller = pipe.runner.prefiller
+    assert prefiller.rows.cache.memory is prefiller.cache.memory and not prefiller.rows.cache.owns_memory
     small = random_image(56, 84, seed=13)  # a few image tokens: the turn still fits 64 rows
     conversation = [user(IMAGE_A, "Describe this image.")]
     try:
