@@ -228,8 +228,9 @@ class Qwen2DecoderLayer(nn.Module):
         transformers adds it. `next_proj`: the layer that reads `next_norm`'s output; where it
         quantizes its input (FP8, `fp8_input`), the norm comes quantized that way (`Fp8Rows`)."""
         post = self.post_attention_layernorm
+        mlp_in = getattr(self.mlp, "gate_up_proj", None)  # (none in a mixture of experts: no FP8 rows)
         residual, normed = add_rms_norm(residual, self.self_attn(normed, cos, sin, kv_cache, slot_mapping),
-                                        post.weight, post.eps, fp8_input(getattr(self.mlp, "gate_up_proj", None), residual))
+                                        post.weight, post.eps, fp8_input(mlp_in, residual))
         mlp_out = self.mlp(normed)
         if extra is not None:  # prefill only; a short one's rows may come as K-split partial sums
             residual = residual + (mlp_out.total() if isinstance(mlp_out, PartialSums) else mlp_out)

@@ -184,10 +184,11 @@ def test_mlp_products_left_as_partial_sums_change_no_deepstack_layer(family_chec
 
 
 @pytest.mark.usefixtures("simulated_piece_graphs")
-def test_piecewise_prefill_reads_deepstack_after_a_text_only_capture(family_checkpoints):
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_vl_moe"])
+def test_piecewise_prefill_reads_deepstack_after_a_text_only_capture(family_checkpoints, name):
     """Graphs captured on text-only start-up forwards, a text-only step replayed first, then image
     steps at sizes already replayed: tokens equal the eager pipeline's, every step on graphs."""
-    path = family_checkpoints("qwen3_vl")
+    path = family_checkpoints(name)
     kw = dict(device="cpu", max_prefill_tokens=64, max_running_requests=4)
     graphs = Pipeline.from_pretrained(path, prefill_graph=GraphConfig(buckets=(16, 32, 64)), **kw)
     eager = Pipeline.from_pretrained(path, prefill_graph=GraphConfig(enabled=False), graph_mode="none", **kw)
