@@ -6,11 +6,10 @@ the `experts_per_token` best and renormalises their weights to sum to one; each 
 the weighted sum of its chosen experts' gated MLPs (SiLU(gate) * up, then down). Layers in
 `mlp_only_layers`, or off the `decoder_sparse_step` grid, keep the dense MLP.
 
-This is the reference path: every expert runs over every row, weighted by a routing weight that
-is zero where the token did not choose it, so shapes never depend on the routing (no host sync)
-and each token's sum runs over its experts in index order, as transformers adds them. It costs
-every expert's work, so only the CPU runs it; the GPU needs fused expert kernels that read only
-the chosen experts, which are not written yet (`load_model` refuses the family elsewhere).
+Routing and experts run in `mmpipe.kernels.moe`: fused kernels on CUDA that read only the chosen
+experts' weights and never wait for the host (so the decode graphs and the prefill pieces hold
+them), and elsewhere a reference that runs every expert over every row, as exact as transformers'
+loop in float32.
 
 Expert weights are two 3D tensors per layer, `experts.gate_up_proj` [experts, 2 * width, hidden]
 and `experts.down_proj` [experts, hidden, width] (transformers' layout in memory, and what it
@@ -31,7 +30,8 @@ from mmpipe.language.qwen3 import Qwen3LanguageModel, qwen3_text_config
 from torch import nn
 
 from mmpipe.errors import CheckpointError
-from mmpipe.layers.mlp import activation
+from mmpipe.kernels import moe
+from mmpipe.kernels.partial_sums import PartialSums
 from mmpipe.layers.weight_map import WeightMap
 
 EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
@@ -51,6 +51,8 @@ def qwen3_moe_text_config(cfg: dict[str, Any]) -> TextConfig:
     dense = {int(i) for i in tc.get("mlp_only_layers") or ()}
     if not 0 < per_token <= experts:
         raise CheckpointError(f"config.json: num_experts_per_tok={per_token} with {experts} experts")
+    if tc.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise CheckpointError(f"config.json: experts with hidden_act={tc['hidden_act']!r} (the expert kernels take silu)")
     sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
     dense_cfg = {k: v for k, v in cfg.items() if k not in MOE_KEYS}
     dense_cfg["text_config"] = {k: v for k, v in tc.items() if k not in MOE_KEYS}
@@ -75,24 +77,15 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.experts_per_token
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.act = activation(cfg.hidden_act)
 
-    def routing(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's weight for every expert [T, experts] in x's dtype: its renormalised softmax
-        share for the experts it chose, zero for the others."""
-        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
-        top, chosen = torch.topk(probs, self.top_k, dim=-1)
-        top = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
-        return torch.zeros_like(probs, dtype=x.dtype).scatter_(1, chosen, top)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's chosen experts, best first: (renormalised weights float32, ids int32), [T, top_k]."""
+        return moe.route(F.linear(x, self.gate.weight), self.top_k)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = self.routing(x)
-        out = torch.zeros_like(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        for e in range(gate_up.shape[0]):
-            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-            out += F.linear(self.act(gate) * up, down[e]) * weights[:, e:e + 1]
-        return out
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
+        """On CUDA, `PartialSums` (one slice per chosen expert) for the residual add to sum."""
+        weights, ids = self.route(x)
+        return moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
 
 
 class Qwen3MoeLanguageModel(Qwen3LanguageModel):

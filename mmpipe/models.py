@@ -45,6 +45,7 @@ from mmpipe.vision.qwen3_vl import Qwen3VisionTransformer, qwen3_vision_config
 from mmpipe.vision.tensor_parallel import check_vision_shardable, shard_vision_tower
 from mmpipe.vision.video_frames import build_video
 from mmpipe.weights import (
+    fill_random,
     load_checkpoint,
     materialize,
     place_fp8_layers,
@@ -177,7 +178,8 @@ def _describe_stored(fp8: Fp8Checkpoint | None, dtype: torch.dtype, kept: int, r
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
                extend_attention: str = "auto", quantization: str | None = None,
-               keep_fp8: bool | None = None, tp: Any = None, shard_vision: bool = False) -> LoadedModel:
+               keep_fp8: bool | None = None, tp: Any = None, shard_vision: bool = False,
+               load_format: str = "auto") -> LoadedModel:
     """Build the checkpoint's models on `device` with the attention backends chosen for it.
     An FP8 checkpoint's language-model projections stay in FP8 (`Fp8Linear`) where `keep_fp8`
     (default: the device has FP8 tensor cores), everything else of it is dequantized;
@@ -185,7 +187,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     `tp` (a `TPGroup`, its backend attached later): the language model is built as that rank's
     shard and only its part of each tensor is read from the files (an FP8 checkpoint's kept
     layers with their scales split alongside; `quantization` then quantizes the shard's layers).
-    `shard_vision` (with `tp`): the vision tower too, loaded whole, then cut to the rank's shard."""
+    `shard_vision` (with `tp`): the vision tower too, loaded whole, then cut to the rank's shard.
+    `load_format="dummy"`: random weights instead of the files (`fill_random`), for benchmarks."""
     quantization = check_runtime_quantization(quantization, device)  # before anything loads
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
@@ -194,10 +197,10 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     fp8 = fp8_checkpoint(hf_config, path)  # an unsupported quantization is refused before anything loads
     vision_cfg = spec.vision_config(hf_config)
     text_cfg = spec.text_config(hf_config)
-    if text_cfg.num_experts and (device.type != "cpu" or fp8 is not None):
-        raise UnsupportedModelError(f"{path}: {spec.family} runs on the CPU only in this version, from bfloat16 or "
-                                    "float32 weights: its experts run on a reference path, and the fused expert "
-                                    "kernels the GPU needs (FP8 ones too) are not written yet")
+    if text_cfg.num_experts and (fp8 is not None or quantization is not None):
+        raise UnsupportedModelError(f"{path}: {spec.family} runs from bfloat16 or float32 weights in this version: "
+                                    "the expert kernels take no FP8 weights yet (an FP8 checkpoint or "
+                                    "quantization='fp8')")
     vision_attention = make_vision_attention(attention_backend, device, dtype)
     try:
         language_attention = make_lm_attention(attention_backend, device, dtype, text_cfg.head_dim**-0.5,
@@ -222,7 +225,12 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     keep = fp8 is not None and (fp8_available(device) if keep_fp8 is None else keep_fp8)
     vision = materialize(vision, device, dtype)
     language = materialize(language, device, dtype, keep_fp8_layers if keep else None)
-    load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8, frozenset(kept), slices)
+    if load_format == "dummy":
+        if fp8 is not None:
+            raise InputError(f"{path}: load_format='dummy' draws {dtype} weights; this is an FP8 checkpoint")
+        fill_random({"vision": vision, "language": language})
+    else:
+        load_checkpoint(path, {"vision": vision, "language": language}, device, dtype, fp8, frozenset(kept), slices)
     if tp is not None and shard_vision:
         spec.shard_vision(vision, tp)  # before the width padding: each rank pads its own part
     prepare_for_kernels(vision)

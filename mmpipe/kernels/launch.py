@@ -112,6 +112,10 @@ class DirectLauncher:
     def clear(self) -> None:
         self.entries.clear()
 
+    def compiling_only(self) -> bool:
+        """Whether launches from this thread only record their kernels (they run nothing)."""
+        return self.compile_only_thread is not None and threading.get_ident() == self.compile_only_thread
+
 
 def _raw_stream(device: int) -> int:
     """The current CUDA stream of `device` as Triton's launcher takes it (what Triton itself uses)."""

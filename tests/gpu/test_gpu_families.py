@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen3-VL on CUDA (`pytest -m gpu`): float32 parity with transformers, bfloat16
+"""Qwen2-VL, Qwen3-VL and Qwen3-VL-MoE on CUDA (`pytest -m gpu`): float32 parity with transformers, bfloat16
 logits within tolerance, ViT graphs equal to eager for both towers (deepstack levels included,
 equal totals with different boundaries), identical greedy tokens in every LM graph mode, and the
 deepstack buffers read by piecewise graphs captured on text-only forwards."""
@@ -26,7 +26,8 @@ from tests.parity_cases import CASES, GREEDY_32, assert_matches, one_image, two_
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-FAMILIES = ["qwen2_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe"]
+TOWERS = ["qwen2_vl", "qwen3_vl"]  # (Qwen3-VL-MoE has Qwen3-VL's tower)
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +116,7 @@ def make_tower(family: str, seed: int = 0):
 pack = random_pack
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TOWERS)
 def test_vit_graphs_equal_eager(family):
     vit = make_tower(family)
     runner = ViTGraphRunner(vit, CUDA, default_buckets(4096))
@@ -133,7 +134,7 @@ def test_vit_graphs_equal_eager(family):
     runner.close()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TOWERS)
 def test_vit_same_total_different_boundaries(family):
     """4+6+8 vs 5+5+8 merged rows in one bucket's graph, alternately: boundaries are inputs."""
     vit = make_tower(family, seed=1)

@@ -1,7 +1,8 @@
 """Qwen3-VL-MoE's experts on the CPU reference path: the layer against transformers' sparse MoE
 block, routers that spread tokens over many experts, both expert-tensor layouts, and the clear
-refusals (the GPU, tensor parallelism) until the fused kernels exist. Generation against
-transformers runs in `test_families.py` with the other families."""
+refusals (FP8, tensor parallelism) until their kernels exist. Generation against transformers
+runs in `test_families.py` with the other families; the fused kernels in
+`tests/gpu/test_gpu_moe.py`."""
 
 from __future__ import annotations
 
@@ -44,9 +45,8 @@ def test_the_layer_equals_transformers_sparse_moe_block(checkpoint):
     with torch.no_grad():
         expected = reference(x[None])[0]
         _, scores, chosen = reference.gate(x)
-        weights = ours.routing(x)
-        assert torch.equal(weights.gather(1, chosen), scores)
-        assert ((weights > 0).sum(dim=1) == hf_config.num_experts_per_tok).all()
+        weights, ids = ours.route(x)
+        assert torch.equal(ids.long(), chosen) and torch.equal(weights, scores)
         assert (ours(x) - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
@@ -57,20 +57,20 @@ def test_tokens_spread_over_many_experts(checkpoint):
     pipe = Pipeline.from_pretrained(checkpoint, device="cpu")
     seen: list[torch.Tensor] = []
     margins: list[torch.Tensor] = []  # each token's last chosen probability over the best unchosen
-    original = SparseMoE.routing
+    original = SparseMoE.route
 
     def record(self, x):
-        weights = original(self, x)
-        seen.append(weights > 0)
+        weights, ids = original(self, x)
+        seen.append(torch.zeros(x.shape[0], self.gate.weight.shape[0], dtype=torch.bool).scatter_(1, ids.long(), True))
         ranked = torch.softmax(torch.nn.functional.linear(x, self.gate.weight), dim=-1).sort(dim=-1).values
         margins.append(ranked[:, -self.top_k] / ranked[:, -self.top_k - 1])
-        return weights
+        return weights, ids
 
-    SparseMoE.routing = record
+    SparseMoE.route = record
     try:
         pipe.chat(two_images(), PARAMS)
     finally:
-        SparseMoE.routing = original
+        SparseMoE.route = original
         pipe.close()
     chosen = torch.cat([s for s in seen if s.shape[0] > 1])  # the prompt's steps
     share = chosen.float().mean(dim=0) / chosen.float().sum(dim=1).mean()
@@ -104,10 +104,21 @@ def test_the_published_expert_layout_loads_to_the_same_answers(checkpoint, tmp_p
         Pipeline.from_pretrained(published, device="cpu")
 
 
-def test_the_gpu_and_tensor_parallelism_are_refused_with_the_reason(checkpoint):
+def test_fp8_and_tensor_parallelism_are_refused_with_the_reason(checkpoint, tmp_path):
+    import json
+    import shutil
+
     from mmpipe.models import check_tensor_parallel_split, load_model
 
-    with pytest.raises(UnsupportedModelError, match="CPU only.*fused expert kernels"):
-        load_model(checkpoint, torch.device("cuda"), torch.bfloat16)
+    fp8 = str(tmp_path / "fp8")
+    shutil.copytree(checkpoint, fp8)
+    with open(os.path.join(fp8, "config.json")) as handle:
+        config = json.load(handle)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    with open(os.path.join(fp8, "config.json"), "w") as handle:
+        json.dump(config, handle)
+    with pytest.raises(UnsupportedModelError, match="expert kernels take no FP8"):
+        load_model(fp8, torch.device("cpu"), torch.float32)
     with pytest.raises(UnsupportedModelError, match="does not split the experts"):
         check_tensor_parallel_split(checkpoint, 2)

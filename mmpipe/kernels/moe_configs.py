@@ -1,0 +1,103 @@
+"""Tile sizes of the expert kernels (`moe`), per (experts, width, hidden, dtype, GPU) and row count.
+
+Tuned entries live in `moe_configs.json` beside this module, written by `mmpipe bench moe --tune`
+(a sweep on the GPU: every candidate timed inside a CUDA graph, the fastest kept per row count
+tried; a step takes the entry of the smallest tried count >= its rows). A shape or GPU without an
+entry takes the defaults below: small blocks of rows while few rows reach each expert, larger
+ones as the rows grow.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["GroupedTiles", "PairTiles", "config_key", "grouped_tiles", "pair_tiles", "save_entry", "tuned_path"]
+
+
+@dataclass(frozen=True)
+class PairTiles:
+    block_n: int
+    block_k: int
+    warps: int
+
+
+@dataclass(frozen=True)
+class GroupedTiles:
+    block_m: int
+    up_n: int
+    up_k: int
+    down_n: int
+    down_k: int
+    warps: int
+    stages: int
+
+
+def tuned_path() -> str:
+    return os.path.join(os.path.dirname(__file__), "moe_configs.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned() -> dict[str, Any]:
+    try:
+        with open(tuned_path()) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return {}
+
+
+def config_key(experts: int, width: int, hidden: int, dtype: torch.dtype, device: str) -> str:
+    return f"E={experts},N={width},H={hidden},dtype={str(dtype).removeprefix('torch.')},device={device}"
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def default_grouped(rows: int, dtype: torch.dtype) -> GroupedTiles:
+    wide = dtype == torch.float32  # float32 tiles take twice the shared memory
+    if rows <= 64:
+        return GroupedTiles(16, 64, 64 if wide else 128, 64, 64 if wide else 128, 4, 3)
+    if rows <= 512:
+        return GroupedTiles(32, 64, 64, 64, 64, 4, 3)
+    return GroupedTiles(64, 128, 32 if wide else 64, 128, 32 if wide else 64, 4 if wide else 8, 3)
+
+
+def grouped_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, rows: int) -> GroupedTiles:
+    """The tuned tiles of the smallest tuned row count >= rows (else the largest tuned), or the defaults."""
+    tuned = _tuned().get(config_key(experts, width, hidden, dtype, _device_name()), {}).get("grouped", {})
+    if not tuned:
+        return default_grouped(rows, dtype)
+    counts = sorted(int(b) for b in tuned)
+    return GroupedTiles(**tuned[str(next((b for b in counts if b >= rows), counts[-1]))])
+
+
+def pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype) -> tuple[PairTiles, PairTiles]:
+    """(the gate/up kernel's tiles, the down kernel's)."""
+    entry = _tuned().get(config_key(experts, width, hidden, dtype, _device_name()), {})
+    if "pair" in entry:
+        return PairTiles(**entry["pair"]["up"]), PairTiles(**entry["pair"]["down"])
+    return PairTiles(16, 128, 4), PairTiles(8, 128, 4)
+
+
+def save_entry(key: str, pair: tuple[PairTiles, PairTiles], grouped: dict[int, GroupedTiles]) -> dict[str, Any]:
+    """Write one shape's tuned tiles into `tuned_path()` (other entries kept); returns the entry."""
+    entry = {"pair": {"up": asdict(pair[0]), "down": asdict(pair[1])},
+             "grouped": {str(rows): asdict(t) for rows, t in sorted(grouped.items())}}
+    path = tuned_path()
+    try:
+        with open(path) as handle:
+            table = json.load(handle)
+    except FileNotFoundError:
+        table = {}
+    table[key] = entry
+    with open(path + ".tmp", "w") as handle:
+        json.dump(table, handle, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    _tuned.cache_clear()
+    return entry

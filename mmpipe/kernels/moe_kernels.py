@@ -1,0 +1,162 @@
+"""The Triton kernels of a mixture-of-experts layer (`moe` launches them and holds their references).
+
+Rows choose `TOP_K` experts each; a (row, choice) is a *pair*, numbered row * TOP_K + choice.
+
+- `route_kernel`: one program per row: softmax over the router's logits in float32, the TOP_K
+  largest (ties to the lower expert), renormalised to sum to one. Every id is a real expert,
+  whatever the logits (a NaN row takes the first TOP_K): the sorting indexes by them.
+- `pair_gate_up_kernel`, `pair_down_kernel`: the few-row path. One program per (pair, column
+  block) forms silu(gate) * up for that pair from its expert's weights alone, then one per
+  (pair, column block) its down product. Only the chosen experts' weights are read.
+- `grouped_gate_up_kernel`, `grouped_down_kernel`: the many-row path. Pairs sorted by expert
+  into blocks of BLOCK_M (`moe.align`: one expert per block, padded with the sentinel pair
+  number `num_pairs`) run as a grouped GEMM on the tensor cores, one program per (block, column
+  block); blocks past the padded total return at once, so the grid is sized from the row count
+  alone and a CUDA graph can hold it.
+
+Both down kernels scale a pair's product by its routing weight and store it in float32 as slice
+`choice` of `sums` [TOP_K, rows, hidden]: partial sums that the residual add after the layer adds
+in choice order (`PartialSums`), so combining a row's experts costs no kernel of its own.
+
+Products round as PyTorch's per-expert loop does where it is cheap: gate and up to the input's
+dtype before the SiLU product, which is stored in that dtype, and each down product to it before
+its routing weight. float32 inputs multiply in IEEE float32 (never TF32).
+"""
+
+from __future__ import annotations
+
+from mmpipe.kernels import tl, triton
+
+__all__ = ["grouped_down_kernel", "grouped_gate_up_kernel", "pair_down_kernel", "pair_gate_up_kernel",
+           "route_kernel"]
+
+if triton is not None:
+
+    @triton.jit
+    def route_kernel(logits, weights, ids, num_experts, stride_row, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_E)
+        x = tl.load(logits + row * stride_row + cols, mask=cols < num_experts, other=-float("inf")).to(tl.float32)
+        e = tl.exp(x - tl.max(x, axis=0))
+        p = e / tl.sum(e, axis=0)
+        p = tl.where(cols < num_experts, p, -3.0)
+        p = tl.where(p == p, p, -1.0)  # noqa: PLR0124 (NaN test) a NaN row (garbage) still picks real experts
+        slots = tl.arange(0, BLOCK_K)
+        top = tl.zeros([BLOCK_K], tl.float32)
+        chosen = tl.zeros([BLOCK_K], tl.int32)
+        for j in tl.static_range(TOP_K):
+            index = tl.argmax(p, axis=0, tie_break_left=True)  # (not max-then-compare: a tie of all
+            best = tl.sum(tl.where(cols == index, p, 0.0), axis=0)  # rows once matched none)
+            top = tl.where(slots == j, best, top)
+            chosen = tl.where(slots == j, index, chosen)
+            p = tl.where(cols == index, -2.0, p)
+        top = top / tl.sum(top, axis=0)
+        tl.store(weights + row * TOP_K + slots, top, mask=slots < TOP_K)
+        tl.store(ids + row * TOP_K + slots, chosen, mask=slots < TOP_K)
+
+    @triton.jit
+    def _silu_product(gate, up, dtype: tl.constexpr):
+        gate = gate.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+
+    @triton.jit
+    def pair_gate_up_kernel(x, w, ids, act, hidden, width, stride_x, stride_we, stride_wn, stride_act,
+                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        expert = tl.load(ids + pair).to(tl.int64)
+        n_ok = n < width
+        x_row = x + (pair // TOP_K) * stride_x
+        gate_w = w + expert * stride_we + n[:, None] * stride_wn + ks[None, :]
+        up_w = gate_w + width * stride_wn
+        gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = k0 + ks < hidden
+            xs = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            ok = n_ok[:, None] & k_ok[None, :]
+            gate += tl.load(gate_w + k0, mask=ok, other=0.0).to(tl.float32) * xs
+            up += tl.load(up_w + k0, mask=ok, other=0.0).to(tl.float32) * xs
+        out = _silu_product(tl.sum(gate, axis=1), tl.sum(up, axis=1), act.dtype.element_ty)
+        tl.store(act + pair * stride_act + n, out, mask=n_ok)
+
+    @triton.jit
+    def pair_down_kernel(act, w, ids, weights, sums, hidden, width, stride_act, stride_we, stride_wn, stride_split,
+                         stride_row, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        n_ok = n < hidden
+        expert = tl.load(ids + pair).to(tl.int64)
+        w_rows = w + expert * stride_we + n[:, None] * stride_wn + ks[None, :]
+        part = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            k_ok = k0 + ks < width
+            a = tl.load(act + pair * stride_act + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            part += tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
+        product = tl.sum(part, axis=1).to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair)
+        tl.store(sums + (pair % TOP_K) * stride_split + (pair // TOP_K) * stride_row + n, product, mask=n_ok)
+
+    @triton.jit
+    def _block_rows(sorted_pairs, block_expert, total_padded, num_pairs, BLOCK_M: tl.constexpr):
+        """This program's block: (live, expert, pair of each row, whether the row is a real pair)."""
+        block = tl.program_id(0)
+        live = block * BLOCK_M < tl.load(total_padded)
+        expert = tl.load(block_expert + block).to(tl.int64)
+        pairs = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        return live, expert, pairs, pairs < num_pairs
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def grouped_gate_up_kernel(x, w, sorted_pairs, block_expert, total_padded, act, num_pairs, hidden, width,
+                               stride_x, stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               IEEE: tl.constexpr):
+        live, expert, pairs, real = _block_rows(sorted_pairs, block_expert, total_padded, num_pairs, BLOCK_M)
+        if live:
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            n_ok = n < width
+            a_rows = x + (pairs // TOP_K)[:, None] * stride_x + ks[None, :]
+            gate_w = w + expert * stride_we + n[None, :] * stride_wn + ks[:, None]
+            up_w = gate_w + width * stride_wn
+            gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k_ok = k0 + ks < hidden
+                a = tl.load(a_rows + k0, mask=real[:, None] & k_ok[None, :], other=0.0)
+                w_ok = k_ok[:, None] & n_ok[None, :]
+                gate = _dot(a, tl.load(gate_w + k0, mask=w_ok, other=0.0), gate, IEEE)
+                up = _dot(a, tl.load(up_w + k0, mask=w_ok, other=0.0), up, IEEE)
+            out = _silu_product(gate, up, act.dtype.element_ty)
+            tl.store(act + pairs[:, None] * stride_act + n[None, :], out, mask=real[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def grouped_down_kernel(act, w, sorted_pairs, block_expert, total_padded, weights, sums, num_pairs, hidden,
+                            width, stride_act, stride_we, stride_wn, stride_split, stride_row, TOP_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            IEEE: tl.constexpr):
+        live, expert, pairs, real = _block_rows(sorted_pairs, block_expert, total_padded, num_pairs, BLOCK_M)
+        if live:
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            n_ok = n < hidden
+            a_rows = act + pairs[:, None] * stride_act + ks[None, :]
+            w_cols = w + expert * stride_we + n[None, :] * stride_wn + ks[:, None]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, width, BLOCK_K):
+                k_ok = k0 + ks < width
+                a = tl.load(a_rows + k0, mask=real[:, None] & k_ok[None, :], other=0.0)
+                acc = _dot(a, tl.load(w_cols + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc, IEEE)
+            weight = tl.load(weights + pairs, mask=real, other=0.0)
+            acc = acc.to(act.dtype.element_ty).to(tl.float32) * weight[:, None]
+            slots = (pairs % TOP_K) * stride_split + (pairs // TOP_K) * stride_row
+            tl.store(sums + slots[:, None] + n[None, :], acc, mask=real[:, None] & n_ok[None, :])

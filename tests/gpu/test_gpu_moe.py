@@ -1,0 +1,104 @@
+"""The fused expert kernels (`mmpipe.kernels.moe`) on CUDA (`pytest -m gpu`): routing equal to
+PyTorch's softmax-top-k, both expert paths against a plain per-expert loop for row counts on both
+sides of every switch, tokens reaching many experts; replayed inside CUDA graphs with new rows
+(new routing) equal to eager; and `mmpipe bench moe`'s tuning sweep writing entries that the
+kernels then read. Generation against transformers runs in `test_gpu_families.py`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmpipe.kernels import moe, moe_configs
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 256, 96  # WIDTH: no multiple of any tile, so every mask is used
+
+
+def layer(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    gate_up = torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, device=CUDA, generator=g) / HIDDEN ** 0.5
+    down = torch.randn(EXPERTS, HIDDEN, WIDTH, device=CUDA, generator=g) / WIDTH ** 0.5
+    router = torch.randn(EXPERTS, HIDDEN, device=CUDA, generator=g) * 3 / HIDDEN ** 0.5  # a spread of choices
+    return gate_up.to(dtype), down.to(dtype), router.to(dtype)
+
+
+def rows(count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return torch.randn(count, HIDDEN, device=CUDA, generator=g).to(dtype)
+
+
+def test_routing_equals_softmax_top_k():
+    _, _, router = layer(torch.float32)
+    logits = rows(300, torch.float32, 1) @ router.T
+    weights, ids = moe.route(logits, TOP_K)
+    ref_weights, ref_ids = moe.route_reference(logits, TOP_K)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    assert ids.unique().numel() > EXPERTS // 2  # the rows reach many experts
+    logits[3] = float("nan")  # a warm-up forward's garbage rows still index real experts
+    logits[4] = 0.0  # all experts tied (a warm-up forward of zeros): the first TOP_K
+    weights, ids = moe.route(logits, TOP_K)
+    assert ids.min() >= 0 and ids.max() < EXPERTS and ids[3].unique().numel() == TOP_K
+    assert ids[4].tolist() == list(range(TOP_K)) and torch.allclose(weights[4], torch.full_like(weights[4], 1 / TOP_K))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 2, 4, 5, 33, 257])
+@pytest.mark.parametrize("path", ["pair", "grouped"])
+def test_expert_paths_equal_the_per_expert_loop(dtype, count, path):
+    gate_up, down, router = layer(dtype)
+    x = rows(count, dtype, count)
+    weights, ids = moe.route(x @ router.T, TOP_K)
+    with torch.no_grad():
+        got = moe.experts(x, gate_up, down, weights, ids, path=path).total().float()
+        expected = moe.experts_reference(x.double(), gate_up.double(), down.double(), weights.double(), ids)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("count", [1, 4, 48])
+def test_experts_replay_in_a_cuda_graph(count):
+    """Captured once, replayed with new rows (so new routing): equal to the same call run eagerly."""
+    gate_up, down, router = layer(torch.bfloat16)
+    static = rows(count, torch.bfloat16, 0)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe.route(x @ router.T, TOP_K)
+        path = "pair" if count <= moe.PAIR_ROWS else "grouped"
+        return moe.experts(x, gate_up, down, weights, ids, path=path).total()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward(static)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(static)
+    for seed in (1, 2, 3):
+        fresh = rows(count, torch.bfloat16, seed)
+        static.copy_(fresh)
+        graph.replay()
+        assert torch.equal(out, forward(fresh))
+
+
+def test_the_tuning_sweep_writes_entries_the_kernels_read(tmp_path, monkeypatch):
+    from mmpipe.app.bench.moe import tune
+
+    path = tmp_path / "moe_configs.json"
+    monkeypatch.setattr(moe_configs, "tuned_path", lambda: str(path))
+    moe_configs._tuned.cache_clear()
+    try:
+        entry = tune(EXPERTS, WIDTH, HIDDEN, TOP_K, torch.bfloat16, buckets=(8, 64), candidates=2)
+        saved = json.loads(path.read_text())
+        key = moe_configs.config_key(EXPERTS, WIDTH, HIDDEN, torch.bfloat16, torch.cuda.get_device_name())
+        assert saved[key] == entry
+        moe_configs._tuned.cache_clear()
+        chosen = moe_configs.grouped_tiles(EXPERTS, WIDTH, HIDDEN, torch.bfloat16, 64)
+        assert chosen == moe_configs.GroupedTiles(**entry["grouped"]["64"])
+    finally:
+        moe_configs._tuned.cache_clear()
