@@ -241,6 +241,10 @@ class EngineConfig:
     # next ones; one worker process per extra GPU; gloo processes on the CPU). See
     # mmpipe.engine.tensor_parallel.
     tensor_parallel_size: int = 1
+    # Where the weights come from: "auto" (the checkpoint's files) or "dummy" (drawn at random on
+    # the device, `mmpipe.weights.fill_random`: for timing shapes too large to write to disk; the
+    # directory then needs only its configs and tokenizer).
+    load_format: str = "auto"
     # The vision tower under tensor parallelism: "data" (each rank encodes a share of a step's
     # images with its own copy of the tower; the embeddings come back to rank 0), "tensor" (the
     # tower split over the ranks too, every rank running every pack: one image's latency falls,
@@ -282,6 +286,8 @@ class EngineConfig:
         if self.extend_attention not in ("auto", "triton", "varlen"):
             raise InputError(f"EngineConfig.extend_attention={self.extend_attention!r}: "
                              "use 'auto', 'triton' or 'varlen'")
+        if self.load_format not in ("auto", "dummy"):
+            raise InputError(f"EngineConfig.load_format={self.load_format!r}: use 'auto' or 'dummy'")
         if self.vit_parallel not in VIT_PARALLEL:
             raise InputError(f"EngineConfig.vit_parallel={self.vit_parallel!r}: use 'data', 'tensor' or 'rank0'")
         if self.attention_backend not in ("auto", "torch", "cuda"):

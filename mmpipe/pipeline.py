@@ -148,7 +148,8 @@ class Pipeline:
 
                     tp = TPGroup(0, config.tensor_parallel_size)
                 model = load_model(path, dev, dt, config.attention_backend, config.extend_attention,
-                                   config.quantization, tp=tp, shard_vision=config.vit_parallel == "tensor")
+                                   config.quantization, tp=tp, shard_vision=config.vit_parallel == "tensor",
+                                   load_format=config.load_format)
             if limits:
                 model.image_processor = _with_pixel_limits(model.image_processor, min_pixels, max_pixels)
             with startup.phase("tokenizer"):

@@ -279,3 +279,22 @@ def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype,
         if hasattr(sub, "init_buffers"):
             sub.init_buffers()
     return module.eval().requires_grad_(False)
+
+
+def fill_random(components: dict[str, nn.Module], seed: int = 0, std: float = 0.02) -> None:
+    """`load_format="dummy"`: every parameter drawn on its device instead of read. Norm scales
+    are one and biases zero (as a trained model's are near); routers of experts (`.mlp.gate`) are
+    drawn wide enough that rows spread over many experts with clear choices, so timing reads
+    what routing in a real model reads; every other matrix ~ N(0, std)."""
+    for name, module in components.items():
+        generator: torch.Generator | None = None
+        for pname, param in module.named_parameters():
+            if generator is None or generator.device != param.device:
+                generator = torch.Generator(device=param.device).manual_seed(seed + len(name))
+            owner = pname.rsplit(".", 2)[-2]
+            if param.dim() == 1:
+                param.data.fill_(1.0 if "norm" in owner or owner.startswith("ln") else 0.0)
+            elif pname.endswith(".mlp.gate.weight"):
+                param.data.normal_(0.0, 2.0 / param.shape[1] ** 0.5, generator=generator)
+            else:
+                param.data.normal_(0.0, std, generator=generator)

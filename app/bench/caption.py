@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from mmpipe.app.bench.results import table
-from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint
+from mmpipe.app.bench.shapes import SHAPES, add_shape_argument, build_checkpoint, load_options
 from mmpipe.app.bench.throughput import hf_generate_batched
 from mmpipe.app.bench.timing import timed
 from PIL import Image
@@ -105,7 +105,7 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
 
     summaries: dict[str, dict[str, float]] = {}
     top_kernels: dict[str, list[list[Any]]] = {}
-    engine_options = json.loads(args.engine or "{}")
+    engine_options = {**load_options(ckpt), **json.loads(args.engine or "{}")}
     convs = [caption_conversation(p, prompt) for p in paths]
 
     def stream(pipe: Any, n: int, overlap: bool) -> float:

@@ -262,9 +262,11 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
 def largest_bucket_alone_MiB(path: str, device: torch.device, dtype: str, pages: int, max_batch: int) -> float | None:
     """Decode-graph memory with only the largest bucket captured: the yardstick for the memory of
     all buckets sharing one pool."""
+    from mmpipe.app.bench.shapes import load_options
+
     from mmpipe import GraphConfig, Pipeline
 
-    pipe = Pipeline.from_pretrained(path, device=str(device), dtype=dtype, num_kv_pages=pages,
+    pipe = Pipeline.from_pretrained(path, device=str(device), dtype=dtype, num_kv_pages=pages, **load_options(path),
                                     max_running_requests=max_batch, graph_mode="full_decode_only",
                                     decode_graph=GraphConfig(buckets=(max_batch,)))
     memory = dig(pipe.stats(), "decode", "memory_bytes")

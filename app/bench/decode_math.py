@@ -21,18 +21,36 @@ def head_dim_of(text: dict[str, Any]) -> int:
     return int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
 
 
-def lm_weight_params(text: dict[str, Any]) -> int:
-    """Parameters a decode step reads: every decoder layer (q/k/v with biases, o, gate/up/down, two
-    norms), the final norm and the LM head. The input embedding is not counted: a step gathers B
-    rows of it. A tied head is the embedding matrix and is counted once, as the head."""
-    h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+def num_experts(text: dict[str, Any]) -> int:
+    """0 for a dense model (transformers writes `num_local_experts`, Qwen's files `num_experts`)."""
+    return int(text.get("num_experts") or text.get("num_local_experts") or 0)
+
+
+def experts_read(text: dict[str, Any], batch: int) -> float:
+    """Distinct experts a sparse layer reads for `batch` rows routed uniformly at random (each
+    row picks `num_experts_per_tok` of `num_experts`): E * (1 - (1 - k / E) ** batch)."""
+    experts, per_row = num_experts(text), text["num_experts_per_tok"]
+    return experts * (1 - (1 - per_row / experts) ** batch)
+
+
+def lm_weight_params(text: dict[str, Any], batch: int = 1) -> float:
+    """Parameters a decode step of `batch` rows reads: every decoder layer (q/k/v with biases, o,
+    gate/up/down, two norms), the final norm and the LM head. The input embedding is not counted:
+    a step gathers B rows of it. A tied head is the embedding matrix and is counted once, as the
+    head. A mixture-of-experts layer reads its router and the experts its rows chose
+    (`experts_read`), which grows with the batch."""
+    h, inter, layers = text["hidden_size"], text.get("intermediate_size", 0), text["num_hidden_layers"]
     heads, kv_heads, dim = text["num_attention_heads"], text["num_key_value_heads"], head_dim_of(text)
     q, kv = heads * dim, kv_heads * dim
     bias = bool(text.get("attention_bias", True))  # Qwen2: q/k/v biases; Qwen3: none (its configs say so)
     attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if bias else 0)
-    mlp = 3 * h * inter
-    per_layer = attention + mlp + 2 * h
-    return layers * per_layer + h + text["vocab_size"] * h
+    sparse = 0
+    if num_experts(text):
+        step, dense = int(text.get("decoder_sparse_step") or 1), set(text.get("mlp_only_layers") or ())
+        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    moe = h * num_experts(text) + 3 * h * text.get("moe_intermediate_size", 0) * experts_read(text, batch) \
+        if sparse else 0
+    return layers * (attention + 2 * h) + (layers - sparse) * 3 * h * inter + sparse * moe + h + text["vocab_size"] * h
 
 
 def kv_bytes_per_step(text: dict[str, Any], batch: int, context: float, elem_bytes: int = 2) -> float:
@@ -47,7 +65,7 @@ def mean_context(prompt_tokens: int, n1: int, n2: int) -> float:
 
 def floor_ms(text: dict[str, Any], batch: int, context: float, copy_gbs: float, elem_bytes: int = 2) -> float:
     """Bytes one decode step must read over the copy bandwidth (GB/s, read + write counted)."""
-    total = lm_weight_params(text) * elem_bytes + kv_bytes_per_step(text, batch, context, elem_bytes)
+    total = lm_weight_params(text, batch) * elem_bytes + kv_bytes_per_step(text, batch, context, elem_bytes)
     return total / (copy_gbs * 1e9) * 1e3
 
 

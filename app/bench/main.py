@@ -11,7 +11,7 @@ and every comparison is measured in the same process.
 
 Models are Qwen2.5-VL-3B-shaped with random weights (built here, never downloaded). This module is
 the command; each benchmark is a module of its own (`kernels`, `throughput`, `vit`, `decode`,
-`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`, `serve`, `prefix`, `structured`), their shared timing is `timing`, their
+`prefill`, `caption`, `startup`, `ttft`, `ray`, `video`, `serve`, `prefix`, `structured`, `moe`), their shared timing is `timing`, their
 tables and JSON `results`.
 """
 
@@ -49,6 +49,8 @@ BENCHMARKS = {
               "cache on vs off; captioning new files on vs off",
     "structured": "structured output's cost: decode ms/step with half the batch constrained by a JSON schema vs "
                   "none, at several batch sizes",
+    "moe": "one mixture-of-experts layer: us per call by row count against the expert-read floor; --tune "
+           "sweeps the expert kernels' tilings",
 }
 
 

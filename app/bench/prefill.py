@@ -53,10 +53,13 @@ def image_448() -> Any:
 
 class MmpipeTTFT:
     def __init__(self, path: str, mode: str, **options: Any) -> None:
+        from mmpipe.app.bench.shapes import load_options
+
         from mmpipe import Pipeline
 
         # A fixed KV cache (65k tokens) so the two mmpipe systems fit side by side.
         options.setdefault("num_kv_pages", 4096)
+        options.update(load_options(path))
         self.pipe, self.startup_s = timed(lambda: Pipeline.from_pretrained(
             path, device="cuda", dtype="bfloat16", graph_mode=mode, encoder_cache_bytes=0, prefix_caching=False, max_running_requests=64,
             **options))

@@ -7,6 +7,11 @@ configs' sizes per family. `--shape NAME` on `mmpipe bench vit|decode|prefill|ca
 | 7b            | Qwen2.5-VL | 28 x 3584, 28/4 heads              | 32 x 1280, windows, patch 14         |
 | qwen3-vl-8b   | Qwen3-VL   | 36 x 4096, 32/8 heads, q/k norms   | 27 x 1152, patch 16, deepstack 8/16/24 |
 | qwen2-vl-2b   | Qwen2-VL   | 28 x 1536, 12/2 heads, tied head   | 32 x 1280, no windows, patch 14      |
+| qwen3-vl-30b-a3b | Qwen3-VL-MoE | 48 x 2048, 32/4 heads, 128 experts of 768, 8 per token | as qwen3-vl-8b's, to 2048 |
+
+Shapes too large to write to disk (`Shape.dummy`: the 30B-A3B's 61 GB) get a checkpoint of
+configs and tokenizer alone, loaded with `load_format="dummy"` (`load_options`): random weights
+drawn on the GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class Shape:
     text: dict[str, Any]
     tied: bool
     max_pixels: int
+    dummy: bool = False  # no weights written; loaded with load_format="dummy"
 
 
 QWEN25_VL_3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
@@ -55,12 +61,21 @@ QWEN2_VL_2B_TEXT = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8
                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                          "mrope_section": [16, 24, 24]})
 
+QWEN3_VL_30B_A3B_TEXT = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=262144,
+                             attention_bias=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                             decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                              "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+
 SHAPES = {
     "3b": Shape("qwen2_5_vl", "Qwen2.5-VL-3B", QWEN25_VL_3B_VISION, QWEN25_VL_3B_TEXT, True, 28 * 28 * 1280),
     "7b": Shape("qwen2_5_vl", "Qwen2.5-VL-7B", dict(QWEN25_VL_3B_VISION, out_hidden_size=3584), QWEN25_VL_7B_TEXT,
                 False, 28 * 28 * 1280),
     "qwen3-vl-8b": Shape("qwen3_vl", "Qwen3-VL-8B", QWEN3_VL_8B_VISION, QWEN3_VL_8B_TEXT, False, 32 * 32 * 16384),
     "qwen2-vl-2b": Shape("qwen2_vl", "Qwen2-VL-2B", QWEN2_VL_2B_VISION, QWEN2_VL_2B_TEXT, True, 28 * 28 * 16384),
+    "qwen3-vl-30b-a3b": Shape("qwen3_vl_moe", "Qwen3-VL-30B-A3B", dict(QWEN3_VL_8B_VISION, out_hidden_size=2048),
+                              QWEN3_VL_30B_A3B_TEXT, False, 32 * 32 * 16384, dummy=True),
 }
 
 
@@ -92,6 +107,8 @@ def build_checkpoint(path: str | None, shape: str = "3b", device: str = "cuda") 
     spec = SHAPES[shape]
     tokenizer = build_tokenizer(vocab_size=512)
     config = hf_config(shape)
+    if spec.dummy:
+        return write_checkpoint(path, config, tokenizer, min_pixels=56 * 56, max_pixels=spec.max_pixels)
     torch.manual_seed(0)
     with torch.device(device):
         model = model_class(config)._from_config(config, dtype=torch.bfloat16)
@@ -102,12 +119,22 @@ def build_checkpoint(path: str | None, shape: str = "3b", device: str = "cuda") 
     return path
 
 
+def load_options(path: str) -> dict[str, Any]:
+    """`Pipeline.from_pretrained`'s options for a bench checkpoint: `load_format="dummy"` where it
+    has no weight files (`Shape.dummy`)."""
+    return {} if any(f.endswith(".safetensors") for f in os.listdir(path)) else {"load_format": "dummy"}
+
+
 def hf_model(path: str) -> Any:
-    """transformers' model of the checkpoint's family, bfloat16 on the GPU."""
+    """transformers' model of the checkpoint's family, bfloat16 on the GPU (random weights drawn
+    there for a checkpoint without weight files)."""
     from mmpipe.app.tiny.synthetic import model_class
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if load_options(path):
+        with torch.device("cuda"):
+            return model_class(config)._from_config(config, dtype=torch.bfloat16).eval()
     return model_class(config).from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
 
 

@@ -195,20 +195,25 @@ def write_checkpoint(path: str, model: Any, tokenizer: Any, *, min_pixels: int |
                      generation: dict[str, Any] | None = None, max_shard_size: str | None = None) -> str:
     """Save model, tokenizer, preprocessor and generation config into `path`. The preprocessor
     is the family's (Qwen3-VL: patch 16, mean and std 0.5); pixel limits default to 4 to 256
-    merged patches.
+    merged patches. `model` may be a config alone: no weights are written (a shape too large to
+    write, loaded with `load_format="dummy"`).
 
     layout "published": `visual.*` / `model.*` (the published Qwen2-VL and Qwen2.5-VL files, and
     what transformers 5 writes for them); "transformers": `model.visual.*` /
     `model.language_model.*` (transformers 5 in memory; the published Qwen3-VL files, and what it
     writes for Qwen3-VL); None: as transformers writes the family.
     """
+    from transformers import PretrainedConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     os.makedirs(path, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    if config is model:
+        config.architectures = [model_class(config).__name__]  # what save_pretrained records for a model
+    model.save_pretrained(path, **({} if config is model else kwargs))
     tokenizer.save_pretrained(path)
-    qwen3 = model.config.model_type in ("qwen3_vl", "qwen3_vl_moe")
+    qwen3 = config.model_type in ("qwen3_vl", "qwen3_vl_moe")
     patch = 16 if qwen3 else 14
     factor = patch * 2
     normalise = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if qwen3 else {}
@@ -221,7 +226,7 @@ def write_checkpoint(path: str, model: Any, tokenizer: Any, *, min_pixels: int |
         json.dump(gen, handle, indent=2)
     if layout not in (None, "published", "transformers"):
         raise ValueError(f"layout {layout!r}: use 'published' or 'transformers'")
-    if layout is not None and layout != saved_layout(path):  # transformers writes Qwen2(.5)-VL one way and Qwen3-VL the other
+    if layout is not None and config is not model and layout != saved_layout(path):  # transformers writes Qwen2(.5)-VL one way and Qwen3-VL the other
         if layout == "transformers":
             rename_layout(path, {"visual.": "model.visual.", "model.": "model.language_model."})
         else:

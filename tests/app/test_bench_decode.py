@@ -55,6 +55,23 @@ def test_lm_weight_params_match_the_model(tie):
     assert dm.lm_weight_params(dm.text_config_of(config.to_dict())) == expected
 
 
+def test_lm_weight_params_of_a_mixture_of_experts_match_the_model():
+    """Every expert read (a batch so large that each is chosen) counts the whole model; one row
+    reads its router and `num_experts_per_tok` experts per sparse layer, the dense layer its MLP."""
+    from mmpipe.app.tiny.synthetic import qwen3_vl_moe_config
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    config = qwen3_vl_moe_config(make_tokenizer())
+    model = Qwen3VLMoeForConditionalGeneration(config)
+    skipped = ("embed_tokens", "q_norm", "k_norm")  # (Qwen3's q/k norms: 2 x head_dim a layer, not counted)
+    expected = sum(p.numel() for n, p in model.model.language_model.named_parameters() if not any(s in n for s in skipped))
+    expected += model.lm_head.weight.numel()
+    text = dm.text_config_of(config.to_dict())
+    assert dm.lm_weight_params(text, batch=10**6) == pytest.approx(expected, rel=1e-9)
+    unread = (dm.num_experts(text) - text["num_experts_per_tok"]) * 3 * text["hidden_size"] * text["moe_intermediate_size"]
+    assert dm.lm_weight_params(text, batch=1) == pytest.approx(expected - 2 * unread, rel=1e-9)  # two sparse layers
+
+
 def test_published_shapes():
     from mmpipe.app.bench.shapes import SHAPES
 
@@ -68,6 +85,12 @@ def test_published_shapes():
     assert dm.lm_weight_params(qwen3) + qwen3["vocab_size"] * qwen3["hidden_size"] == pytest.approx(8.19e9, rel=2e-3)
     assert dm.lm_weight_params(SHAPES["qwen2-vl-2b"].text) == pytest.approx(1.54e9, rel=3e-3)
     assert dm.lm_weight_params(dict(qwen3, attention_bias=True)) - dm.lm_weight_params(qwen3) == 36 * (4096 + 2048)
+    # Qwen3-VL-30B-A3B's language model: 30.5B parameters in all, about 3.3B active per token
+    # (both with the 0.31B input embedding, which a step does not read).
+    moe = SHAPES["qwen3-vl-30b-a3b"].text
+    embedding = moe["vocab_size"] * moe["hidden_size"]
+    assert dm.lm_weight_params(moe, batch=10**6) + embedding == pytest.approx(30.5e9, rel=1e-2)
+    assert dm.lm_weight_params(moe, batch=1) + embedding == pytest.approx(3.35e9, rel=2e-2)
 
 
 def test_floor_arithmetic():
