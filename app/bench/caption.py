@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -146,6 +147,9 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
         engine.drain()
         engine.overlap = configured[0]  # the statistics report the configuration, not the last run
         stats = pipe.stats()
+    del engine, pipe  # the next Pipeline needs the weights' memory (a 30B shape fits only once)
+    gc.collect()
+    torch.cuda.empty_cache()
     if configured[1]:  # the ViT in line: a Pipeline of its own (the stream is fixed for a Pipeline's life)
         with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16",
                                       **{**engine_options, "vision_stream": False}) as inline:
@@ -153,6 +157,9 @@ def run_caption(args: argparse.Namespace) -> dict[str, Any]:
             for n in sizes:
                 name = variant_name(True, False)
                 seconds[(name, n)] = min(stream(inline, n, True) for _ in range(2))
+        del inline
+        gc.collect()
+        torch.cuda.empty_cache()
 
     for quantization in [q for q in args.quantizations.split(",") if q]:
         with Pipeline.from_pretrained(ckpt, device="cuda", dtype="bfloat16",
