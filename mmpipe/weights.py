@@ -293,7 +293,8 @@ def fill_random(components: dict[str, nn.Module], seed: int = 0, std: float = 0.
                 generator = torch.Generator(device=param.device).manual_seed(seed + len(name))
             owner = pname.rsplit(".", 2)[-2]
             if param.dim() == 1:
-                param.data.fill_(1.0 if "norm" in owner or owner.startswith("ln") else 0.0)
+                norm_scale = pname.endswith("weight") and ("norm" in owner or owner.startswith("ln"))
+                param.data.fill_(1.0 if norm_scale else 0.0)
             elif pname.endswith(".mlp.gate.weight"):
                 param.data.normal_(0.0, 2.0 / param.shape[1] ** 0.5, generator=generator)
             else:

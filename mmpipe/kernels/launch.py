@@ -113,7 +113,10 @@ class DirectLauncher:
         self.entries.clear()
 
     def compiling_only(self) -> bool:
-        """Whether launches from this thread only record their kernels (they run nothing)."""
+        """Whether launches from this thread only record their kernels (they run nothing); never
+        while traced (a traced launch is recorded as it is)."""
+        if torch.compiler.is_compiling():
+            return False
         return self.compile_only_thread is not None and threading.get_ident() == self.compile_only_thread
 
 

@@ -16,7 +16,8 @@ graphs hold both paths:
   on the tensor cores.
 Either way a row's TOP_K scaled products come back as `PartialSums` (float32 slices that the
 residual add after the layer adds in choice order), so no kernel combines them.
-Their tile sizes come from `moe_configs`.
+Their tile sizes come from `moe_configs`. As with `gemv`, the path and tiles follow the row
+count: a decode batch padded to its graph bucket computes as the eager step of that bucket does.
 
 Elsewhere, `experts` is the reference: every expert over every row, weighted by a routing weight
 that is zero where a row did not choose the expert, added in expert order as transformers adds
@@ -54,6 +55,14 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     """(weights float32, expert ids int32), each [rows, top_k], best first."""
     if not _on_kernels(logits):
         return route_reference(logits, top_k)
+    return _route_cuda(logits, top_k)
+
+
+# The CUDA paths are custom ops: opaque to a traced prefill (`prefill_compiler="inductor"`), which
+# runs them as they are instead of rewriting their Triton launches.
+
+@torch.library.custom_op("mmpipe::moe_route", mutates_args=())
+def _route_cuda(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from mmpipe.kernels.moe_kernels import route_kernel
 
     rows, num_experts = logits.shape
@@ -66,6 +75,16 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
         launch(route_kernel, (rows,), logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k), num_warps=4)
     return weights, ids
+
+
+@_route_cuda.register_fake
+def _(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = logits.shape[0]
+    return logits.new_empty(rows, top_k, dtype=torch.float32), logits.new_empty(rows, top_k, dtype=torch.int32)
+
+
+def _fake_sums(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(ids.shape[1], x.shape[0], x.shape[1], dtype=torch.float32)
 
 
 def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -94,12 +113,25 @@ def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
     if path == "pair":
         return pair_experts(x, gate_up, down, weights, ids)
     tiles = grouped_tiles(gate_up.shape[0], down.shape[2], x.shape[1], x.dtype, x.shape[0] if decode else PREFILL_ROWS)
-    return grouped_experts(x, gate_up, down, weights, ids, tiles)
+    out = grouped_experts(x, gate_up, down, weights, ids, tiles)
+    # A traced prefill takes the slices' sum as a tensor: the same additions in the same order as
+    # the norm kernel's (`PartialSums.total`), which inductor does not take partial sums into.
+    return out.total() if torch.compiler.is_compiling() else out
 
 
 def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                  ids: torch.Tensor, tiles: tuple[PairTiles, PairTiles] | None = None) -> PartialSums:
     """The few-row path on CUDA (`tiles`: the two kernels', default `pair_tiles`)."""
+    up, dn = tiles or pair_tiles(gate_up.shape[0], down.shape[2], x.shape[1], x.dtype)
+    sums = _pair_sums(x, gate_up, down, weights, ids, up.block_n, up.block_k, up.warps, dn.block_n, dn.block_k,
+                      dn.warps)
+    return PartialSums(sums, x.dtype)
+
+
+@torch.library.custom_op("mmpipe::moe_pair_experts", mutates_args=())
+def _pair_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor, up_n: int, up_k: int, up_warps: int, down_n: int, down_k: int,
+               down_warps: int) -> torch.Tensor:
     from mmpipe.kernels.moe_kernels import pair_down_kernel, pair_gate_up_kernel
 
     rows, hidden = x.shape
@@ -107,21 +139,26 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, wei
     act = torch.empty(rows * top_k, width, dtype=x.dtype, device=x.device)
     sums = torch.empty(top_k, rows, hidden, dtype=torch.float32, device=x.device)
     if rows:
-        up_tiles, down_tiles = tiles or pair_tiles(gate_up.shape[0], width, hidden, x.dtype)
-        launch(pair_gate_up_kernel, (rows * top_k, cdiv(width, up_tiles.block_n)), x, gate_up, ids, act, hidden,
-               width, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), TOP_K=top_k,
-               BLOCK_N=up_tiles.block_n, BLOCK_K=up_tiles.block_k, num_warps=up_tiles.warps)
-        launch(pair_down_kernel, (rows * top_k, cdiv(hidden, down_tiles.block_n)), act, down, ids, weights, sums,
-               hidden, width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0), sums.stride(1),
-               TOP_K=top_k, BLOCK_N=down_tiles.block_n, BLOCK_K=down_tiles.block_k, num_warps=down_tiles.warps)
-    return PartialSums(sums, x.dtype)
+        launch(pair_gate_up_kernel, (rows * top_k, cdiv(width, up_n)), x, gate_up, ids, act, hidden, width,
+               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=up_n,
+               BLOCK_K=up_k, num_warps=up_warps)
+        launch(pair_down_kernel, (rows * top_k, cdiv(hidden, down_n)), act, down, ids, weights, sums, hidden,
+               width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0), sums.stride(1), TOP_K=top_k,
+               BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps)
+    return sums
 
 
+_pair_sums.register_fake(lambda x, gate_up, down, weights, ids, *tiles: _fake_sums(x, ids))
+
+
+@torch.library.custom_op("mmpipe::moe_align", mutates_args=())
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs (row * top_k + choice) sorted by expert, each expert's run padded to a multiple of
     `block_m` with the sentinel `ids.numel()`: (sorted pairs int32 [most], the expert of every block
     int32 [most / block_m], the padded total int32 [1]). `most` is the worst case of the pair
-    count alone, so the shapes never depend on the routing; blocks past the total are not run."""
+    count alone (rounded up to whole blocks), so the shapes never depend on the routing; blocks
+    past the total are not run. An opaque op to the compiler: a traced prefill keeps its token
+    count dynamic (inductor's own sort would bound it) and runs exactly this."""
     flat = ids.reshape(-1).long()
     pairs = flat.shape[0]
     order_experts, order = torch.sort(flat, stable=True)
@@ -130,7 +167,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     ends = padded.cumsum(0)
     first_raw = counts.cumsum(0) - counts
     rank = torch.arange(pairs, device=ids.device) - first_raw[order_experts]
-    most = pairs + torch.sym_min(num_experts, pairs) * (block_m - 1)
+    most = _most(pairs, num_experts, block_m)
     sorted_pairs = torch.full((most,), pairs, dtype=torch.int32, device=ids.device)
     sorted_pairs.scatter_(0, (ends - padded)[order_experts] + rank, order.to(torch.int32))
     starts = torch.arange(0, most, block_m, device=ids.device)
@@ -138,25 +175,51 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 
 
+def _most(pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots for `pairs` pairs whatever their routing: each expert reached may pad block_m - 1."""
+    most = pairs + torch.sym_min(num_experts, pairs) * (block_m - 1)
+    return (most + block_m - 1) // block_m * block_m
+
+
+@align.register_fake
+def _(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    most = _most(ids.numel(), num_experts, block_m)
+    return (ids.new_empty(most, dtype=torch.int32), ids.new_empty(most // block_m, dtype=torch.int32),
+            ids.new_empty(1, dtype=torch.int32))
+
+
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, tiles: GroupedTiles) -> PartialSums:
     """The many-row path on CUDA, with these tiles."""
+    sums = _grouped_sums(x, gate_up, down, weights, ids, tiles.block_m, tiles.up_n, tiles.up_k, tiles.down_n,
+                         tiles.down_k, tiles.warps, tiles.stages)
+    return PartialSums(sums, x.dtype)
+
+
+@torch.library.custom_op("mmpipe::moe_grouped_experts", mutates_args=())
+def _grouped_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, block_m: int, up_n: int, up_k: int, down_n: int, down_k: int, warps: int,
+                  stages: int) -> torch.Tensor:
     from mmpipe.kernels.moe_kernels import grouped_down_kernel, grouped_gate_up_kernel
 
     rows, hidden = x.shape
     num_experts, top_k, width = gate_up.shape[0], ids.shape[1], down.shape[2]
     pairs = rows * top_k
-    sorted_pairs, block_expert, total = align(ids, num_experts, tiles.block_m)
+    sorted_pairs, block_expert, total = align(ids, num_experts, block_m)
     blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    launch(grouped_gate_up_kernel, (blocks, cdiv(width, tiles.up_n)), x, gate_up, sorted_pairs, block_expert, total,
-           act, pairs, hidden, width, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), TOP_K=top_k,
-           BLOCK_M=tiles.block_m, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, IEEE=ieee, num_warps=tiles.warps,
-           num_stages=tiles.stages)
     sums = torch.empty(top_k, rows, hidden, dtype=torch.float32, device=x.device)
-    launch(grouped_down_kernel, (blocks, cdiv(hidden, tiles.down_n)), act, down, sorted_pairs, block_expert, total,
+    if not rows:
+        return sums
+    launch(grouped_gate_up_kernel, (blocks, cdiv(width, up_n)), x, gate_up, sorted_pairs, block_expert, total,
+           act, pairs, hidden, width, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), TOP_K=top_k,
+           BLOCK_M=block_m, BLOCK_N=up_n, BLOCK_K=up_k, IEEE=ieee, num_warps=warps, num_stages=stages)
+    launch(grouped_down_kernel, (blocks, cdiv(hidden, down_n)), act, down, sorted_pairs, block_expert, total,
            weights, sums, pairs, hidden, width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0),
-           sums.stride(1), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
-           IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages)
-    return PartialSums(sums, x.dtype)
+           sums.stride(1), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee,
+           num_warps=warps, num_stages=stages)
+    return sums
+
+
+_grouped_sums.register_fake(lambda x, gate_up, down, weights, ids, *tiles: _fake_sums(x, ids))

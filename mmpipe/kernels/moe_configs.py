@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ def _tuned() -> dict[str, Any]:
         return {}
 
 
-def config_key(experts: int, width: int, hidden: int, dtype: torch.dtype, device: str) -> str:
+def config_key(experts: int, width: int, hidden: int, dtype: torch.dtype | str, device: str) -> str:
     return f"E={experts},N={width},H={hidden},dtype={str(dtype).removeprefix('torch.')},device={device}"
 
 
@@ -60,21 +60,28 @@ def _device_name() -> str:
 
 
 def default_grouped(rows: int, dtype: torch.dtype) -> GroupedTiles:
-    wide = dtype == torch.float32  # float32 tiles take twice the shared memory
+    """Two stages: the A tile and the gate and up tiles of each stage fit the ~99 KB of shared
+    memory the smallest CUDA GPUs give a block (float32 tiles take twice the bytes)."""
+    wide = dtype == torch.float32
     if rows <= 64:
-        return GroupedTiles(16, 64, 64 if wide else 128, 64, 64 if wide else 128, 4, 3)
+        return GroupedTiles(16, 64, 64 if wide else 128, 64, 64 if wide else 128, 4, 2)
     if rows <= 512:
-        return GroupedTiles(32, 64, 64, 64, 64, 4, 3)
-    return GroupedTiles(64, 128, 32 if wide else 64, 128, 32 if wide else 64, 4 if wide else 8, 3)
+        return GroupedTiles(32, 64, 64, 64, 64, 4, 2)
+    return GroupedTiles(64, 128, 32 if wide else 64, 128, 32 if wide else 64, 4 if wide else 8, 2)
 
 
 def grouped_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, rows: int) -> GroupedTiles:
     """The tuned tiles of the smallest tuned row count >= rows (else the largest tuned), or the defaults."""
+    return GroupedTiles(*_grouped_fields(experts, width, hidden, str(dtype).removeprefix("torch."), rows))
+
+
+@torch.compiler.assume_constant_result  # a traced prefill reads the table once, as a constant
+def _grouped_fields(experts: int, width: int, hidden: int, dtype: str, rows: int) -> tuple[int, ...]:
     tuned = _tuned().get(config_key(experts, width, hidden, dtype, _device_name()), {}).get("grouped", {})
     if not tuned:
-        return default_grouped(rows, dtype)
+        return astuple(default_grouped(rows, getattr(torch, dtype)))
     counts = sorted(int(b) for b in tuned)
-    return GroupedTiles(**tuned[str(next((b for b in counts if b >= rows), counts[-1]))])
+    return astuple(GroupedTiles(**tuned[str(next((b for b in counts if b >= rows), counts[-1]))]))
 
 
 def pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype) -> tuple[PairTiles, PairTiles]:

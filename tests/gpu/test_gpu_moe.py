@@ -1,8 +1,9 @@
 """The fused expert kernels (`mmpipe.kernels.moe`) on CUDA (`pytest -m gpu`): routing equal to
 PyTorch's softmax-top-k, both expert paths against a plain per-expert loop for row counts on both
 sides of every switch, tokens reaching many experts; replayed inside CUDA graphs with new rows
-(new routing) equal to eager; and `mmpipe bench moe`'s tuning sweep writing entries that the
-kernels then read. Generation against transformers runs in `test_gpu_families.py`."""
+(new routing) equal to eager; prefill pieces compiled by inductor (the token count traced
+dynamic) equal to the eager prefill; and `mmpipe bench moe`'s tuning sweep writing entries that
+the kernels then read. Generation against transformers runs in `test_gpu_families.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import json
 import pytest
 import torch
 
+from mmpipe import Pipeline, SamplingParams
+from mmpipe.config import GraphConfig
 from mmpipe.kernels import moe, moe_configs
+from tests.helpers import make_checkpoint
+from tests.parity_cases import CASES, one_image
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -102,3 +107,22 @@ def test_the_tuning_sweep_writes_entries_the_kernels_read(tmp_path, monkeypatch)
         assert chosen == moe_configs.GroupedTiles(**entry["grouped"]["64"])
     finally:
         moe_configs._tuned.cache_clear()
+
+
+def test_inductor_prefill_pieces_hold_the_experts(tmp_path):
+    path = make_checkpoint(str(tmp_path / "moe"), family="qwen3_vl_moe")
+    kw = dict(device="cuda", dtype="float32", num_kv_pages=1024, max_running_requests=4)
+    compiled = Pipeline.from_pretrained(path, graph_mode="piecewise", prefill_compiler="inductor",
+                                        prefill_graph=GraphConfig(buckets=(64, 256)),
+                                        compile_cache_dir=str(tmp_path / "cache"), **kw)
+    eager = Pipeline.from_pretrained(path, graph_mode="none", **kw)
+    traced = compiled.stats()["prefill"]["detail"]["graphs_seen"]  # (start-up's, as for every family)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0, logprobs=5)
+    for conversation in (CASES["text"](), one_image()):
+        ours, ref = compiled.chat(conversation, params)[0], eager.chat(conversation, params)[0]
+        assert ours.token_ids == ref.token_ids
+        assert max(abs(a[t] - b[t]) for a, b in zip(ours.logprobs, ref.logprobs) for t in b) <= 1e-4
+    stats = compiled.stats()["prefill"]
+    assert stats["graph_runs"] >= 2 and stats["detail"]["graphs_seen"] == traced  # no request traced again
+    compiled.close()
+    eager.close()

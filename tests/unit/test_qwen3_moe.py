@@ -122,3 +122,32 @@ def test_fp8_and_tensor_parallelism_are_refused_with_the_reason(checkpoint, tmp_
         load_model(fp8, torch.device("cpu"), torch.float32)
     with pytest.raises(UnsupportedModelError, match="does not split the experts"):
         check_tensor_parallel_split(checkpoint, 2)
+
+
+def test_the_expert_kernels_host_code_traces_once_for_every_token_count():
+    """A traced prefill (`prefill_compiler="inductor"`, the token count dynamic up to
+    max_prefill_tokens) holds the grouped path's host code: the tile lookup is read once as a
+    constant (no file opened under the tracer) and the sort into expert blocks is an opaque op
+    (inductor's own sort would bound the pair count). Equal to eager at every size."""
+    import torch._dynamo
+
+    from mmpipe.kernels import moe, moe_configs
+
+    def host_part(ids):
+        tiles = moe_configs.grouped_tiles(128, 768, 2048, torch.bfloat16, moe.PREFILL_ROWS)
+        sorted_pairs, block_expert, total = moe.align(ids, 128, tiles.block_m)
+        return sorted_pairs + 0, block_expert, total
+
+    torch._dynamo.reset()
+    traced = torch.compile(host_part, backend="inductor", fullgraph=True)  # as the prefill runner compiles
+    for rows in (37, 5000, 8192):
+        ids = torch.randint(0, 128, (rows, 8), dtype=torch.int32)
+        torch._dynamo.mark_dynamic(ids, 0, min=2, max=8192)
+        assert all(torch.equal(a, b) for a, b in zip(traced(ids), host_part(ids)))
+    sorted_pairs, block_expert, total = host_part(ids)
+    block = moe_configs.grouped_tiles(128, 768, 2048, torch.bfloat16, moe.PREFILL_ROWS).block_m
+    assert sorted_pairs.numel() % block == 0 and block_expert.numel() == sorted_pairs.numel() // block
+    real = sorted_pairs < ids.numel()
+    assert torch.equal(sorted_pairs[real].long().sort().values, torch.arange(ids.numel()))  # every pair once
+    assert torch.equal(ids.reshape(-1)[sorted_pairs[real].long()], block_expert.repeat_interleave(block)[real])
+    assert total.item() == real.nonzero().max().item() // block * block + block  # the last live block's end
