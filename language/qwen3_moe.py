@@ -32,6 +32,7 @@ from torch import nn
 from mmpipe.errors import CheckpointError
 from mmpipe.kernels import moe
 from mmpipe.kernels.partial_sums import PartialSums
+from mmpipe.layers.parallel import reduce_rows
 from mmpipe.layers.weight_map import WeightMap
 
 EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
@@ -77,6 +78,7 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.experts_per_token
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.tp: Any = None  # a tensor-parallel shard's group: the output is summed over it
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts, best first: (renormalised weights float32, ids int32), [T, top_k]."""
@@ -85,7 +87,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
         """On CUDA, `PartialSums` (one slice per chosen expert) for the residual add to sum."""
         weights, ids = self.route(x)
-        return moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return reduce_rows(self.tp, moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids))
 
 
 class Qwen3MoeLanguageModel(Qwen3LanguageModel):

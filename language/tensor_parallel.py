@@ -8,6 +8,8 @@ holds 1/N of every large weight and runs the same forward:
   replicated: rank r holds KV head r*KV // N, the one its query heads attend with (N % KV == 0).
 - o: row-parallel (the rank's query heads' input columns), then one all-reduce.
 - gate/up: column-parallel (1/N of the intermediate width each); down: row-parallel, one all-reduce.
+  A mixture of experts splits every expert the same way (`shard_experts`: 1/N of each expert's
+  width, the router whole on every rank), one all-reduce of the layer's output.
   Both are plain Linear layers (`mmpipe.layers.parallel`): decode steps run them on the few-row
   kernels, whose K-split partial sums are all-reduced as they are; FP8 (`quantization="fp8"`, or
   an FP8 checkpoint's scales, split with their weights) applies to a shard like to any layer.
@@ -41,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import UnsupportedModelError
-from mmpipe.layers.parallel import (  # noqa: F401 (TPGroup re-exported: the group the shards use)
+from mmpipe.layers.parallel import (  # (TPGroup re-exported: the group the shards use)
+    ExpertSlice,
     Slice,
     TPGroup,
     column_parallel,
@@ -78,10 +81,9 @@ def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 def check_shardable(cfg: Any, size: int) -> None:
     """An `UnsupportedModelError` naming what does not divide (before anything is sharded)."""
-    if getattr(cfg, "num_experts", 0):
-        raise UnsupportedModelError(f"tensor_parallel_size={size}: tensor parallelism does not split the "
-                                    "experts of a mixture-of-experts model yet")
     problems = []
+    if getattr(cfg, "num_experts", 0) and cfg.moe_intermediate_size % size:
+        problems.append(f"the experts' width {cfg.moe_intermediate_size}")
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
@@ -122,11 +124,17 @@ def shard_slices(cfg: Any, tp: TPGroup) -> Any:
     kv = (kv_first * d, (kv_first + kv_heads) * d)
     part = cfg.intermediate_size // tp.size
     mlp = (r * part, (r + 1) * part)
+    experts = cfg.moe_intermediate_size // tp.size
+    expert_parts = {".mlp.experts.gate_up_proj": ExpertSlice(cfg.moe_intermediate_size, 2, r * experts, (r + 1) * experts),
+                    ".mlp.experts.down_proj": ExpertSlice(cfg.moe_intermediate_size, 1, r * experts, (r + 1) * experts)}
     rows = {".self_attn.q_proj.": q, ".self_attn.k_proj.": kv, ".self_attn.v_proj.": kv,
             ".mlp.gate_proj.": mlp, ".mlp.up_proj.": mlp}
     columns = {".self_attn.o_proj.": q, ".mlp.down_proj.": mlp}
 
-    def select(name: str) -> Slice | None:
+    def select(name: str) -> Slice | ExpertSlice | None:
+        for part_name, part in expert_parts.items():
+            if name.endswith(part_name):
+                return part
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return Slice(0, r * vocab, min((r + 1) * vocab, cfg.vocab_size), vocab)
         for part_name, (lo, hi) in rows.items():
@@ -153,7 +161,8 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
     for layer in lm.layers:
         attn = layer.self_attn
-        if any(m.bias is not None and m.weight.device.type == "meta" for m in (attn.o_proj, layer.mlp.down_proj)):
+        row_parallel_layers = (attn.o_proj, getattr(layer.mlp, "down_proj", attn.o_proj))  # (experts: no bias)
+        if any(m.bias is not None and m.weight.device.type == "meta" for m in row_parallel_layers):
             # A shard read from the checkpoint would hold the whole bias on every rank and add it
             # N times (`shard_slices` cuts weights only); no supported family has one.
             raise UnsupportedModelError("tensor parallelism: row-parallel o_proj/down_proj with a bias is not supported")
@@ -163,6 +172,9 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
         attn.o_proj = row_parallel(attn.o_proj, r * heads * d, (r + 1) * heads * d, tp)
         attn.num_heads, attn.num_kv_heads, attn.tp = heads, kv_heads, tp
         attn.q_size, attn.kv_size = heads * d, kv_heads * d
+        if hasattr(layer.mlp, "experts"):
+            shard_experts(layer.mlp, tp)
+            continue
         try:
             shard_gated_mlp(layer.mlp, tp)  # its width after any padding
         except ValueError as exc:
@@ -176,8 +188,29 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     # The unsharded model's lookups read the whole table; a shard's go through its collectives.
     lm.embed = lambda ids, out=None: lm.embed_tokens(ids) if out is None else out.copy_(lm.embed_tokens(ids))
     lm.compute_logits = lambda hidden: sharded_logits(lm, hidden)
-    lm.cfg = replace(cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=cfg.intermediate_size // n)
+    lm.cfg = replace(cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=cfg.intermediate_size // n,
+                     moe_intermediate_size=cfg.moe_intermediate_size // n)
     return lm
+
+
+def shard_experts(moe: nn.Module, tp: TPGroup) -> None:
+    """A `SparseMoE` made rank `tp.rank`'s shard in place: every expert's gate and up rows and
+    down columns [r * W/N, (r + 1) * W/N) of its width W (the router stays whole, so every rank
+    routes alike); its output then sums over the ranks (`moe.tp`)."""
+    experts, n, r = moe.experts, tp.size, tp.rank
+    width = experts.down_proj.shape[2]
+    part = width // n
+    for name, blocks in (("gate_up_proj", 2), ("down_proj", 1)):
+        whole = getattr(experts, name)
+        cut = ExpertSlice(width, blocks, r * part, (r + 1) * part)
+        if whole.device.type == "meta":
+            shape = list(whole.shape)
+            shape[1 if blocks == 2 else 2] = blocks * part
+            value = torch.empty(shape, dtype=whole.dtype, device="meta")
+        else:
+            value = cut.of(whole).contiguous()
+        setattr(experts, name, nn.Parameter(value, requires_grad=False))
+    moe.tp = tp
 
 
 def sharded_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -185,8 +185,7 @@ def _raw_tensors(directory: str, device: torch.device, select: Callable[[str], S
                 if part is None:
                     yield name, handle.get_tensor(name)
                     continue
-                sliced = handle.get_slice(name)
-                yield name, part.padded(sliced[part.index(len(sliced.get_shape()))])
+                yield name, part.read(handle.get_slice(name))
 
 
 def load_checkpoint(directory: str, components: dict[str, nn.Module], device: torch.device,

@@ -117,6 +117,44 @@ class Slice:
         """This rank's part of a whole tensor."""
         return self.padded(tensor[self.index(tensor.dim())])
 
+    def read(self, stored: Any) -> torch.Tensor:
+        """This rank's part read from a safetensors slice (only that part is read)."""
+        return self.padded(stored[self.index(len(stored.get_shape()))])
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """A rank's part of a mixture of experts' 3D tensor, split along the experts' width: of each
+    of `blocks` consecutive blocks of `width` (gate_up: the gate block, then the up block; down:
+    one), the columns [start, stop). The width is whichever of the last two dimensions is
+    `blocks * width` long, the first if both are (transformers' layout stores gate_up as
+    [experts, 2 * width, hidden] and down as [experts, hidden, width]; Qwen's files the last two
+    dimensions swapped, `language.qwen3_moe.ExpertWeightMap`)."""
+
+    width: int
+    blocks: int
+    start: int
+    stop: int
+
+    def _dim(self, shape: Any) -> int:
+        full = self.blocks * self.width
+        dims = [d for d in (1, 2) if shape[d] == full]
+        if len(shape) != 3 or not dims:
+            raise ValueError(f"an experts tensor of shape {tuple(shape)} has no dimension of width {full}")
+        return dims[0] if self.blocks > 1 or len(dims) == 1 else 2
+
+    def _index(self, dim: int, block: int) -> tuple[slice, ...]:
+        lo = block * self.width
+        return (slice(None),) * dim + (slice(lo + self.start, lo + self.stop),)
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        dim = self._dim(tensor.shape)
+        return torch.cat([tensor[self._index(dim, b)] for b in range(self.blocks)], dim=dim)
+
+    def read(self, stored: Any) -> torch.Tensor:
+        dim = self._dim(stored.get_shape())
+        return torch.cat([stored[self._index(dim, b)] for b in range(self.blocks)], dim=dim)
+
 
 def reduce_rows(tp: TPGroup | None, out: Any) -> Any:
     """A row-parallel product summed over the ranks, in place: a tensor, or the few-row kernels'

@@ -1,8 +1,9 @@
 """Qwen3-VL-MoE's experts on the CPU reference path: the layer against transformers' sparse MoE
-block, routers that spread tokens over many experts, both expert-tensor layouts, and the clear
-refusals (FP8, tensor parallelism) until their kernels exist. Generation against transformers
-runs in `test_families.py` with the other families; the fused kernels in
-`tests/gpu/test_gpu_moe.py`."""
+block, routers that spread tokens over many experts, both expert-tensor layouts, the refusal of
+FP8 until its expert kernels exist, a tensor-parallel split checked against the experts' width,
+and a traced prefill's hold on the experts' host code. Generation against transformers runs in
+`test_families.py` with the other families, tensor parallelism in `test_tensor_parallel*.py`,
+the fused kernels in `tests/gpu/test_gpu_moe.py`."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def test_the_published_expert_layout_loads_to_the_same_answers(checkpoint, tmp_p
         Pipeline.from_pretrained(published, device="cpu")
 
 
-def test_fp8_and_tensor_parallelism_are_refused_with_the_reason(checkpoint, tmp_path):
+def test_fp8_is_refused_and_a_tensor_parallel_split_of_the_experts_checked(checkpoint, tmp_path):
     import json
     import shutil
 
@@ -120,8 +121,9 @@ def test_fp8_and_tensor_parallelism_are_refused_with_the_reason(checkpoint, tmp_
         json.dump(config, handle)
     with pytest.raises(UnsupportedModelError, match="expert kernels take no FP8"):
         load_model(fp8, torch.device("cpu"), torch.float32)
-    with pytest.raises(UnsupportedModelError, match="does not split the experts"):
-        check_tensor_parallel_split(checkpoint, 2)
+    check_tensor_parallel_split(checkpoint, 2)  # the experts split (tests/unit/test_tensor_parallel*.py)
+    with pytest.raises(UnsupportedModelError, match="the experts' width 48"):
+        check_tensor_parallel_split(checkpoint, 32)
 
 
 def test_the_expert_kernels_host_code_traces_once_for_every_token_count():

@@ -163,8 +163,27 @@ def test_a_row_parallel_bias_on_a_shard_built_before_loading_is_refused():
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machine
 
 
-@pytest.mark.parametrize("which", ["bundled", "untied"])
-def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, checkpoint):
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """Tiny Qwen3-VL-MoE in transformers' expert layout and in the published one (swapped)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import make_checkpoint
+
+    ours = make_checkpoint(str(tmp_path_factory.mktemp("moe")), family="qwen3_vl_moe")
+    published = str(tmp_path_factory.mktemp("moe_published") / "ckpt")
+    shutil.copytree(ours, published)
+    file = os.path.join(published, "model.safetensors")
+    tensors = load_file(file)
+    save_file({n: t.transpose(1, 2).contiguous() if ".experts." in n else t for n, t in tensors.items()}, file,
+              metadata={"format": "pt"})
+    return {"moe": ours, "moe_published": published}
+
+
+@pytest.mark.parametrize("which", ["bundled", "untied", "moe", "moe_published"])
+def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, checkpoint, moe_checkpoints):
     """`load_model(..., tp=TPGroup(r, 2))` builds rank r's shard on the meta device and reads only
     its slices from the files: its weights equal the whole model sharded in place, and it reads
     about half of the language model's bytes. The bundled model ties its head and has 485 tokens
@@ -173,7 +192,7 @@ def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, check
     from mmpipe.pipeline import default_model_path
     from mmpipe.weights import iter_checkpoint, split_name
 
-    path = default_model_path() if which == "bundled" else checkpoint
+    path = {"bundled": default_model_path(), "untied": checkpoint, **moe_checkpoints}[which]
     cpu = torch.device("cpu")
     for rank in range(2):
         whole = shard_language_model(load_model(path, cpu, torch.float32).language, TPGroup(rank, 2))
@@ -189,7 +208,7 @@ def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, check
 
     def lm_elements(**kwargs) -> int:
         return sum(t.numel() for n, t in iter_checkpoint(path, cpu, torch.float32, **kwargs)
-                   if language(n) and t.dim() == 2)
+                   if language(n) and t.dim() >= 2)
 
     def rule(name: str):
         split = split_name(name)

@@ -73,6 +73,16 @@ def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, one_kv_head, vit_par
     assert theirs == ours_runs if vit_parallel == "tensor" else (theirs > 0) == (vit_parallel == "data")
 
 
+def test_two_ranks_split_every_expert_and_give_the_unsharded_tokens(checkpoint_factory):
+    """Qwen3-VL-MoE: each rank holds half of every expert's width (the router whole) and the
+    layer's output is summed over the ranks; the dense layer between sparse ones splits as usual."""
+    path = checkpoint_factory(family="qwen3_vl_moe")
+    reference, _ = run(path, 1)
+    ours, stats = run(path, 2)
+    assert ours == reference and len({tuple(t) for t in reference}) > 2
+    assert stats["tensor_parallel"]["size"] == 2
+
+
 @pytest.fixture(scope="module")
 def kv_pairs(checkpoint_factory):
     """8 query heads and 2 KV heads: at 4 ranks each KV head is replicated on the two ranks whose
