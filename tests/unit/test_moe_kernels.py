@@ -1,0 +1,50 @@
+"""The mixture-of-experts Triton kernels (`mmpipe.kernels.moe_kernels`) under the Triton
+interpreter on the CPU, in float32 (the interpreter's bfloat16 products are not exact): routing
+equal to softmax-top-k (a NaN row and an all-tied row still pick real experts), and both expert
+paths equal to the per-expert loop for widths no tile divides, fewer pairs than experts, and one
+expert per token. Skipped where Triton is not installed; on CUDA the same kernels run in
+`tests/gpu/test_gpu_moe.py`."""
+
+from __future__ import annotations
+
+from tests.helpers import run_under_triton_interpreter
+
+_SCRIPT = """
+import json
+import torch
+from mmpipe.kernels import moe
+from mmpipe.kernels.moe_configs import GroupedTiles, PairTiles
+from mmpipe.kernels.moe_kernels import route_kernel
+print("READY")
+results = []
+g = torch.Generator().manual_seed(0)
+for experts, top_k, hidden, width, rows in ((16, 4, 72, 40, 5), (16, 4, 72, 40, 70), (128, 8, 64, 32, 9), (4, 1, 32, 16, 3)):
+    x = torch.randn(rows, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5
+    down = torch.randn(experts, hidden, width, generator=g) / width ** 0.5
+    logits = torch.randn(rows, experts, generator=g) * 3
+    logits[0] = float("nan")
+    logits[-1] = 0.0
+    weights = torch.empty(rows, top_k)
+    ids = torch.empty(rows, top_k, dtype=torch.int32)
+    block_e, block_k = 1 << (experts - 1).bit_length(), 1 << (top_k - 1).bit_length()
+    route_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=block_k)
+    ref_weights, ref_ids = moe.route_reference(logits[1:-1], top_k)
+    routed = (torch.equal(ids[1:-1], ref_ids) and torch.allclose(weights[1:-1], ref_weights, atol=1e-6)
+              and ids[0].unique().numel() == top_k and ids[-1].tolist() == list(range(top_k)))
+    expected = moe.experts_reference(x, gate_up, down, ref_weights.new_tensor(weights), ids)
+    scale = expected.abs().max().item()
+    pair = moe.pair_experts(x, gate_up, down, weights, ids, (PairTiles(8, 32, 4), PairTiles(16, 32, 4))).total()
+    grouped = moe.grouped_experts(x, gate_up, down, weights, ids, GroupedTiles(16, 32, 32, 32, 32, 4, 2)).total()
+    results.append([experts, rows, routed, (pair - expected).abs().max().item() / scale,
+                    (grouped - expected).abs().max().item() / scale])
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_routing_and_both_expert_paths_equal_the_references():
+    results = run_under_triton_interpreter(_SCRIPT)
+    assert len(results) == 4
+    for experts, rows, routed, pair_error, grouped_error in results:
+        assert routed, (experts, rows)
+        assert pair_error < 1e-5 and grouped_error < 1e-5, (experts, rows, pair_error, grouped_error)
