@@ -75,13 +75,17 @@ def grouped_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, row
     return GroupedTiles(*_grouped_fields(experts, width, hidden, str(dtype).removeprefix("torch."), rows))
 
 
-@torch.compiler.assume_constant_result  # a traced prefill reads the table once, as a constant
 def _grouped_fields(experts: int, width: int, hidden: int, dtype: str, rows: int) -> tuple[int, ...]:
     tuned = _tuned().get(config_key(experts, width, hidden, dtype, _device_name()), {}).get("grouped", {})
     if not tuned:
         return astuple(default_grouped(rows, getattr(torch, dtype)))
     counts = sorted(int(b) for b in tuned)
     return astuple(GroupedTiles(**tuned[str(next((b for b in counts if b >= rows), counts[-1]))]))
+
+
+# A traced prefill reads the table once, as a constant: what `torch.compiler.assume_constant_result`
+# marks, set here without importing torch._dynamo (seconds of every start-up; test_meta_build.py).
+_grouped_fields._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype) -> tuple[PairTiles, PairTiles]:
