@@ -13,6 +13,8 @@
 - `fused`: residual add + RMSNorm (adding those partial sums up), rotary of a fused qkv, SiLU product.
 - `rms_norm_row`: the residual add + RMSNorm of one row, shared by `fused`'s norm kernel and
   `gemv_kernels`' one-row products that norm in their last program.
+- `moe`: a mixture of experts' routing and experts (`moe_kernels` their Triton kernels,
+  `moe_configs` their tile sizes per shape and GPU, tuned by `mmpipe bench moe --tune`).
 - `rope_kv`: the language model's rotary embedding of q and k fused with the paged KV-cache write.
 - `decode_attention`, `extend_attention`, `attention_common`: paged attention of the language model.
 - `window_attention`: attention within short segments (the ViT's windows).
