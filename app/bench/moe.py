@@ -31,7 +31,7 @@ def int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=MOE_SHAPES, default=MOE_SHAPES[0], help="default: %(default)s")
+    parser.add_argument("--shape", choices=MOE_SHAPES, default="qwen3-vl-30b-a3b", help="default: %(default)s")
     parser.add_argument("--rows", type=int_list, default="1,2,4,8,32,128,512,4096",
                         help="rows per layer call (default %(default)s)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")

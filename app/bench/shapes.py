@@ -8,8 +8,10 @@ configs' sizes per family. `--shape NAME` on `mmpipe bench vit|decode|prefill|ca
 | qwen3-vl-8b   | Qwen3-VL   | 36 x 4096, 32/8 heads, q/k norms   | 27 x 1152, patch 16, deepstack 8/16/24 |
 | qwen2-vl-2b   | Qwen2-VL   | 28 x 1536, 12/2 heads, tied head   | 32 x 1280, no windows, patch 14      |
 | qwen3-vl-30b-a3b | Qwen3-VL-MoE | 48 x 2048, 32/4 heads, 128 experts of 768, 8 per token | as qwen3-vl-8b's, to 2048 |
+| qwen3-vl-235b-a22b | Qwen3-VL-MoE | 94 x 4096, 64/4 heads, 128 experts of 1536, 8 per token | as qwen3-vl-8b's, to 4096 |
 
-Shapes too large to write to disk (`Shape.dummy`: the 30B-A3B's 61 GB) get a checkpoint of
+Shapes too large to write to disk (`Shape.dummy`: the 30B-A3B's 61 GB, the 235B-A22B's 470 GB,
+which no single GPU holds: `mmpipe bench moe` times one of its layers) get a checkpoint of
 configs and tokenizer alone, loaded with `load_format="dummy"` (`load_options`): random weights
 drawn on the GPU.
 """
@@ -67,6 +69,8 @@ QWEN3_VL_30B_A3B_TEXT = dict(vocab_size=151936, hidden_size=2048, intermediate_s
                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                              rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                               "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+QWEN3_VL_235B_A22B_TEXT = dict(QWEN3_VL_30B_A3B_TEXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                               num_attention_heads=64, moe_intermediate_size=1536)
 
 SHAPES = {
     "3b": Shape("qwen2_5_vl", "Qwen2.5-VL-3B", QWEN25_VL_3B_VISION, QWEN25_VL_3B_TEXT, True, 28 * 28 * 1280),
@@ -76,6 +80,8 @@ SHAPES = {
     "qwen2-vl-2b": Shape("qwen2_vl", "Qwen2-VL-2B", QWEN2_VL_2B_VISION, QWEN2_VL_2B_TEXT, True, 28 * 28 * 16384),
     "qwen3-vl-30b-a3b": Shape("qwen3_vl_moe", "Qwen3-VL-30B-A3B", dict(QWEN3_VL_8B_VISION, out_hidden_size=2048),
                               QWEN3_VL_30B_A3B_TEXT, False, 32 * 32 * 16384, dummy=True),
+    "qwen3-vl-235b-a22b": Shape("qwen3_vl_moe", "Qwen3-VL-235B-A22B", dict(QWEN3_VL_8B_VISION, out_hidden_size=4096),
+                                QWEN3_VL_235B_A22B_TEXT, False, 32 * 32 * 16384, dummy=True),
 }
 
 

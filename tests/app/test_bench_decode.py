@@ -91,6 +91,26 @@ def test_published_shapes():
     embedding = moe["vocab_size"] * moe["hidden_size"]
     assert dm.lm_weight_params(moe, batch=10**6) + embedding == pytest.approx(30.5e9, rel=1e-2)
     assert dm.lm_weight_params(moe, batch=1) + embedding == pytest.approx(3.35e9, rel=2e-2)
+    # Qwen3-VL-235B-A22B's: 235B in all, 22B active.
+    big = SHAPES["qwen3-vl-235b-a22b"].text
+    embedding = big["vocab_size"] * big["hidden_size"]
+    assert dm.lm_weight_params(big, batch=10**6) + embedding == pytest.approx(235e9, rel=1e-2)
+    assert dm.lm_weight_params(big, batch=1) + embedding == pytest.approx(22e9, rel=2e-2)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
+def test_the_mixture_of_experts_shapes_are_transformers_configs(shape):
+    """Each builds with transformers' own config class and keeps the published sizes there."""
+    from mmpipe.app.bench.shapes import SHAPES, hf_config
+
+    config = hf_config(shape)
+    text = SHAPES[shape].text
+    assert type(config).__name__ == "Qwen3VLMoeConfig"
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "moe_intermediate_size", "num_experts_per_tok"):
+        assert getattr(config.text_config, key) == text[key], key
+    assert config.text_config.num_experts == text["num_experts"]
+    assert config.vision_config.out_hidden_size == text["hidden_size"]
 
 
 def test_floor_arithmetic():
