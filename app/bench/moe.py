@@ -125,8 +125,10 @@ def run_moe(args: argparse.Namespace) -> dict[str, Any]:
         floor_us = chosen * per_expert / bandwidth * 1e6
         rows.append({"rows": count, "us": round(us, 1), "experts_read": chosen, "floor_us": round(floor_us, 1),
                      "share_of_floor": round(floor_us / us, 3)})
-    label = f"{SHAPES[args.shape].label}: {experts} experts of {width}, {top_k} per row, hidden {hidden}, {args.dtype}"
-    print(table(f"One expert layer, {label}, {torch.cuda.get_device_name()}", ["rows", "us per layer", "experts read", "read floor us", "floor / time"],
-                [[r["rows"], r["us"], r["experts_read"], r["floor_us"], r["share_of_floor"]] for r in rows]))
+    label = (f"One expert layer, {SHAPES[args.shape].label}: {experts} experts of {width}, {top_k} per row, "
+             f"hidden {hidden}, {args.dtype}, {torch.cuda.get_device_name()}")
+    header = ["rows", "us per layer", "experts read", "read floor us", "floor / time"]
+    print(table(label, header, [[r[k] for k in ("rows", "us", "experts_read", "floor_us", "share_of_floor")]
+                                for r in rows]))
     return {"device": torch.cuda.get_device_name(), "shape": args.shape, "dtype": args.dtype, "rows": rows,
             "tuned": tuned}

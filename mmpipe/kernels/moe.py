@@ -100,11 +100,11 @@ def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
             ids: torch.Tensor, path: str | None = None) -> torch.Tensor | PartialSums:
-    """[rows, hidden] in x's dtype; on CUDA as `PartialSums`, one float32 slice per choice (see
-    the module docstring). `path` ("pair", "grouped"; default:
-    the pair kernels for a decode step of up to `PAIR_ROWS` rows) picks the CUDA kernels. A
-    prefill step always takes the grouped GEMM with one set of tiles, so an eager prefill and the
-    piecewise prefill (traced once for every size) compute the same."""
+    """[rows, hidden] in x's dtype; on CUDA as `PartialSums`, one float32 slice per choice (see the
+    module docstring), or under tracing their sum. `path` ("pair", "grouped"; default: the pair
+    kernels for a decode step of up to `PAIR_ROWS` rows) picks the CUDA kernels. A prefill step
+    always takes the grouped GEMM with one set of tiles, so an eager prefill and the piecewise
+    prefill (traced once for every size) compute the same."""
     if not _on_kernels(x):
         return experts_reference(x, gate_up, down, weights, ids)
     decode = gemv.in_decode_step()
@@ -112,8 +112,9 @@ def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights:
         path = "pair" if decode and x.shape[0] <= PAIR_ROWS else "grouped"
     if path == "pair":
         return pair_experts(x, gate_up, down, weights, ids)
-    tiles = grouped_tiles(gate_up.shape[0], down.shape[2], x.shape[1], x.dtype, x.shape[0] if decode else PREFILL_ROWS)
-    out = grouped_experts(x, gate_up, down, weights, ids, tiles)
+    rows = x.shape[0] if decode else PREFILL_ROWS
+    out = grouped_experts(x, gate_up, down, weights, ids, grouped_tiles(gate_up.shape[0], down.shape[2], x.shape[1],
+                                                                        x.dtype, rows))
     # A traced prefill takes the slices' sum as a tensor: the same additions in the same order as
     # the norm kernel's (`PartialSums.total`), which inductor does not take partial sums into.
     return out.total() if torch.compiler.is_compiling() else out
