@@ -104,7 +104,9 @@ class Qwen3MoeLanguageModel(Qwen3LanguageModel):
 
 
 class ExpertWeightMap(WeightMap):
-    """`WeightMap` that also takes expert tensors stored transposed (the published layout)."""
+    """`WeightMap` that also takes expert tensors stored transposed (the published layout). A
+    shape that fits both layouts (hidden equal to the experts' width, or to twice it: no
+    published model) is read in transformers' layout."""
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
         return super().load((name, self._as_held(name, tensor)) for name, tensor in weights)

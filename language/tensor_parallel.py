@@ -205,7 +205,7 @@ def shard_experts(moe: nn.Module, tp: TPGroup) -> None:
         cut = ExpertSlice(width, blocks, r * part, (r + 1) * part)
         if whole.device.type == "meta":
             shape = list(whole.shape)
-            shape[1 if blocks == 2 else 2] = blocks * part
+            shape[cut.held_dim] = blocks * part
             value = torch.empty(shape, dtype=whole.dtype, device="meta")
         else:
             value = cut.of(whole).contiguous()

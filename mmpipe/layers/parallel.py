@@ -126,34 +126,40 @@ class Slice:
 class ExpertSlice:
     """A rank's part of a mixture of experts' 3D tensor, split along the experts' width: of each
     of `blocks` consecutive blocks of `width` (gate_up: the gate block, then the up block; down:
-    one), the columns [start, stop). The width is whichever of the last two dimensions is
-    `blocks * width` long, the first if both are (transformers' layout stores gate_up as
-    [experts, 2 * width, hidden] and down as [experts, hidden, width]; Qwen's files the last two
-    dimensions swapped, `language.qwen3_moe.ExpertWeightMap`)."""
+    one), the columns [start, stop), returned in the layout the model holds (transformers':
+    gate_up [experts, 2 * width, hidden], down [experts, hidden, width]). Qwen's files store both
+    with the last two dimensions swapped; which layout a stored tensor has is read from its whole
+    shape (transformers' where both fit), never from the part's, which may fit both."""
 
     width: int
     blocks: int
     start: int
     stop: int
 
+    @property
+    def held_dim(self) -> int:
+        return 1 if self.blocks > 1 else 2
+
     def _dim(self, shape: Any) -> int:
         full = self.blocks * self.width
-        dims = [d for d in (1, 2) if shape[d] == full]
-        if len(shape) != 3 or not dims:
+        dims = [d for d in (1, 2) if len(shape) == 3 and shape[d] == full]
+        if not dims:
             raise ValueError(f"an experts tensor of shape {tuple(shape)} has no dimension of width {full}")
-        return dims[0] if self.blocks > 1 or len(dims) == 1 else 2
+        return self.held_dim if self.held_dim in dims else dims[0]
 
-    def _index(self, dim: int, block: int) -> tuple[slice, ...]:
-        lo = block * self.width
-        return (slice(None),) * dim + (slice(lo + self.start, lo + self.stop),)
+    def _cut(self, tensor: Any, dim: int) -> torch.Tensor:
+        parts = []
+        for block in range(self.blocks):
+            lo = block * self.width
+            parts.append(tensor[(slice(None),) * dim + (slice(lo + self.start, lo + self.stop),)])
+        part = torch.cat(parts, dim=dim)
+        return part if dim == self.held_dim else part.transpose(1, 2).contiguous()
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
-        dim = self._dim(tensor.shape)
-        return torch.cat([tensor[self._index(dim, b)] for b in range(self.blocks)], dim=dim)
+        return self._cut(tensor, self._dim(tensor.shape))
 
     def read(self, stored: Any) -> torch.Tensor:
-        dim = self._dim(stored.get_shape())
-        return torch.cat([stored[self._index(dim, b)] for b in range(self.blocks)], dim=dim)
+        return self._cut(stored, self._dim(stored.get_shape()))
 
 
 def reduce_rows(tp: TPGroup | None, out: Any) -> Any:

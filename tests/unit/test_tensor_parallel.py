@@ -165,14 +165,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machi
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
-    """Tiny Qwen3-VL-MoE in transformers' expert layout and in the published one (swapped)."""
+    """Tiny Qwen3-VL-MoE in transformers' expert layout and in the published one (swapped), its
+    experts twice as wide as its hidden size: a rank's part of a published down projection is
+    then square, so only the whole tensor's shape tells its layout."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from tests.helpers import make_checkpoint
 
-    ours = make_checkpoint(str(tmp_path_factory.mktemp("moe")), family="qwen3_vl_moe")
+    ours = make_checkpoint(str(tmp_path_factory.mktemp("moe")), family="qwen3_vl_moe",
+                           text={"moe_intermediate_size": 128})
     published = str(tmp_path_factory.mktemp("moe_published") / "ckpt")
     shutil.copytree(ours, published)
     file = os.path.join(published, "model.safetensors")
