@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GroupedTiles", "PairTiles", "config_key", "grouped_tiles", "pair_tiles", "save_entry", "tuned_path"]
+__all__ = ["GroupedTiles", "PairTiles", "config_key", "forget_tuned", "grouped_tiles", "pair_tiles", "save_entry",
+           "tuned_path"]
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,13 @@ def config_key(experts: int, width: int, hidden: int, dtype: torch.dtype | str, 
     return f"E={experts},N={width},H={hidden},dtype={str(dtype).removeprefix('torch.')},device={device}"
 
 
-def _device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index) if index >= 0 else "cpu"
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
 def default_grouped(rows: int, dtype: torch.dtype) -> GroupedTiles:
@@ -76,11 +82,7 @@ def grouped_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, row
 
 
 def _grouped_fields(experts: int, width: int, hidden: int, dtype: str, rows: int) -> tuple[int, ...]:
-    tuned = _tuned().get(config_key(experts, width, hidden, dtype, _device_name()), {}).get("grouped", {})
-    if not tuned:
-        return astuple(default_grouped(rows, getattr(torch, dtype)))
-    counts = sorted(int(b) for b in tuned)
-    return astuple(GroupedTiles(**tuned[str(next((b for b in counts if b >= rows), counts[-1]))]))
+    return _grouped_lookup(experts, width, hidden, dtype, rows, _current_device())
 
 
 # A traced prefill reads the table once, as a constant: what `torch.compiler.assume_constant_result`
@@ -88,9 +90,23 @@ def _grouped_fields(experts: int, width: int, hidden: int, dtype: str, rows: int
 _grouped_fields._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+@functools.lru_cache(maxsize=1024)  # an eager step looks them up in every layer
+def _grouped_lookup(experts: int, width: int, hidden: int, dtype: str, rows: int, device: int) -> tuple[int, ...]:
+    tuned = _tuned().get(config_key(experts, width, hidden, dtype, _device_name(device)), {}).get("grouped", {})
+    if not tuned:
+        return astuple(default_grouped(rows, getattr(torch, dtype)))
+    counts = sorted(int(b) for b in tuned)
+    return astuple(GroupedTiles(**tuned[str(next((b for b in counts if b >= rows), counts[-1]))]))
+
+
 def pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype) -> tuple[PairTiles, PairTiles]:
     """(the gate/up kernel's tiles, the down kernel's)."""
-    entry = _tuned().get(config_key(experts, width, hidden, dtype, _device_name()), {})
+    return _pair_tiles(experts, width, hidden, dtype, _current_device())
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, device: int) -> tuple[PairTiles, PairTiles]:
+    entry = _tuned().get(config_key(experts, width, hidden, dtype, _device_name(device)), {})
     if "pair" in entry:
         return PairTiles(**entry["pair"]["up"]), PairTiles(**entry["pair"]["down"])
     return PairTiles(16, 128, 4), PairTiles(8, 128, 4)
@@ -110,5 +126,11 @@ def save_entry(key: str, pair: tuple[PairTiles, PairTiles], grouped: dict[int, G
     with open(path + ".tmp", "w") as handle:
         json.dump(table, handle, indent=1, sort_keys=True)
     os.replace(path + ".tmp", path)
-    _tuned.cache_clear()
+    forget_tuned()
     return entry
+
+
+def forget_tuned() -> None:
+    """Read `moe_configs.json` again at the next lookup."""
+    for cached in (_tuned, _grouped_lookup, _pair_tiles):
+        cached.cache_clear()

@@ -96,17 +96,17 @@ def test_the_tuning_sweep_writes_entries_the_kernels_read(tmp_path, monkeypatch)
 
     path = tmp_path / "moe_configs.json"
     monkeypatch.setattr(moe_configs, "tuned_path", lambda: str(path))
-    moe_configs._tuned.cache_clear()
+    moe_configs.forget_tuned()
     try:
         entry = tune(EXPERTS, WIDTH, HIDDEN, TOP_K, torch.bfloat16, buckets=(8, 64), candidates=2)
         saved = json.loads(path.read_text())
         key = moe_configs.config_key(EXPERTS, WIDTH, HIDDEN, torch.bfloat16, torch.cuda.get_device_name())
         assert saved[key] == entry
-        moe_configs._tuned.cache_clear()
+        moe_configs.forget_tuned()
         chosen = moe_configs.grouped_tiles(EXPERTS, WIDTH, HIDDEN, torch.bfloat16, 64)
         assert chosen == moe_configs.GroupedTiles(**entry["grouped"]["64"])
     finally:
-        moe_configs._tuned.cache_clear()
+        moe_configs.forget_tuned()
 
 
 def test_inductor_prefill_pieces_hold_the_experts(tmp_path):

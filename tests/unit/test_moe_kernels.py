@@ -2,8 +2,8 @@
 interpreter on the CPU, in float32 (the interpreter's bfloat16 products are not exact): routing
 equal to softmax-top-k (a NaN row and an all-tied row still pick real experts), and both expert
 paths equal to the per-expert loop for widths no tile divides, fewer pairs than experts, and one
-expert per token. Skipped where Triton is not installed; on CUDA the same kernels run in
-`tests/gpu/test_gpu_moe.py`."""
+expert per token (skipped where Triton is not installed; on CUDA the same kernels run in
+`tests/gpu/test_gpu_moe.py`). And the tuned-tile table's lookup, which needs no Triton."""
 
 from __future__ import annotations
 
@@ -48,3 +48,26 @@ def test_routing_and_both_expert_paths_equal_the_references():
     for experts, rows, routed, pair_error, grouped_error in results:
         assert routed, (experts, rows)
         assert pair_error < 1e-5 and grouped_error < 1e-5, (experts, rows, pair_error, grouped_error)
+
+
+def test_tuned_tiles_are_read_by_row_count_and_saved_entries_replace_cached_ones(tmp_path, monkeypatch):
+    """A step takes the entry of the smallest tuned row count >= its rows (the largest above them
+    all); a shape without an entry takes the defaults; a saved sweep is read at the next lookup,
+    though lookups are cached (an eager step makes one per layer)."""
+    import torch
+
+    from mmpipe.kernels import moe_configs as mc
+
+    monkeypatch.setattr(mc, "tuned_path", lambda: str(tmp_path / "moe_configs.json"))
+    mc.forget_tuned()
+    try:
+        shape = (8, 48, 64, torch.float32)
+        assert mc.grouped_tiles(*shape, 100) == mc.default_grouped(100, torch.float32)
+        small, large = mc.GroupedTiles(16, 32, 32, 32, 32, 4, 2), mc.GroupedTiles(64, 64, 32, 64, 32, 8, 3)
+        pair = (mc.PairTiles(4, 256, 4), mc.PairTiles(32, 512, 8))
+        mc.save_entry(mc.config_key(*shape, "cpu"), pair, {32: small, 512: large})
+        assert [mc.grouped_tiles(*shape, rows) for rows in (1, 32, 33, 512, 4096)] == [small, small, large, large, large]
+        assert mc.pair_tiles(*shape) == pair
+        assert mc.grouped_tiles(8, 96, 64, torch.float32, 1) == mc.default_grouped(1, torch.float32)  # another width
+    finally:
+        mc.forget_tuned()
