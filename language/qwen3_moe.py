@@ -13,12 +13,17 @@ loop in float32.
 
 Expert weights are two 3D tensors per layer, `experts.gate_up_proj` [experts, 2 * width, hidden]
 and `experts.down_proj` [experts, hidden, width] (transformers' layout in memory, and what it
-writes); the published checkpoints store each transposed ([experts, hidden, 2 * width],
-[experts, width, hidden]), which loads too (`ExpertWeightMap`).
+writes). Checkpoints store them in one of three ways, all read by `ExpertWeightMap`: that layout;
+the published bfloat16 files' (each tensor's last two dimensions swapped); or one tensor per
+expert and projection (`experts.<e>.gate_proj.weight`, `up_proj`, `down_proj`), as the Qwen team's
+block-scaled FP8 releases do, each with its `weight_scale_inv`. FP8 experts stay in FP8 on GPUs
+with FP8 tensor cores (`Fp8Experts`, placed by `mmpipe.weights.place_fp8_experts`), and are
+dequantized at load elsewhere.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -32,10 +37,13 @@ from torch import nn
 from mmpipe.errors import CheckpointError
 from mmpipe.kernels import moe
 from mmpipe.kernels.partial_sums import PartialSums
+from mmpipe.layers.fp8_experts import Fp8Experts
 from mmpipe.layers.parallel import reduce_rows
-from mmpipe.layers.weight_map import WeightMap
+from mmpipe.layers.weight_map import WeightMap, copy_into
 
 EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
+# One expert's projection as a checkpoint stores it apart: (experts module, expert, projection, kind).
+PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 MOE_KEYS = ("num_experts", "num_local_experts", "moe_intermediate_size")  # what the dense config refuses
 
 
@@ -87,7 +95,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
         """On CUDA, `PartialSums` (one slice per chosen expert) for the residual add to sum."""
         weights, ids = self.route(x)
-        return reduce_rows(self.tp, moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids))
+        held = self.experts
+        scales = held.scales() if isinstance(held, Fp8Experts) else None
+        return reduce_rows(self.tp, moe.experts(x, held.gate_up_proj, held.down_proj, weights, ids, scales=scales))
 
 
 class Qwen3MoeLanguageModel(Qwen3LanguageModel):
@@ -104,12 +114,54 @@ class Qwen3MoeLanguageModel(Qwen3LanguageModel):
 
 
 class ExpertWeightMap(WeightMap):
-    """`WeightMap` that also takes expert tensors stored transposed (the published layout). A
-    shape that fits both layouts (hidden equal to the experts' width, or to twice it: no
-    published model) is read in transformers' layout."""
+    """`WeightMap` that also takes expert tensors stored transposed (the published layout), and
+    one tensor per expert and projection (with its FP8 scale where the experts are `Fp8Experts`);
+    a layer's experts count as loaded once every expert's part has come. A shape that fits both
+    3D layouts (hidden equal to the experts' width, or to twice it: no published model) is read
+    in transformers' layout."""
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        for path, sub in module.named_modules():
+            if isinstance(sub, Fp8Experts):
+                self.params.update({f"{path}.{name}": buffer for name, buffer in sub.named_buffers()})
+        self._parts: dict[str, set[tuple[int, str]]] = {}  # per-expert parts loaded, by model tensor
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
-        return super().load((name, self._as_held(name, tensor)) for name, tensor in weights)
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        whole = []
+        for name, tensor in weights:
+            match = PER_EXPERT.match(name)
+            if match is None:
+                whole.append((name, self._as_held(name, tensor)))
+            elif self._load_part(name, tensor, *match.groups()):
+                loaded.update(target for target, parts in self._parts.items() if self._complete(target, parts))
+            else:
+                unexpected.append(name)
+        got, extra = super().load(whole)
+        return loaded | got, unexpected + extra
+
+    def _load_part(self, name: str, tensor: torch.Tensor, experts: str, index: str, projection: str,
+                   kind: str) -> bool:
+        """Copy one expert's projection (or its tile scales) into its rows of the 3D tensor."""
+        stem = "down" if projection == "down_proj" else "gate_up"
+        target = f"{experts}.{stem}_{'proj' if kind == 'weight' else 'scale'}"
+        param, e = self.params.get(target), int(index)
+        if param is None or e >= param.shape[0]:
+            return False
+        block = param[e]
+        if stem == "gate_up":
+            half = block.shape[0] // 2
+            block = block[:half] if projection == "gate_proj" else block[half:]
+        if kind == "weight_scale":
+            tensor = tensor[:, :block.shape[1]]  # (kept FP8 scales come with columns padded for cuBLASLt)
+        copy_into(block, tensor, name)
+        self._parts.setdefault(target, set()).add((e, projection))
+        return True
+
+    def _complete(self, target: str, parts: set[tuple[int, str]]) -> bool:
+        return len(parts) == self.params[target].shape[0] * (2 if ".gate_up_" in target else 1)
 
     def _as_held(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         param = self.params.get(name)

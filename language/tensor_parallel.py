@@ -35,6 +35,7 @@ decode and prefill graphs capture them like any other kernel.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -43,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpipe.errors import UnsupportedModelError
+from mmpipe.kernels.moe import SCALE_BLOCK
+from mmpipe.layers.fp8_experts import Fp8Experts
 from mmpipe.layers.parallel import (  # (TPGroup re-exported: the group the shards use)
     ExpertSlice,
     Slice,
@@ -52,6 +55,9 @@ from mmpipe.layers.parallel import (  # (TPGroup re-exported: the group the shar
     row_parallel,
     shard_gated_mlp,
 )
+
+# An expert's projection stored apart (the Qwen team's FP8 releases): gate and up split by rows, down by columns.
+PER_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -127,6 +133,7 @@ def shard_slices(cfg: Any, tp: TPGroup) -> Any:
     experts = cfg.moe_intermediate_size // tp.size
     expert_parts = {".mlp.experts.gate_up_proj": ExpertSlice(cfg.moe_intermediate_size, 2, r * experts, (r + 1) * experts),
                     ".mlp.experts.down_proj": ExpertSlice(cfg.moe_intermediate_size, 1, r * experts, (r + 1) * experts)}
+    expert = (r * experts, (r + 1) * experts)
     rows = {".self_attn.q_proj.": q, ".self_attn.k_proj.": kv, ".self_attn.v_proj.": kv,
             ".mlp.gate_proj.": mlp, ".mlp.up_proj.": mlp}
     columns = {".self_attn.o_proj.": q, ".mlp.down_proj.": mlp}
@@ -135,6 +142,10 @@ def shard_slices(cfg: Any, tp: TPGroup) -> Any:
         for part_name, part in expert_parts.items():
             if name.endswith(part_name):
                 return part
+        one_expert = PER_EXPERT_WEIGHT.search(name)  # an expert's projection stored apart
+        if one_expert is not None:
+            lo, hi = expert
+            return Slice(1 if one_expert.group(1) == "down" else 0, lo, hi, hi - lo)
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return Slice(0, r * vocab, min((r + 1) * vocab, cfg.vocab_size), vocab)
         for part_name, (lo, hi) in rows.items():
@@ -196,20 +207,29 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
 def shard_experts(moe: nn.Module, tp: TPGroup) -> None:
     """A `SparseMoE` made rank `tp.rank`'s shard in place: every expert's gate and up rows and
     down columns [r * W/N, (r + 1) * W/N) of its width W (the router stays whole, so every rank
-    routes alike); its output then sums over the ranks (`moe.tp`)."""
+    routes alike), FP8 experts' tile scales with them (W/N a multiple of their 128-wide tiles);
+    its output then sums over the ranks (`moe.tp`)."""
     experts, n, r = moe.experts, tp.size, tp.rank
     width = experts.down_proj.shape[2]
     part = width // n
-    for name, blocks in (("gate_up_proj", 2), ("down_proj", 1)):
+    tensors = [("gate_up_proj", 2, 1), ("down_proj", 1, 1)]
+    if isinstance(experts, Fp8Experts):
+        if part % SCALE_BLOCK:
+            raise UnsupportedModelError(f"tensor_parallel_size={n}: FP8 experts of width {width} split into parts of "
+                                        f"{part}, not whole {SCALE_BLOCK}-wide blocks of scales")
+        tensors += [("gate_up_scale", 2, SCALE_BLOCK), ("down_scale", 1, SCALE_BLOCK)]
+    for name, blocks, unit in tensors:
         whole = getattr(experts, name)
-        cut = ExpertSlice(width, blocks, r * part, (r + 1) * part)
+        cut = ExpertSlice(width // unit, blocks, r * part // unit, (r + 1) * part // unit)
         if whole.device.type == "meta":
             shape = list(whole.shape)
-            shape[cut.held_dim] = blocks * part
+            shape[cut.held_dim] = blocks * part // unit
             value = torch.empty(shape, dtype=whole.dtype, device="meta")
         else:
             value = cut.of(whole).contiguous()
-        setattr(experts, name, nn.Parameter(value, requires_grad=False))
+        if isinstance(whole, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=False)
+        setattr(experts, name, value)
     moe.tp = tp
 
 

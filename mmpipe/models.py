@@ -27,6 +27,7 @@ from mmpipe.language.qwen3_moe import Qwen3MoeLanguageModel, qwen3_moe_text_conf
 from mmpipe.language.tensor_parallel import shard_language_model, shard_slices
 from mmpipe.layers.buffers import no_init
 from mmpipe.layers.fp8 import Fp8Linear, fp8_available, quantize_linears
+from mmpipe.layers.fp8_experts import Fp8Experts, quantize_experts
 from mmpipe.quantization import (
     LM_FP8_LAYERS,
     VISION_FP8_LAYERS,
@@ -48,6 +49,7 @@ from mmpipe.weights import (
     fill_random,
     load_checkpoint,
     materialize,
+    place_fp8_experts,
     place_fp8_layers,
     prepare_for_kernels,
     read_json,
@@ -164,16 +166,19 @@ class LoadedModel:
         return self.vision.cfg.spatial_merge_size
 
 
-def _describe_stored(fp8: Fp8Checkpoint | None, dtype: torch.dtype, kept: int, refused: int) -> str | None:
+def _describe_stored(fp8: Fp8Checkpoint | None, dtype: torch.dtype, kept: int, refused: int, experts: int = 0
+                     ) -> str | None:
     """How an FP8 checkpoint's weights are held in this run (`mmpipe info`, the load log line)."""
     if fp8 is None:
         return None
     to = str(dtype).removeprefix("torch.")
-    if not kept:
+    if not kept and not experts:
         why = "no FP8 tensor cores on this device" if not refused else "shapes the FP8 kernels do not take"
         return f"{fp8.describe()}, dequantized to {to} at load ({why})"
     rest = f"; {refused} more dequantized to {to} (shapes the FP8 kernels do not take)" if refused else ""
-    return f"{fp8.describe()}; {kept} language-model linear layers kept in FP8{rest}; other FP8 weights dequantized"
+    moe = f" and {experts} layers of experts" if experts else ""
+    return (f"{fp8.describe()}; {kept} language-model linear layers{moe} kept in FP8{rest}; other FP8 weights "
+            "dequantized")
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
@@ -197,10 +202,6 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     fp8 = fp8_checkpoint(hf_config, path)  # an unsupported quantization is refused before anything loads
     vision_cfg = spec.vision_config(hf_config)
     text_cfg = spec.text_config(hf_config)
-    if text_cfg.num_experts and (fp8 is not None or quantization is not None):
-        raise UnsupportedModelError(f"{path}: {spec.family} runs from bfloat16 or float32 weights in this version: "
-                                    "the expert kernels take no FP8 weights yet (an FP8 checkpoint or "
-                                    "quantization='fp8')")
     vision_attention = make_vision_attention(attention_backend, device, dtype)
     try:
         language_attention = make_lm_attention(attention_backend, device, dtype, text_cfg.head_dim**-0.5,
@@ -218,9 +219,11 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     placed = {"refused": 0}
 
     def keep_fp8_layers(meta_language: nn.Module) -> None:
-        found, placed["refused"] = place_fp8_layers("language", meta_language, LM_FP8_LAYERS,
-                                                    stored_fp8_modules(path), fp8)
-        kept.update(found)
+        stored_fp8 = stored_fp8_modules(path)
+        found, placed["refused"] = place_fp8_layers("language", meta_language, LM_FP8_LAYERS, stored_fp8, fp8)
+        experts, refused_experts = place_fp8_experts("language", meta_language, stored_fp8, fp8)
+        kept.update(found | experts)
+        placed["refused"] += refused_experts
 
     keep = fp8 is not None and (fp8_available(device) if keep_fp8 is None else keep_fp8)
     vision = materialize(vision, device, dtype)
@@ -236,12 +239,16 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, attention_ba
     prepare_for_kernels(vision)
     prepare_for_kernels(language)
     stored = _describe_stored(fp8, dtype, sum(isinstance(m, Fp8Linear) for m in language.modules()),
-                              placed["refused"])
+                              placed["refused"], sum(isinstance(m, Fp8Experts) for m in language.modules()))
     if stored is not None:
         log.info("%s: %s", path, stored)
     if quantization in ("fp8", "fp8-all"):
         layers = quantize_linears(language, LM_FP8_LAYERS)
         done = f"{layers} language-model linear layers"
+        experts, left = quantize_experts(language)
+        if experts or left:
+            done += f", {experts} layers of experts (128x128 block scales)"
+            done += f" ({left} left in {str(dtype).removeprefix('torch.')}: widths not whole blocks)" if left else ""
         if quantization == "fp8-all":
             done += f" and {quantize_linears(vision, VISION_FP8_LAYERS)} vision-tower ones"
         if device.type == "cuda":

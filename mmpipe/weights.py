@@ -19,6 +19,7 @@ from torch import nn
 
 from mmpipe.errors import CheckpointError
 from mmpipe.layers.fp8 import BLOCK, Fp8Linear, block_scale_columns, fp8_shape_ok
+from mmpipe.layers.fp8_experts import Fp8Experts, fits
 from mmpipe.layers.parallel import Slice
 from mmpipe.layers.weight_map import WeightMap
 from mmpipe.quantization import Fp8Checkpoint, dequantized
@@ -157,6 +158,36 @@ def place_fp8_layers(component: str, module: nn.Module, names: tuple[str, ...], 
             setattr(parent, name, Fp8Linear.empty(child.out_features, child.in_features, child.bias is not None,
                                                   child.weight.dtype, scheme.block is not None))
             kept.update(n for candidates in full.values() for n in candidates if n in stored)
+    return kept, refused
+
+
+def place_fp8_experts(component: str, module: nn.Module, stored: set[str], scheme: Fp8Checkpoint
+                      ) -> tuple[set[str], int]:
+    """As `place_fp8_layers`, for experts stored one tensor per expert and projection (the Qwen
+    team's FP8 releases): each experts module (a child `experts` with 3D `gate_up_proj` and
+    `down_proj`) whose every expert's gate, up and down weights are stored in FP8 in 128 x 128
+    blocks, and whose shape is made of whole blocks, becomes an empty `Fp8Experts`. Returns the
+    checkpoint module names kept in FP8 and how many layers could not be (dequantized instead)."""
+    prefixes = [prefix for prefix, comp, inner in _LAYOUTS if comp == component and not inner]
+    kept: set[str] = set()
+    refused = 0
+    for path, parent in list(module.named_modules()):
+        child = getattr(parent, "experts", None)
+        down = getattr(child, "down_proj", None)
+        if not isinstance(child, nn.Module) or isinstance(child, Fp8Experts) or getattr(down, "dim", lambda: 0)() != 3:
+            continue
+        experts, hidden, width = down.shape
+        inner = f"{path}.experts" if path else "experts"
+        names = [f"{prefix}{inner}.{e}.{proj}" for e in range(experts) for proj in ("gate_proj", "up_proj", "down_proj")
+                 for prefix in prefixes]
+        found = [name for name in names if name in stored]
+        if len(found) != 3 * experts:
+            continue  # stored as 3D tensors, or left in the run's dtype by the checkpoint
+        if scheme.block != (BLOCK, BLOCK) or not fits(hidden, width):
+            refused += 1
+            continue
+        parent.experts = Fp8Experts(experts, hidden, width)
+        kept.update(found)
     return kept, refused
 
 

@@ -96,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, help="reuse (or create) the random checkpoint here")
     parser.add_argument("--kv-pages", type=int, default=None, help="mmpipe KV pages (default: sized for the "
                                                                    "largest batch)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="mmpipe's language model (experts too) in FP8; the floor counts those weights at one byte")
     parser.add_argument("--plot", default=None, help="write tokens/s and %% of floor vs batch to this PNG")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": tests only
     parser.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
@@ -136,12 +138,14 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     _log(clock, f"checkpoint {path}")
     text = text_config_of(read_config(path))
     elem = torch.empty(0, dtype=_torch_dtype(args.dtype)).element_size()
+    fp8 = args.quantization == "fp8"
     context = mean_context(args.prompt_tokens, n1, n2)
     copy_gbs = copy_gbs_of(device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result: dict[str, Any] = {
         "device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
-        "copy_GBps": copy_gbs, "shape": args.shape, "dtype": args.dtype, "checkpoint": path,
+        "copy_GBps": copy_gbs, "shape": args.shape, "dtype": args.dtype, "quantization": args.quantization,
+        "checkpoint": path,
         "prompt_tokens": args.prompt_tokens, "new_tokens": [n1, n2], "batches": batches,
         "repeats": args.repeats, "systems": list(args.systems), "mean_context": context,
         "lm_weight_params": lm_weight_params(text), "lm_weight_bytes": lm_weight_params(text) * elem,
@@ -152,7 +156,8 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
 
     def add_row(system: str, batch: int, **fields: Any) -> dict[str, Any]:
         row = {"system": system, "label": LABELS[system], "batch": batch,
-               "floor_ms": floor_ms(text, batch, context, copy_gbs, elem), **fields}
+               "floor_ms": floor_ms(text, batch, context, copy_gbs, elem, fp8=fp8 and system.startswith("mmpipe")),
+               **fields}
         ms = row.get("ms_per_step")
         row["tokens_per_s"] = tokens_per_s(batch, ms)
         row["pct_of_floor"] = 100 * row["floor_ms"] / ms if ms and ms > 0 else None
@@ -204,7 +209,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            mm = MmpipeSystem(path, device, args.dtype, GRAPH_MODES[system], pages, max(batches))
+            mm = MmpipeSystem(path, device, args.dtype, GRAPH_MODES[system], pages, max(batches), args.quantization)
         except Exception as exc:
             for batch in batches:
                 add_row(system, batch, error=f"start-up: {type(exc).__name__}: {exc}")

@@ -53,6 +53,20 @@ def lm_weight_params(text: dict[str, Any], batch: int = 1) -> float:
     return layers * (attention + 2 * h) + (layers - sparse) * 3 * h * inter + sparse * moe + h + text["vocab_size"] * h
 
 
+def fp8_weight_params(text: dict[str, Any], batch: int = 1) -> float:
+    """The part of `lm_weight_params` that `quantization="fp8"` holds in FP8: every decoder layer's
+    projections (q/k/v and o, the dense MLPs, the experts read), not their biases, the norms, the
+    routers or the LM head."""
+    h, inter, layers = text["hidden_size"], text.get("intermediate_size", 0), text["num_hidden_layers"]
+    q, kv = text["num_attention_heads"] * head_dim_of(text), text["num_key_value_heads"] * head_dim_of(text)
+    sparse = 0
+    if num_experts(text):
+        step, dense = int(text.get("decoder_sparse_step") or 1), set(text.get("mlp_only_layers") or ())
+        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    experts = 3 * h * text.get("moe_intermediate_size", 0) * experts_read(text, batch) if sparse else 0
+    return layers * (2 * h * q + 2 * h * kv) + (layers - sparse) * 3 * h * inter + sparse * experts
+
+
 def kv_bytes_per_step(text: dict[str, Any], batch: int, context: float, elem_bytes: int = 2) -> float:
     """K and V of every layer over `context` tokens for each of `batch` sequences."""
     return batch * context * text["num_hidden_layers"] * 2 * text["num_key_value_heads"] * head_dim_of(text) \
@@ -63,9 +77,14 @@ def mean_context(prompt_tokens: int, n1: int, n2: int) -> float:
     return prompt_tokens + (n1 + n2) / 2
 
 
-def floor_ms(text: dict[str, Any], batch: int, context: float, copy_gbs: float, elem_bytes: int = 2) -> float:
-    """Bytes one decode step must read over the copy bandwidth (GB/s, read + write counted)."""
-    total = lm_weight_params(text, batch) * elem_bytes + kv_bytes_per_step(text, batch, context, elem_bytes)
+def floor_ms(text: dict[str, Any], batch: int, context: float, copy_gbs: float, elem_bytes: int = 2,
+             fp8: bool = False) -> float:
+    """Bytes one decode step must read over the copy bandwidth (GB/s, read + write counted);
+    `fp8`: the layers `quantization="fp8"` quantizes read one byte a weight."""
+    weights = lm_weight_params(text, batch) * elem_bytes
+    if fp8:
+        weights -= fp8_weight_params(text, batch) * (elem_bytes - 1)
+    total = weights + kv_bytes_per_step(text, batch, context, elem_bytes)
     return total / (copy_gbs * 1e9) * 1e3
 
 

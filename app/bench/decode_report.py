@@ -64,7 +64,8 @@ def header_line(result: dict[str, Any]) -> str:
     n1, n2 = result["new_tokens"]
     return (f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}; "
             f"device-to-device copy {result['copy_GBps']:.0f} GB/s (read + write); "
-            f"{SHAPES[result['shape']].label}-shaped LM, random weights, {result['dtype']}; "
+            f"{SHAPES[result['shape']].label}-shaped LM, random weights, {result['dtype']}"
+            f"{'; mmpipe in ' + result['quantization'] + ' (those weights at one byte in its floor)' if result.get('quantization') else ''}; "
             f"{result['prompt_tokens']}-token prompts, ms/step = (t({n2}) - t({n1})) / {n2 - n1} new tokens; "
             f"floor = ({result['lm_weight_bytes'] / 1e9:.2f} GB of LM weights + KV at context "
             f"{result['mean_context']:g}) / copy bandwidth")

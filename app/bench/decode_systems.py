@@ -105,14 +105,14 @@ class MmpipeSystem:
     """mmpipe's engine on token-id requests (text only), graph mode chosen."""
 
     def __init__(self, path: str, device: torch.device, dtype: str, graph_mode: str, num_kv_pages: int,
-                 max_running_requests: int) -> None:
+                 max_running_requests: int, quantization: str | None = None) -> None:
         from mmpipe.app.bench.shapes import load_options
 
         from mmpipe import Pipeline
 
         options: dict[str, Any] = dict(num_kv_pages=num_kv_pages, max_running_requests=max_running_requests,
                                        graph_mode=graph_mode, prefix_caching=False,  # every run prefills
-                                       **load_options(path))
+                                       quantization=quantization, **load_options(path))
         self.note = ""
         self.pipe, self.startup_s = timed(lambda: Pipeline.from_pretrained(path, device=str(device), dtype=dtype,
                                                                            **options), device)

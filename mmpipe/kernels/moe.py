@@ -19,6 +19,12 @@ residual add after the layer adds in choice order), so no kernel combines them.
 Their tile sizes come from `moe_configs`. As with `gemv`, the path and tiles follow the row
 count: a decode batch padded to its graph bucket computes as the eager step of that bucket does.
 
+FP8 experts (`scales`: the float32 scale of every 128 x 128 tile of each expert's gate_up and down
+weights, `[experts, rows / 128, columns / 128]`) run in the same kernels, their weights widened in
+registers or, in the grouped GEMM with half-precision rows, multiplied in FP8 with the rows
+quantized per 128 columns (`moe_kernels`); the reference dequantizes them first
+(`dequantize_experts`).
+
 Elsewhere, `experts` is the reference: every expert over every row, weighted by a routing weight
 that is zero where a row did not choose the expert, added in expert order as transformers adds
 them (exact against it in float32; it costs every expert's work, so only the CPU runs it).
@@ -29,16 +35,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmpipe.kernels import gemv, triton
+from mmpipe.kernels import gemv, tl, triton
+from mmpipe.kernels.fp8_quant import quantize_per_group
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.moe_configs import GroupedTiles, PairTiles, grouped_tiles, pair_tiles
 from mmpipe.kernels.partial_sums import PartialSums
 
-__all__ = ["PAIR_ROWS", "PREFILL_ROWS", "align", "experts", "experts_reference", "grouped_experts", "pair_experts",
-           "route", "route_reference"]
+__all__ = ["PAIR_ROWS", "PREFILL_ROWS", "SCALE_BLOCK", "align", "dequantize_experts", "experts", "experts_reference",
+           "grouped_experts", "pair_experts", "route", "route_reference"]
 
 PAIR_ROWS = 4  # up to this many rows the pair kernels run (decode at small batches)
 PREFILL_ROWS = 4096  # the row count whose tiles every prefill step takes
+SCALE_BLOCK = 128  # FP8 experts: one scale per SCALE_BLOCK x SCALE_BLOCK tile of a weight
+
+Scales = tuple[torch.Tensor, torch.Tensor]  # FP8 experts' (gate_up scales, down scales)
 
 
 def _on_kernels(t: torch.Tensor) -> bool:
@@ -87,8 +97,16 @@ def _fake_sums(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return x.new_empty(ids.shape[1], x.shape[0], x.shape[1], dtype=torch.float32)
 
 
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 experts [experts, rows, columns] times their tile scales, in `dtype`."""
+    full = scale.repeat_interleave(SCALE_BLOCK, 1).repeat_interleave(SCALE_BLOCK, 2)
+    return (weight.float() * full[:, :weight.shape[1], :weight.shape[2]]).to(dtype)
+
+
 def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+                      ids: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
+    if scales is not None:
+        gate_up, down = dequantize_experts(gate_up, scales[0], x.dtype), dequantize_experts(down, scales[1], x.dtype)
     dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
     dense.scatter_(1, ids.long(), weights.to(x.dtype))
     out = torch.zeros_like(x)
@@ -99,57 +117,80 @@ def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-            ids: torch.Tensor, path: str | None = None) -> torch.Tensor | PartialSums:
+            ids: torch.Tensor, path: str | None = None, scales: Scales | None = None) -> torch.Tensor | PartialSums:
     """[rows, hidden] in x's dtype; on CUDA as `PartialSums`, one float32 slice per choice (see the
     module docstring), or under tracing their sum. `path` ("pair", "grouped"; default: the pair
     kernels for a decode step of up to `PAIR_ROWS` rows) picks the CUDA kernels. A prefill step
     always takes the grouped GEMM with one set of tiles, so an eager prefill and the piecewise
-    prefill (traced once for every size) compute the same."""
+    prefill (traced once for every size) compute the same. `scales`: the experts are FP8."""
     if not _on_kernels(x):
-        return experts_reference(x, gate_up, down, weights, ids)
+        return experts_reference(x, gate_up, down, weights, ids, scales)
     decode = gemv.in_decode_step()
     if path is None:
         path = "pair" if decode and x.shape[0] <= PAIR_ROWS else "grouped"
     if path == "pair":
-        return pair_experts(x, gate_up, down, weights, ids)
+        return pair_experts(x, gate_up, down, weights, ids, scales=scales)
     rows = x.shape[0] if decode else PREFILL_ROWS
-    out = grouped_experts(x, gate_up, down, weights, ids, grouped_tiles(gate_up.shape[0], down.shape[2], x.shape[1],
-                                                                        x.dtype, rows))
+    tiles = grouped_tiles(gate_up.shape[0], down.shape[2], x.shape[1], x.dtype, rows, scales is not None)
+    out = grouped_experts(x, gate_up, down, weights, ids, tiles, scales)
     # A traced prefill takes the slices' sum as a tensor: the same additions in the same order as
     # the norm kernel's (`PartialSums.total`), which inductor does not take partial sums into.
     return out.total() if torch.compiler.is_compiling() else out
 
 
+def _check_pair_scaled(scales: Scales | None, *block_ns: int) -> None:
+    """A pair program's rows of FP8 experts lie in one block of scales."""
+    if scales is not None and any(SCALE_BLOCK % n for n in block_ns):
+        raise ValueError(f"FP8 experts take pair tiles of rows that divide {SCALE_BLOCK}, not {block_ns}")
+
+
+def _check_grouped_scaled(scales: Scales | None, *block_ks: int) -> None:
+    """The grouped GEMM takes FP8 experts one block of scales (128 columns of K) a step."""
+    if scales is not None and any(k != SCALE_BLOCK for k in block_ks):
+        raise ValueError(f"FP8 experts take grouped tiles of {SCALE_BLOCK} columns of K a step, not {block_ks}")
+
+
+def _scale_args(scales: torch.Tensor | None, weights: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(the scales, their expert and row-block strides); for plain experts a stand-in never read."""
+    return (weights, 0, 0) if scales is None else (scales, scales.stride(0), scales.stride(1))
+
+
 def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                 ids: torch.Tensor, tiles: tuple[PairTiles, PairTiles] | None = None) -> PartialSums:
+                 ids: torch.Tensor, tiles: tuple[PairTiles, PairTiles] | None = None,
+                 scales: Scales | None = None) -> PartialSums:
     """The few-row path on CUDA (`tiles`: the two kernels', default `pair_tiles`)."""
-    up, dn = tiles or pair_tiles(gate_up.shape[0], down.shape[2], x.shape[1], x.dtype)
-    sums = _pair_sums(x, gate_up, down, weights, ids, up.block_n, up.block_k, up.warps, dn.block_n, dn.block_k,
-                      dn.warps)
+    up, dn = tiles or pair_tiles(gate_up.shape[0], down.shape[2], x.shape[1], x.dtype, scales is not None)
+    _check_pair_scaled(scales, up.block_n, dn.block_n)
+    up_scales, down_scales = scales if scales is not None else (None, None)
+    sums = _pair_sums(x, gate_up, down, weights, ids, up_scales, down_scales, up.block_n, up.block_k, up.warps,
+                      dn.block_n, dn.block_k, dn.warps)
     return PartialSums(sums, x.dtype)
 
 
 @torch.library.custom_op("mmpipe::moe_pair_experts", mutates_args=())
 def _pair_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-               ids: torch.Tensor, up_n: int, up_k: int, up_warps: int, down_n: int, down_k: int,
-               down_warps: int) -> torch.Tensor:
+               ids: torch.Tensor, up_scales: torch.Tensor | None, down_scales: torch.Tensor | None, up_n: int,
+               up_k: int, up_warps: int, down_n: int, down_k: int, down_warps: int) -> torch.Tensor:
     from mmpipe.kernels.moe_kernels import pair_down_kernel, pair_gate_up_kernel
 
     rows, hidden = x.shape
     top_k, width = ids.shape[1], down.shape[2]
     act = torch.empty(rows * top_k, width, dtype=x.dtype, device=x.device)
     sums = torch.empty(top_k, rows, hidden, dtype=torch.float32, device=x.device)
+    scaled = up_scales is not None
+    up_s, up_se, up_sn = _scale_args(up_scales, weights)
+    down_s, down_se, down_sn = _scale_args(down_scales, weights)
     if rows:
-        launch(pair_gate_up_kernel, (rows * top_k, cdiv(width, up_n)), x, gate_up, ids, act, hidden, width,
-               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=up_n,
-               BLOCK_K=up_k, num_warps=up_warps)
-        launch(pair_down_kernel, (rows * top_k, cdiv(hidden, down_n)), act, down, ids, weights, sums, hidden,
-               width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0), sums.stride(1), TOP_K=top_k,
-               BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps)
+        launch(pair_gate_up_kernel, (rows * top_k, cdiv(width, up_n)), x, gate_up, up_s, ids, act, hidden, width,
+               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), up_se, up_sn, TOP_K=top_k,
+               BLOCK_N=up_n, BLOCK_K=up_k, SCALED=scaled, num_warps=up_warps)
+        launch(pair_down_kernel, (rows * top_k, cdiv(hidden, down_n)), act, down, down_s, ids, weights, sums, hidden,
+               width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0), sums.stride(1), down_se,
+               down_sn, TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=down_k, SCALED=scaled, num_warps=down_warps)
     return sums
 
 
-_pair_sums.register_fake(lambda x, gate_up, down, weights, ids, *tiles: _fake_sums(x, ids))
+_pair_sums.register_fake(lambda x, gate_up, down, weights, ids, *rest: _fake_sums(x, ids))
 
 
 @torch.library.custom_op("mmpipe::moe_align", mutates_args=())
@@ -190,17 +231,19 @@ def _(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, 
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, tiles: GroupedTiles) -> PartialSums:
+                    ids: torch.Tensor, tiles: GroupedTiles, scales: Scales | None = None) -> PartialSums:
     """The many-row path on CUDA, with these tiles."""
-    sums = _grouped_sums(x, gate_up, down, weights, ids, tiles.block_m, tiles.up_n, tiles.up_k, tiles.down_n,
-                         tiles.down_k, tiles.warps, tiles.stages)
+    _check_grouped_scaled(scales, tiles.up_k, tiles.down_k)
+    up_scales, down_scales = scales if scales is not None else (None, None)
+    sums = _grouped_sums(x, gate_up, down, weights, ids, up_scales, down_scales, tiles.block_m, tiles.up_n,
+                         tiles.up_k, tiles.down_n, tiles.down_k, tiles.warps, tiles.stages)
     return PartialSums(sums, x.dtype)
 
 
 @torch.library.custom_op("mmpipe::moe_grouped_experts", mutates_args=())
 def _grouped_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, block_m: int, up_n: int, up_k: int, down_n: int, down_k: int, warps: int,
-                  stages: int) -> torch.Tensor:
+                  ids: torch.Tensor, up_scales: torch.Tensor | None, down_scales: torch.Tensor | None, block_m: int,
+                  up_n: int, up_k: int, down_n: int, down_k: int, warps: int, stages: int) -> torch.Tensor:
     from mmpipe.kernels.moe_kernels import grouped_down_kernel, grouped_gate_up_kernel
 
     rows, hidden = x.shape
@@ -213,14 +256,32 @@ def _grouped_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     sums = torch.empty(top_k, rows, hidden, dtype=torch.float32, device=x.device)
     if not rows:
         return sums
-    launch(grouped_gate_up_kernel, (blocks, cdiv(width, up_n)), x, gate_up, sorted_pairs, block_expert, total,
-           act, pairs, hidden, width, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), TOP_K=top_k,
-           BLOCK_M=block_m, BLOCK_N=up_n, BLOCK_K=up_k, IEEE=ieee, num_warps=warps, num_stages=stages)
-    launch(grouped_down_kernel, (blocks, cdiv(hidden, down_n)), act, down, sorted_pairs, block_expert, total,
-           weights, sums, pairs, hidden, width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0),
-           sums.stride(1), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee,
-           num_warps=warps, num_stages=stages)
+    scaled = up_scales is not None
+    fp8_rows = scaled and not ieee  # half-precision rows meet FP8 experts on the FP8 tensor cores
+    up_s, up_se, up_sn = _scale_args(up_scales, weights)
+    down_s, down_se, down_sn = _scale_args(down_scales, weights)
+    a, a_scales, stride_as = _rows_for(x, fp8_rows, weights)
+    launch(grouped_gate_up_kernel, (blocks, cdiv(width, up_n)), a, a_scales, gate_up, up_s, sorted_pairs,
+           block_expert, total, act, pairs, hidden, width, a.stride(0), stride_as, gate_up.stride(0),
+           gate_up.stride(1), act.stride(0), up_se, up_sn, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up_n,
+           BLOCK_K=up_k, IEEE=ieee, SCALED=scaled, FP8_ROWS=fp8_rows, num_warps=warps, num_stages=stages)
+    a, a_scales, stride_as = _rows_for(act, fp8_rows, weights)
+    launch(grouped_down_kernel, (blocks, cdiv(hidden, down_n)), a, a_scales, down, down_s, sorted_pairs,
+           block_expert, total, weights, sums, pairs, hidden, width, a.stride(0), stride_as, down.stride(0),
+           down.stride(1), sums.stride(0), sums.stride(1), down_se, down_sn, TOP_K=top_k, BLOCK_M=block_m,
+           BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SCALED=scaled, FP8_ROWS=fp8_rows,
+           OUT_DTYPE=getattr(tl, str(x.dtype).removeprefix("torch.")), num_warps=warps, num_stages=stages)
     return sums
 
 
-_grouped_sums.register_fake(lambda x, gate_up, down, weights, ids, *tiles: _fake_sums(x, ids))
+def _rows_for(x: torch.Tensor, fp8: bool, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A grouped product's rows: (as they are, a stand-in never read, 0), or quantized to FP8 per
+    row and 128 columns (values, scales [rows, columns / 128] stored row by row, their row stride)."""
+    if not fp8:
+        return x, stand_in, 0
+    values, scales = quantize_per_group(x, SCALE_BLOCK)
+    scales = scales.contiguous()
+    return values, scales, scales.stride(0)
+
+
+_grouped_sums.register_fake(lambda x, gate_up, down, weights, ids, *rest: _fake_sums(x, ids))

@@ -4,7 +4,8 @@ Tuned entries live in `moe_configs.json` beside this module, written by `mmpipe 
 (a sweep on the GPU: every candidate timed inside a CUDA graph, the fastest kept per row count
 tried; a step takes the entry of the smallest tried count >= its rows). A shape or GPU without an
 entry takes the defaults below: small blocks of rows while few rows reach each expert, larger
-ones as the rows grow.
+ones as the rows grow. FP8 experts (`fp8`) have their own entries and defaults: the grouped
+GEMM takes 128 columns of K a step (one block of scales), a pair program's rows divide 128.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def _tuned() -> dict[str, Any]:
         return {}
 
 
-def config_key(experts: int, width: int, hidden: int, dtype: torch.dtype | str, device: str) -> str:
-    return f"E={experts},N={width},H={hidden},dtype={str(dtype).removeprefix('torch.')},device={device}"
+def config_key(experts: int, width: int, hidden: int, dtype: torch.dtype | str, device: str, fp8: bool = False) -> str:
+    """`dtype`: the activations'; `fp8`: the experts' weights are block-scaled FP8."""
+    weights = ",weights=fp8" if fp8 else ""
+    return f"E={experts},N={width},H={hidden},dtype={str(dtype).removeprefix('torch.')}{weights},device={device}"
 
 
 @functools.cache
@@ -76,13 +79,25 @@ def default_grouped(rows: int, dtype: torch.dtype) -> GroupedTiles:
     return GroupedTiles(64, 128, 32 if wide else 64, 128, 32 if wide else 64, 4 if wide else 8, 2)
 
 
-def grouped_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, rows: int) -> GroupedTiles:
+def default_fp8_grouped(rows: int, dtype: torch.dtype) -> GroupedTiles:
+    """FP8 experts: 128 columns of K a step (one block of scales); the float32 rows of tests
+    halve the other tiles for shared memory."""
+    wide = dtype == torch.float32
+    if rows <= 64:
+        return GroupedTiles(16, 64, 128, 64, 128, 4, 2)
+    if rows <= 512 or wide:
+        return GroupedTiles(32, 64, 128, 64, 128, 4, 2)
+    return GroupedTiles(64, 128, 128, 128, 128, 8, 2)
+
+
+def grouped_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, rows: int, fp8: bool = False
+                  ) -> GroupedTiles:
     """The tuned tiles of the smallest tuned row count >= rows (else the largest tuned), or the defaults."""
-    return GroupedTiles(*_grouped_fields(experts, width, hidden, str(dtype).removeprefix("torch."), rows))
+    return GroupedTiles(*_grouped_fields(experts, width, hidden, str(dtype).removeprefix("torch."), rows, fp8))
 
 
-def _grouped_fields(experts: int, width: int, hidden: int, dtype: str, rows: int) -> tuple[int, ...]:
-    return _grouped_lookup(experts, width, hidden, dtype, rows, _current_device())
+def _grouped_fields(experts: int, width: int, hidden: int, dtype: str, rows: int, fp8: bool) -> tuple[int, ...]:
+    return _grouped_lookup(experts, width, hidden, dtype, rows, _current_device(), fp8)
 
 
 # A traced prefill reads the table once, as a constant: what `torch.compiler.assume_constant_result`
@@ -91,25 +106,28 @@ _grouped_fields._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=1024)  # an eager step looks them up in every layer
-def _grouped_lookup(experts: int, width: int, hidden: int, dtype: str, rows: int, device: int) -> tuple[int, ...]:
-    tuned = _tuned().get(config_key(experts, width, hidden, dtype, _device_name(device)), {}).get("grouped", {})
+def _grouped_lookup(experts: int, width: int, hidden: int, dtype: str, rows: int, device: int, fp8: bool
+                    ) -> tuple[int, ...]:
+    tuned = _tuned().get(config_key(experts, width, hidden, dtype, _device_name(device), fp8), {}).get("grouped", {})
     if not tuned:
-        return astuple(default_grouped(rows, getattr(torch, dtype)))
+        return astuple((default_fp8_grouped if fp8 else default_grouped)(rows, getattr(torch, dtype)))
     counts = sorted(int(b) for b in tuned)
     return astuple(GroupedTiles(**tuned[str(next((b for b in counts if b >= rows), counts[-1]))]))
 
 
-def pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype) -> tuple[PairTiles, PairTiles]:
+def pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, fp8: bool = False
+               ) -> tuple[PairTiles, PairTiles]:
     """(the gate/up kernel's tiles, the down kernel's)."""
-    return _pair_tiles(experts, width, hidden, dtype, _current_device())
+    return _pair_tiles(experts, width, hidden, dtype, _current_device(), fp8)
 
 
 @functools.lru_cache(maxsize=64)
-def _pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, device: int) -> tuple[PairTiles, PairTiles]:
-    entry = _tuned().get(config_key(experts, width, hidden, dtype, _device_name(device)), {})
+def _pair_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype, device: int, fp8: bool
+                ) -> tuple[PairTiles, PairTiles]:
+    entry = _tuned().get(config_key(experts, width, hidden, dtype, _device_name(device), fp8), {})
     if "pair" in entry:
         return PairTiles(**entry["pair"]["up"]), PairTiles(**entry["pair"]["down"])
-    return PairTiles(16, 128, 4), PairTiles(8, 128, 4)
+    return PairTiles(16, 512 if fp8 else 128, 4), PairTiles(8, 512 if fp8 else 128, 4)
 
 
 def save_entry(key: str, pair: tuple[PairTiles, PairTiles], grouped: dict[int, GroupedTiles]) -> dict[str, Any]:

@@ -18,6 +18,15 @@ Both down kernels scale a pair's product by its routing weight and store it in f
 `choice` of `sums` [TOP_K, rows, hidden]: partial sums that the residual add after the layer adds
 in choice order (`PartialSums`), so combining a row's experts costs no kernel of its own.
 
+FP8 experts (`SCALED`): E4M3 weights with one float32 scale per 128 x 128 tile (`scales`
+[experts, rows / 128, columns / 128]). The pair kernels widen the weights in registers and fold
+each column block's scale into the row they multiply (a program's rows lie in one block of
+scales), activations unquantized. The grouped GEMM takes 128 columns of K a step (one block of
+scales): half-precision rows come quantized to FP8 per row and 128 columns (`x_scales`,
+`act_scales`: as a block-scaled FP8 linear layer quantizes its input) and multiply on the FP8
+tensor cores; float32 rows multiply the tile widened; each step's product is then scaled by its
+row's and its tile's scales.
+
 Products round as PyTorch's per-expert loop does where it is cheap: gate and up to the input's
 dtype before the SiLU product, which is stored in that dtype, and each down product to it before
 its routing weight. float32 inputs multiply in IEEE float32 (never TF32).
@@ -62,8 +71,14 @@ if triton is not None:
         return (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
 
     @triton.jit
-    def pair_gate_up_kernel(x, w, ids, act, hidden, width, stride_x, stride_we, stride_wn, stride_act,
-                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _tile_scale(scales, expert, n, n_ok, k0, stride_se, stride_sn):
+        """The scales of weight rows `n` at columns [k0, k0 + BLOCK_K) (one 128-column block)."""
+        return tl.load(scales + expert * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+
+    @triton.jit
+    def pair_gate_up_kernel(x, w, scales, ids, act, hidden, width, stride_x, stride_we, stride_wn, stride_act,
+                            stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            SCALED: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -72,31 +87,41 @@ if triton is not None:
         x_row = x + (pair // TOP_K) * stride_x
         gate_w = w + expert * stride_we + n[:, None] * stride_wn + ks[None, :]
         up_w = gate_w + width * stride_wn
+        gate_s = scales + expert * stride_se + (tl.program_id(1) * BLOCK_N // 128) * stride_sn
+        up_s = scales + expert * stride_se + ((width + tl.program_id(1) * BLOCK_N) // 128) * stride_sn
         gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k_ok = k0 + ks < hidden
-            xs = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            xs = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             ok = n_ok[:, None] & k_ok[None, :]
-            gate += tl.load(gate_w + k0, mask=ok, other=0.0).to(tl.float32) * xs
-            up += tl.load(up_w + k0, mask=ok, other=0.0).to(tl.float32) * xs
+            gate_x, up_x = xs, xs
+            if SCALED:  # this tile's rows share one block of scales: fold each column's into x
+                gate_x = xs * tl.load(gate_s + (k0 + ks) // 128, mask=k_ok, other=0.0)
+                up_x = xs * tl.load(up_s + (k0 + ks) // 128, mask=k_ok, other=0.0)
+            gate += tl.load(gate_w + k0, mask=ok, other=0.0).to(tl.float32) * gate_x[None, :]
+            up += tl.load(up_w + k0, mask=ok, other=0.0).to(tl.float32) * up_x[None, :]
         out = _silu_product(tl.sum(gate, axis=1), tl.sum(up, axis=1), act.dtype.element_ty)
         tl.store(act + pair * stride_act + n, out, mask=n_ok)
 
     @triton.jit
-    def pair_down_kernel(act, w, ids, weights, sums, hidden, width, stride_act, stride_we, stride_wn, stride_split,
-                         stride_row, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def pair_down_kernel(act, w, scales, ids, weights, sums, hidden, width, stride_act, stride_we, stride_wn,
+                         stride_split, stride_row, stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         n_ok = n < hidden
         expert = tl.load(ids + pair).to(tl.int64)
         w_rows = w + expert * stride_we + n[:, None] * stride_wn + ks[None, :]
+        row_s = scales + expert * stride_se + (tl.program_id(1) * BLOCK_N // 128) * stride_sn
         part = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, width, BLOCK_K):
             k_ok = k0 + ks < width
-            a = tl.load(act + pair * stride_act + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            part += tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
+            a = tl.load(act + pair * stride_act + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if SCALED:  # as in the gate/up kernel
+                a *= tl.load(row_s + (k0 + ks) // 128, mask=k_ok, other=0.0)
+            part += tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
         product = tl.sum(part, axis=1).to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair)
         tl.store(sums + (pair % TOP_K) * stride_split + (pair // TOP_K) * stride_row + n, product, mask=n_ok)
 
@@ -116,10 +141,28 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def grouped_gate_up_kernel(x, w, sorted_pairs, block_expert, total_padded, act, num_pairs, hidden, width,
-                               stride_x, stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               IEEE: tl.constexpr):
+    def _scaled_dot(a, w_tile, acc, a_scales, a_rows, k0, stride_as, scales, expert, n, n_ok, stride_se, stride_sn,
+                    IEEE: tl.constexpr, SCALED: tl.constexpr, FP8_ROWS: tl.constexpr):
+        """acc + a @ w_tile. An FP8 tile: with FP8 rows (quantized per 128 columns beforehand, their
+        scales at `a_scales` by row and column block) on the FP8 tensor cores, the product scaled
+        by both; with float32 rows, the tile widened (IEEE) and the product scaled by the tile's."""
+        if SCALED:  # (if/else: a constexpr branch's early return still compiles the code after it)
+            s = _tile_scale(scales, expert, n, n_ok, k0, stride_se, stride_sn)
+            if FP8_ROWS:
+                row_s = tl.load(a_scales + a_rows * stride_as + k0 // 128)
+                out = acc + tl.dot(a, w_tile, tl.zeros_like(acc)) * (row_s[:, None] * s[None, :])
+            else:
+                out = acc + _dot(a, w_tile.to(a.dtype), tl.zeros_like(acc), IEEE) * s[None, :]
+        else:
+            out = _dot(a, w_tile, acc, IEEE)
+        return out
+
+    @triton.jit
+    def grouped_gate_up_kernel(x, x_scales, w, scales, sorted_pairs, block_expert, total_padded, act, num_pairs,
+                               hidden, width, stride_x, stride_xs, stride_we, stride_wn, stride_act, stride_se,
+                               stride_sn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
+                               FP8_ROWS: tl.constexpr):
         live, expert, pairs, real = _block_rows(sorted_pairs, block_expert, total_padded, num_pairs, BLOCK_M)
         if live:
             n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,16 +177,20 @@ if triton is not None:
                 k_ok = k0 + ks < hidden
                 a = tl.load(a_rows + k0, mask=real[:, None] & k_ok[None, :], other=0.0)
                 w_ok = k_ok[:, None] & n_ok[None, :]
-                gate = _dot(a, tl.load(gate_w + k0, mask=w_ok, other=0.0), gate, IEEE)
-                up = _dot(a, tl.load(up_w + k0, mask=w_ok, other=0.0), up, IEEE)
+                gate = _scaled_dot(a, tl.load(gate_w + k0, mask=w_ok, other=0.0), gate, x_scales, pairs // TOP_K, k0,
+                                   stride_xs, scales, expert, n, n_ok, stride_se, stride_sn, IEEE, SCALED, FP8_ROWS)
+                up = _scaled_dot(a, tl.load(up_w + k0, mask=w_ok, other=0.0), up, x_scales, pairs // TOP_K, k0,
+                                 stride_xs, scales, expert, n + width, n_ok, stride_se, stride_sn, IEEE, SCALED,
+                                 FP8_ROWS)
             out = _silu_product(gate, up, act.dtype.element_ty)
             tl.store(act + pairs[:, None] * stride_act + n[None, :], out, mask=real[:, None] & n_ok[None, :])
 
     @triton.jit
-    def grouped_down_kernel(act, w, sorted_pairs, block_expert, total_padded, weights, sums, num_pairs, hidden,
-                            width, stride_act, stride_we, stride_wn, stride_split, stride_row, TOP_K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            IEEE: tl.constexpr):
+    def grouped_down_kernel(act, act_scales, w, scales, sorted_pairs, block_expert, total_padded, weights, sums,
+                            num_pairs, hidden, width, stride_act, stride_as, stride_we, stride_wn, stride_split,
+                            stride_row, stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
+                            FP8_ROWS: tl.constexpr, OUT_DTYPE: tl.constexpr):
         live, expert, pairs, real = _block_rows(sorted_pairs, block_expert, total_padded, num_pairs, BLOCK_M)
         if live:
             n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,8 +202,10 @@ if triton is not None:
             for k0 in range(0, width, BLOCK_K):
                 k_ok = k0 + ks < width
                 a = tl.load(a_rows + k0, mask=real[:, None] & k_ok[None, :], other=0.0)
-                acc = _dot(a, tl.load(w_cols + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc, IEEE)
+                acc = _scaled_dot(a, tl.load(w_cols + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc,
+                                  act_scales, pairs, k0, stride_as, scales, expert, n, n_ok, stride_se, stride_sn,
+                                  IEEE, SCALED, FP8_ROWS)
             weight = tl.load(weights + pairs, mask=real, other=0.0)
-            acc = acc.to(act.dtype.element_ty).to(tl.float32) * weight[:, None]
+            acc = acc.to(OUT_DTYPE).to(tl.float32) * weight[:, None]
             slots = (pairs % TOP_K) * stride_split + (pairs // TOP_K) * stride_row
             tl.store(sums + slots[:, None] + n[None, :], acc, mask=real[:, None] & n_ok[None, :])

@@ -72,6 +72,24 @@ def test_lm_weight_params_of_a_mixture_of_experts_match_the_model():
     assert dm.lm_weight_params(text, batch=1) == pytest.approx(expected - 2 * unread, rel=1e-9)  # two sparse layers
 
 
+def test_the_fp8_floor_counts_the_quantized_projections_at_one_byte():
+    """`--quantization fp8`: what quantization holds in FP8 (every layer's projections and experts,
+    not the router, the norms or the head) reads one byte a weight in the floor."""
+    from mmpipe.app.tiny.synthetic import qwen3_vl_moe_config
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    config = qwen3_vl_moe_config(make_tokenizer())
+    lm = Qwen3VLMoeForConditionalGeneration(config).model.language_model
+    projections = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                   "up_proj.weight", "down_proj.weight")
+    expected = sum(p.numel() for n, p in lm.named_parameters() if n.endswith(projections) or ".experts." in n)
+    text = dm.text_config_of(config.to_dict())
+    assert dm.fp8_weight_params(text, batch=10**6) == pytest.approx(expected, rel=1e-9)
+    plain, fp8 = (dm.floor_ms(text, 1, 100.0, 1000.0, 2, fp8=q) for q in (False, True))
+    saved_bytes = dm.fp8_weight_params(text, 1)
+    assert (plain - fp8) / 1e3 * (1000.0 * 1e9) == pytest.approx(saved_bytes, rel=1e-9)  # ms -> s, times GB/s
+
+
 def test_published_shapes():
     from mmpipe.app.bench.shapes import SHAPES
 

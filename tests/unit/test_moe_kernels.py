@@ -2,7 +2,8 @@
 interpreter on the CPU, in float32 (the interpreter's bfloat16 products are not exact): routing
 equal to softmax-top-k (a NaN row and an all-tied row still pick real experts), and both expert
 paths equal to the per-expert loop for widths no tile divides, fewer pairs than experts, and one
-expert per token (skipped where Triton is not installed; on CUDA the same kernels run in
+expert per token, and FP8 experts with uneven tile scales against their dequantized weights
+(skipped where Triton is not installed; on CUDA the same kernels run in
 `tests/gpu/test_gpu_moe.py`). And the tuned-tile table's lookup, which needs no Triton."""
 
 from __future__ import annotations
@@ -38,13 +39,28 @@ for experts, top_k, hidden, width, rows in ((16, 4, 72, 40, 5), (16, 4, 72, 40, 
     grouped = moe.grouped_experts(x, gate_up, down, weights, ids, GroupedTiles(16, 32, 32, 32, 32, 4, 2)).total()
     results.append([experts, rows, routed, (pair - expected).abs().max().item() / scale,
                     (grouped - expected).abs().max().item() / scale])
+from mmpipe.layers.fp8_experts import Fp8Experts
+for experts, top_k, hidden, width, rows in ((8, 2, 256, 128, 3), (8, 2, 256, 128, 40)):  # FP8 experts
+    x = torch.randn(rows, hidden, generator=g)
+    fp8 = Fp8Experts.from_weights(torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5,
+                                  torch.randn(experts, hidden, width, generator=g) / width ** 0.5)
+    fp8.gate_up_scale.mul_(torch.rand(fp8.gate_up_scale.shape, generator=g) + 0.5)  # uneven tiles
+    fp8.down_scale.mul_(torch.rand(fp8.down_scale.shape, generator=g) + 0.5)
+    weights, ids = moe.route_reference(torch.randn(rows, experts, generator=g) * 3, top_k)
+    expected = moe.experts_reference(x, *fp8.dequantized(), weights, ids)
+    scale = expected.abs().max().item()
+    args = (x, fp8.gate_up_proj, fp8.down_proj, weights, ids)
+    pair = moe.pair_experts(*args, (PairTiles(16, 64, 4), PairTiles(32, 128, 4)), scales=fp8.scales()).total()
+    grouped = moe.grouped_experts(*args, GroupedTiles(16, 64, 128, 32, 128, 4, 2), scales=fp8.scales()).total()
+    results.append([experts, rows, True, (pair - expected).abs().max().item() / scale,
+                    (grouped - expected).abs().max().item() / scale])
 print("RESULTS " + json.dumps(results))
 """
 
 
 def test_routing_and_both_expert_paths_equal_the_references():
     results = run_under_triton_interpreter(_SCRIPT)
-    assert len(results) == 4
+    assert len(results) == 6
     for experts, rows, routed, pair_error, grouped_error in results:
         assert routed, (experts, rows)
         assert pair_error < 1e-5 and grouped_error < 1e-5, (experts, rows, pair_error, grouped_error)

@@ -1,6 +1,6 @@
 """Qwen3-VL-MoE's experts on the CPU reference path: the layer against transformers' sparse MoE
-block, routers that spread tokens over many experts, both expert-tensor layouts, the refusal of
-FP8 until its expert kernels exist, a tensor-parallel split checked against the experts' width,
+block, routers that spread tokens over many experts, both 3D expert-tensor layouts (one tensor
+per expert, and FP8, in `test_moe_fp8.py`), a tensor-parallel split checked against the experts' width,
 and a traced prefill's hold on the experts' host code. Generation against transformers runs in
 `test_families.py` with the other families, tensor parallelism in `test_tensor_parallel*.py`,
 the fused kernels in `tests/gpu/test_gpu_moe.py`."""
@@ -105,22 +105,9 @@ def test_the_published_expert_layout_loads_to_the_same_answers(checkpoint, tmp_p
         Pipeline.from_pretrained(published, device="cpu")
 
 
-def test_fp8_is_refused_and_a_tensor_parallel_split_of_the_experts_checked(checkpoint, tmp_path):
-    import json
-    import shutil
+def test_a_tensor_parallel_split_of_the_experts_is_checked(checkpoint):
+    from mmpipe.models import check_tensor_parallel_split
 
-    from mmpipe.models import check_tensor_parallel_split, load_model
-
-    fp8 = str(tmp_path / "fp8")
-    shutil.copytree(checkpoint, fp8)
-    with open(os.path.join(fp8, "config.json")) as handle:
-        config = json.load(handle)
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
-    with open(os.path.join(fp8, "config.json"), "w") as handle:
-        json.dump(config, handle)
-    with pytest.raises(UnsupportedModelError, match="expert kernels take no FP8"):
-        load_model(fp8, torch.device("cpu"), torch.float32)
     check_tensor_parallel_split(checkpoint, 2)  # the experts split (tests/unit/test_tensor_parallel*.py)
     with pytest.raises(UnsupportedModelError, match="the experts' width 48"):
         check_tensor_parallel_split(checkpoint, 32)

@@ -167,12 +167,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # spawned ranks on a 2-core machi
 def moe_checkpoints(tmp_path_factory):
     """Tiny Qwen3-VL-MoE in transformers' expert layout and in the published one (swapped), its
     experts twice as wide as its hidden size: a rank's part of a published down projection is
-    then square, so only the whole tensor's shape tells its layout."""
+    then square, so only the whole tensor's shape tells its layout. Also with one tensor per expert
+    and projection (the FP8 releases' layout), unquantized and in FP8 (dequantized here)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from tests.helpers import make_checkpoint
+    from tests.moe_checkpoints import fp8_per_expert, per_expert
 
     ours = make_checkpoint(str(tmp_path_factory.mktemp("moe")), family="qwen3_vl_moe",
                            text={"moe_intermediate_size": 128})
@@ -182,10 +184,12 @@ def moe_checkpoints(tmp_path_factory):
     tensors = load_file(file)
     save_file({n: t.transpose(1, 2).contiguous() if ".experts." in n else t for n, t in tensors.items()}, file,
               metadata={"format": "pt"})
-    return {"moe": ours, "moe_published": published}
+    fp8, _ = fp8_per_expert(ours, tmp_path_factory.mktemp("moe_fp8"), block=(64, 64))
+    return {"moe": ours, "moe_published": published, "moe_per_expert": per_expert(ours, published + "_apart"),
+            "moe_fp8": fp8}
 
 
-@pytest.mark.parametrize("which", ["bundled", "untied", "moe", "moe_published"])
+@pytest.mark.parametrize("which", ["bundled", "untied", "moe", "moe_published", "moe_per_expert", "moe_fp8"])
 def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, checkpoint, moe_checkpoints):
     """`load_model(..., tp=TPGroup(r, 2))` builds rank r's shard on the meta device and reads only
     its slices from the files: its weights equal the whole model sharded in place, and it reads
@@ -193,7 +197,8 @@ def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, check
     (rank 1's last row is padding); the tiny checkpoint has its own head."""
     from mmpipe.models import load_model
     from mmpipe.pipeline import default_model_path
-    from mmpipe.weights import iter_checkpoint, split_name
+    from mmpipe.quantization import fp8_checkpoint
+    from mmpipe.weights import iter_checkpoint, read_json, split_name
 
     path = {"bundled": default_model_path(), "untied": checkpoint, **moe_checkpoints}[which]
     cpu = torch.device("cpu")
@@ -209,8 +214,10 @@ def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, check
     select = spec.shard_slices(load_model(path, cpu, torch.float32).language.cfg, TPGroup(0, 2))
     language = lambda n: (split_name(n) or ("",))[0] == "language"  # noqa: E731
 
+    fp8 = fp8_checkpoint(read_json(path, "config.json"), path)
+
     def lm_elements(**kwargs) -> int:
-        return sum(t.numel() for n, t in iter_checkpoint(path, cpu, torch.float32, **kwargs)
+        return sum(t.numel() for n, t in iter_checkpoint(path, cpu, torch.float32, fp8, **kwargs)
                    if language(n) and t.dim() >= 2)
 
     def rule(name: str):
