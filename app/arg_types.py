@@ -9,17 +9,24 @@ from typing import Any
 
 def scale_options(args: argparse.Namespace) -> dict[str, Any]:
     """`Pipeline.from_pretrained` settings of the flags `mmpipe caption` and `mmpipe serve` share:
-    --quantization, --tp, --vit-parallel, --batch-size (those left at their defaults are left out)."""
+    --quantization, --tp, --expert-parallel, --vit-parallel, --batch-size (those left at their
+    defaults are left out)."""
     options: dict[str, Any] = {}
     if args.quantization:
         options["quantization"] = args.quantization
     if args.tp > 1:
         options["tensor_parallel_size"] = args.tp
+    if args.expert_parallel:
+        options["expert_parallel"] = True
     if args.vit_parallel:
         options["vit_parallel"] = args.vit_parallel
     if args.batch_size:
         options["max_running_requests"] = args.batch_size
     return options
+
+
+EXPERT_PARALLEL_HELP = ("with --tp: a mixture-of-experts model's experts split whole over the GPUs (E/N each) "
+                        "instead of along every expert's width")
 
 
 def count(value: str) -> int:

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from mmpipe.app.arg_types import positive, positive_number, scale_options
+from mmpipe.app.arg_types import EXPERT_PARALLEL_HELP, positive, positive_number, scale_options
 from mmpipe.app.caption_records import FORMATS
 from mmpipe.vision.video_sampling import (
     CONTEXT_TOKENS,
@@ -124,6 +124,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run_group.add_argument("--tp", type=positive, default=1,
                            help="tensor parallel: split the language model over this many GPUs (the device's and "
                                 "the next ones)")
+    run_group.add_argument("--expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
     run_group.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL), help=VIT_PARALLEL_HELP)
     run_group.add_argument("--gpu-decode", action="store_true",
                            help="decode and resize JPEG files on the GPU (nvJPEG; needs torchvision), as "

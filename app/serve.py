@@ -17,7 +17,14 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mmpipe.app.arg_types import add_prefix_caching_arg, count, positive, prefix_caching_option, scale_options
+from mmpipe.app.arg_types import (
+    EXPERT_PARALLEL_HELP,
+    add_prefix_caching_arg,
+    count,
+    positive,
+    prefix_caching_option,
+    scale_options,
+)
 
 from mmpipe.config import VIT_PARALLEL, VIT_PARALLEL_HELP, GraphMode
 from mmpipe.errors import InputError
@@ -36,6 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", default=None, choices=list(RUNTIME_QUANTIZATIONS), help=QUANTIZATION_HELP)
     group.add_argument("--tp", type=positive, default=1,
                        help="tensor parallel: split the language model over this many GPUs")
+    group.add_argument("--expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
     group.add_argument("--vit-parallel", default=None, choices=list(VIT_PARALLEL), help=VIT_PARALLEL_HELP)
     group.add_argument("--graph-mode", default=None, choices=[m.value for m in GraphMode],
                        help="language-model CUDA graphs (default: full_and_piecewise on CUDA)")

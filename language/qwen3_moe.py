@@ -87,6 +87,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.tp: Any = None  # a tensor-parallel shard's group: the output is summed over it
+        self.expert_offset: int | None = None  # expert parallelism: the global id of this rank's first expert
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts, best first: (renormalised weights float32, ids int32), [T, top_k]."""
@@ -96,6 +97,8 @@ class SparseMoE(nn.Module):
         """On CUDA, `PartialSums` (one slice per chosen expert) for the residual add to sum."""
         weights, ids = self.route(x)
         held = self.experts
+        if self.expert_offset is not None:
+            ids = moe.local_ids(ids, self.expert_offset, held.down_proj.shape[0])
         scales = held.scales() if isinstance(held, Fp8Experts) else None
         return reduce_rows(self.tp, moe.experts(x, held.gate_up_proj, held.down_proj, weights, ids, scales=scales))
 
@@ -122,9 +125,12 @@ class ExpertWeightMap(WeightMap):
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__(module, **kwargs)
+        self._offsets: dict[str, int] = {}  # experts module -> global id of its first expert (expert parallelism)
         for path, sub in module.named_modules():
             if isinstance(sub, Fp8Experts):
                 self.params.update({f"{path}.{name}": buffer for name, buffer in sub.named_buffers()})
+            if isinstance(sub, SparseMoE) and sub.expert_offset is not None:
+                self._offsets[f"{path}.experts"] = sub.expert_offset
         self._parts: dict[str, set[tuple[int, str]]] = {}  # per-expert parts loaded, by model tensor
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
@@ -147,8 +153,8 @@ class ExpertWeightMap(WeightMap):
         """Copy one expert's projection (or its tile scales) into its rows of the 3D tensor."""
         stem = "down" if projection == "down_proj" else "gate_up"
         target = f"{experts}.{stem}_{'proj' if kind == 'weight' else 'scale'}"
-        param, e = self.params.get(target), int(index)
-        if param is None or e >= param.shape[0]:
+        param, e = self.params.get(target), int(index) - self._offsets.get(experts, 0)
+        if param is None or not 0 <= e < param.shape[0]:
             return False
         block = param[e]
         if stem == "gate_up":

@@ -9,7 +9,10 @@ holds 1/N of every large weight and runs the same forward:
 - o: row-parallel (the rank's query heads' input columns), then one all-reduce.
 - gate/up: column-parallel (1/N of the intermediate width each); down: row-parallel, one all-reduce.
   A mixture of experts splits every expert the same way (`shard_experts`: 1/N of each expert's
-  width, the router whole on every rank), one all-reduce of the layer's output.
+  width, the router whole on every rank), one all-reduce of the layer's output; or, with
+  expert parallelism (`TPGroup.expert_parallel`), splits the experts themselves (`hold_experts`:
+  E/N whole experts a rank, each row's experts on other ranks adding nothing there), the same
+  all-reduce summing the ranks' parts.
   Both are plain Linear layers (`mmpipe.layers.parallel`): decode steps run them on the few-row
   kernels, whose K-split partial sums are all-reduced as they are; FP8 (`quantization="fp8"`, or
   an FP8 checkpoint's scales, split with their weights) applies to a shard like to any layer.
@@ -47,6 +50,7 @@ from mmpipe.errors import UnsupportedModelError
 from mmpipe.kernels.moe import SCALE_BLOCK
 from mmpipe.layers.fp8_experts import Fp8Experts
 from mmpipe.layers.parallel import (  # (TPGroup re-exported: the group the shards use)
+    NOTHING,
     ExpertSlice,
     Slice,
     TPGroup,
@@ -57,7 +61,7 @@ from mmpipe.layers.parallel import (  # (TPGroup re-exported: the group the shar
 )
 
 # An expert's projection stored apart (the Qwen team's FP8 releases): gate and up split by rows, down by columns.
-PER_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+PER_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -85,10 +89,15 @@ def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return out
 
 
-def check_shardable(cfg: Any, size: int) -> None:
+def check_shardable(cfg: Any, size: int, expert_parallel: bool = False) -> None:
     """An `UnsupportedModelError` naming what does not divide (before anything is sharded)."""
     problems = []
-    if getattr(cfg, "num_experts", 0) and cfg.moe_intermediate_size % size:
+    experts = getattr(cfg, "num_experts", 0)
+    if expert_parallel and not experts:
+        raise UnsupportedModelError("expert_parallel: the model has no mixture-of-experts layers")
+    if expert_parallel and experts % size:
+        problems.append(f"its {experts} experts (expert parallelism splits whole experts)")
+    elif experts and not expert_parallel and cfg.moe_intermediate_size % size:
         problems.append(f"the experts' width {cfg.moe_intermediate_size}")
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -120,7 +129,7 @@ def shard_slices(cfg: Any, tp: TPGroup) -> Any:
     tensor's name (inside the language model, as the checkpoint names it) to the `Slice` this
     rank holds, or None for a tensor every rank holds whole. The same split as
     `shard_language_model`, on the checkpoint's unfused q/k/v and gate/up tensors."""
-    check_shardable(cfg, tp.size)
+    check_shardable(cfg, tp.size, tp.expert_parallel)
     if cfg.intermediate_size % tp.size:
         raise UnsupportedModelError(f"tensor_parallel_size={tp.size} does not divide the MLP width "
                                     f"{cfg.intermediate_size}")
@@ -131,9 +140,13 @@ def shard_slices(cfg: Any, tp: TPGroup) -> Any:
     part = cfg.intermediate_size // tp.size
     mlp = (r * part, (r + 1) * part)
     experts = cfg.moe_intermediate_size // tp.size
-    expert_parts = {".mlp.experts.gate_up_proj": ExpertSlice(cfg.moe_intermediate_size, 2, r * experts, (r + 1) * experts),
-                    ".mlp.experts.down_proj": ExpertSlice(cfg.moe_intermediate_size, 1, r * experts, (r + 1) * experts)}
+    expert_parts: dict[str, Slice | ExpertSlice] = {
+        ".mlp.experts.gate_up_proj": ExpertSlice(cfg.moe_intermediate_size, 2, r * experts, (r + 1) * experts),
+        ".mlp.experts.down_proj": ExpertSlice(cfg.moe_intermediate_size, 1, r * experts, (r + 1) * experts)}
     expert = (r * experts, (r + 1) * experts)
+    held = _held_experts(cfg, tp) if tp.expert_parallel else None
+    if held is not None:  # whole experts: the first dimension of the 3D tensors in either layout
+        expert_parts = dict.fromkeys(expert_parts, Slice(0, held[0], held[1], held[1] - held[0]))
     rows = {".self_attn.q_proj.": q, ".self_attn.k_proj.": kv, ".self_attn.v_proj.": kv,
             ".mlp.gate_proj.": mlp, ".mlp.up_proj.": mlp}
     columns = {".self_attn.o_proj.": q, ".mlp.down_proj.": mlp}
@@ -143,9 +156,11 @@ def shard_slices(cfg: Any, tp: TPGroup) -> Any:
             if name.endswith(part_name):
                 return part
         one_expert = PER_EXPERT_WEIGHT.search(name)  # an expert's projection stored apart
+        if one_expert is not None and held is not None:
+            return None if held[0] <= int(one_expert.group(1)) < held[1] else NOTHING
         if one_expert is not None:
             lo, hi = expert
-            return Slice(1 if one_expert.group(1) == "down" else 0, lo, hi, hi - lo)
+            return Slice(1 if one_expert.group(2) == "down" else 0, lo, hi, hi - lo)
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return Slice(0, r * vocab, min((r + 1) * vocab, cfg.vocab_size), vocab)
         for part_name, (lo, hi) in rows.items():
@@ -166,7 +181,7 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     if getattr(lm, "tp", None) is not None:
         raise ValueError("shard_language_model: this language model is a shard already")
     cfg, n, r = lm.cfg, tp.size, tp.rank
-    check_shardable(cfg, n)
+    check_shardable(cfg, n, tp.expert_parallel)
     d = cfg.head_dim
     heads, kv_heads, kv_first, vocab = _layout(cfg, tp)
     q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -184,7 +199,7 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
         attn.num_heads, attn.num_kv_heads, attn.tp = heads, kv_heads, tp
         attn.q_size, attn.kv_size = heads * d, kv_heads * d
         if hasattr(layer.mlp, "experts"):
-            shard_experts(layer.mlp, tp)
+            (hold_experts if tp.expert_parallel else shard_experts)(layer.mlp, tp)
             continue
         try:
             shard_gated_mlp(layer.mlp, tp)  # its width after any padding
@@ -199,8 +214,9 @@ def shard_language_model(lm: nn.Module, tp: TPGroup) -> nn.Module:
     # The unsharded model's lookups read the whole table; a shard's go through its collectives.
     lm.embed = lambda ids, out=None: lm.embed_tokens(ids) if out is None else out.copy_(lm.embed_tokens(ids))
     lm.compute_logits = lambda hidden: sharded_logits(lm, hidden)
+    width = cfg.moe_intermediate_size if tp.expert_parallel else cfg.moe_intermediate_size // n
     lm.cfg = replace(cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=cfg.intermediate_size // n,
-                     moe_intermediate_size=cfg.moe_intermediate_size // n)
+                     moe_intermediate_size=width)
     return lm
 
 
@@ -239,3 +255,27 @@ def sharded_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     head = lm.embed_tokens.weight if lm.lm_head is None else lm.lm_head.weight
     local = F.linear(hidden, head).float()  # rounded to the model dtype first, as unsharded
     return lm.tp.all_gather_last(local)[..., :lm.cfg.vocab_size]
+
+
+def _held_experts(cfg: Any, tp: TPGroup) -> tuple[int, int]:
+    """Expert parallelism: the experts [first, last) that rank `tp.rank` holds whole."""
+    count = cfg.num_experts // tp.size
+    return tp.rank * count, (tp.rank + 1) * count
+
+
+def hold_experts(moe: nn.Module, tp: TPGroup) -> None:
+    """A `SparseMoE` made rank `tp.rank`'s part under expert parallelism, in place: experts
+    [r * E/N, (r + 1) * E/N) whole (FP8 experts with their scales), the router whole; rows that
+    chose other ranks' experts get nothing from this rank (`moe.expert_offset`), and the output
+    sums over the ranks (`moe.tp`)."""
+    experts = moe.experts
+    count = experts.down_proj.shape[0] // tp.size
+    first = tp.rank * count
+    for name, whole in list(experts.named_parameters(recurse=False)) + list(experts.named_buffers(recurse=False)):
+        if whole.device.type == "meta":
+            value = torch.empty((count, *whole.shape[1:]), dtype=whole.dtype, device="meta")
+        else:
+            value = whole[first:first + count].contiguous()
+        setattr(experts, name, nn.Parameter(value, requires_grad=False) if isinstance(whole, nn.Parameter) else value)
+    moe.expert_offset = first
+    moe.tp = tp

@@ -241,6 +241,10 @@ class EngineConfig:
     # next ones; one worker process per extra GPU; gloo processes on the CPU). See
     # mmpipe.engine.tensor_parallel.
     tensor_parallel_size: int = 1
+    # Under tensor parallelism, a mixture-of-experts model's experts split whole over the ranks
+    # (E/N experts each) instead of along every expert's width; attention and the dense layers
+    # split as before. See language/tensor_parallel.py.
+    expert_parallel: bool = False
     # Where the weights come from: "auto" (the checkpoint's files) or "dummy" (drawn at random on
     # the device, `mmpipe.weights.fill_random`: for timing shapes too large to write to disk; the
     # directory then needs only its configs and tokenizer).
@@ -260,6 +264,11 @@ class EngineConfig:
                 raise InputError(f"EngineConfig.{name}={value!r}: must be a positive integer")
         if self.image_decode not in IMAGE_DECODERS:
             raise InputError(f"EngineConfig.image_decode={self.image_decode!r}: use one of {', '.join(IMAGE_DECODERS)}")
+        if not isinstance(self.expert_parallel, bool):
+            raise InputError(f"EngineConfig.expert_parallel={self.expert_parallel!r}: use True or False")
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise InputError("EngineConfig.expert_parallel=True splits experts over tensor-parallel ranks: "
+                             "give tensor_parallel_size > 1")
         for name in ("overlap_schedule", "vision_stream"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InputError(f"EngineConfig.{name}={getattr(self, name)!r}: use True, False or None")

@@ -130,15 +130,15 @@ def spec_for(hf_config: dict[str, Any], where: str) -> ModelSpec:
         f"supported: {', '.join(f'{spec.family} ({arch})' for arch, spec in REGISTRY.items())}")
 
 
-def check_tensor_parallel_split(path: str, size: int, vision: bool = False) -> None:
+def check_tensor_parallel_split(path: str, size: int, vision: bool = False, expert_parallel: bool = False) -> None:
     """An `UnsupportedModelError` naming what `size` ranks cannot split in the checkpoint's language
-    model (head counts, MLP width) and, with `vision` (`vit_parallel="tensor"`), the vision tower's
-    heads, read from its config.json before any process starts or any weight loads."""
+    model (head counts, MLP width, experts) and, with `vision` (`vit_parallel="tensor"`), the vision
+    tower's heads, read from its config.json before any process starts or any weight loads."""
     from mmpipe.layers.parallel import TPGroup
 
     hf_config = read_json(path, "config.json")
     spec = spec_for(hf_config, path)
-    spec.shard_slices(spec.text_config(hf_config), TPGroup(0, size))
+    spec.shard_slices(spec.text_config(hf_config), TPGroup(0, size, expert_parallel=expert_parallel))
     if vision:
         check_vision_shardable(spec.vision_config(hf_config), size)
 

@@ -137,7 +137,8 @@ class Pipeline:
             check_tensor_parallel(config.tensor_parallel_size, dev, config)
             if not os.path.isdir(path):
                 raise CheckpointError(f"{path!r}: not a directory (models load from a local checkpoint directory)")
-            check_tensor_parallel_split(path, config.tensor_parallel_size, config.vit_parallel == "tensor")
+            check_tensor_parallel_split(path, config.tensor_parallel_size, config.vit_parallel == "tensor",
+                                        config.expert_parallel)
             workers = Workers(path, dev, dt, config)  # they load their weights beside this process
         try:
             with startup.phase("weights"):
@@ -146,7 +147,7 @@ class Pipeline:
                 if workers is not None:
                     from mmpipe.layers.parallel import TPGroup
 
-                    tp = TPGroup(0, config.tensor_parallel_size)
+                    tp = TPGroup(0, config.tensor_parallel_size, expert_parallel=config.expert_parallel)
                 model = load_model(path, dev, dt, config.attention_backend, config.extend_attention,
                                    config.quantization, tp=tp, shard_vision=config.vit_parallel == "tensor",
                                    load_format=config.load_format)

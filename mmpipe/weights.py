@@ -20,7 +20,7 @@ from torch import nn
 from mmpipe.errors import CheckpointError
 from mmpipe.layers.fp8 import BLOCK, Fp8Linear, block_scale_columns, fp8_shape_ok
 from mmpipe.layers.fp8_experts import Fp8Experts, fits
-from mmpipe.layers.parallel import Slice
+from mmpipe.layers.parallel import NOTHING, Slice
 from mmpipe.layers.weight_map import WeightMap
 from mmpipe.quantization import Fp8Checkpoint, dequantized
 
@@ -83,12 +83,17 @@ def iter_checkpoint(directory: str, device: torch.device, dtype: torch.dtype, fp
     """(name, tensor) for every tensor, on `device`, floating tensors cast to `dtype`; FP8
     weights times their scales (`mmpipe.quantization.dequantized`), except those of the modules in
     `keep` (checkpoint names without `.weight`), which stay FP8 beside their scales. `select`:
-    the part of a tensor to read (a tensor-parallel rank's `Slice`), or None for all of it; only
+    the part of a tensor to read (a tensor-parallel rank's `Slice`), None for all of it, or
+    `NOTHING` for a tensor the rank does not hold (another rank's expert, not read); only
     that part is read from the file (an FP8 checkpoint's tensors are read whole, then cut: a
     dequantized weight after its scales were applied, a kept one with its scales, `_cut_scale`)."""
     if fp8 is None:
         return dequantized(_raw_tensors(directory, device, select), fp8, dtype, directory, keep.__contains__)
-    tensors = dequantized(_raw_tensors(directory, device), fp8, dtype, directory, keep.__contains__)
+    def held_whole(name: str) -> Slice | None:  # read whole, but not at all what the rank does not hold
+        weight = name.removesuffix("_" + fp8.scale_suffix.removeprefix("weight_"))
+        return NOTHING if select is not None and select(weight) is NOTHING else None
+
+    tensors = dequantized(_raw_tensors(directory, device, held_whole), fp8, dtype, directory, keep.__contains__)
     if select is None:
         return tensors
     return ((n, _cut_scale(select, n, t, fp8) if n[:-len(".weight_scale")] in keep and n.endswith(".weight_scale")
@@ -177,9 +182,10 @@ def place_fp8_experts(component: str, module: nn.Module, stored: set[str], schem
         if not isinstance(child, nn.Module) or isinstance(child, Fp8Experts) or getattr(down, "dim", lambda: 0)() != 3:
             continue
         experts, hidden, width = down.shape
+        first = getattr(parent, "expert_offset", None) or 0  # expert parallelism: this rank's experts
         inner = f"{path}.experts" if path else "experts"
-        names = [f"{prefix}{inner}.{e}.{proj}" for e in range(experts) for proj in ("gate_proj", "up_proj", "down_proj")
-                 for prefix in prefixes]
+        names = [f"{prefix}{inner}.{e}.{proj}" for e in range(first, first + experts)
+                 for proj in ("gate_proj", "up_proj", "down_proj") for prefix in prefixes]
         found = [name for name in names if name in stored]
         if len(found) != 3 * experts:
             continue  # stored as 3D tensors, or left in the run's dtype by the checkpoint
@@ -213,6 +219,8 @@ def _raw_tensors(directory: str, device: torch.device, select: Callable[[str], S
         with handle:
             for name in handle.keys():
                 part = select(name) if select is not None else None
+                if part is NOTHING:  # another rank's (an expert it does not hold)
+                    continue
                 if part is None:
                     yield name, handle.get_tensor(name)
                     continue

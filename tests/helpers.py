@@ -277,3 +277,44 @@ class HostKernels:
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
+
+
+def replays_equal_eager(forward, static, fresh_inputs) -> None:
+    """`forward(static)` captured in a CUDA graph once (compiled outside the capture), then
+    replayed with each of `fresh_inputs` copied into `static`: equal to `forward` run eagerly."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward(static)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(static)
+    for fresh in fresh_inputs:
+        static.copy_(fresh)
+        graph.replay()
+        assert torch.equal(out, forward(fresh))
+
+
+def fp8_checkpoint_in_every_graph_mode(quantized: str, reference: str, conversations, held: str) -> None:
+    """An FP8 checkpoint on the GPU in float32 (its FP8 layers kept, `held` in its description):
+    every graph mode gives eager's greedy tokens, and the first-token logits stay within the
+    activation quantization's error of the weights dequantized by hand (`reference`)."""
+    from mmpipe import Pipeline, SamplingParams
+
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0)
+    tokens = {}
+    for mode in ("none", "full_decode_only", "piecewise", "full_and_piecewise"):
+        pipe = Pipeline.from_pretrained(quantized, device="cuda", dtype="float32", graph_mode=mode,
+                                        num_kv_pages=512, max_running_requests=4)
+        assert held in pipe.model.quantization, pipe.model.quantization
+        tokens[mode] = [o.token_ids for o in pipe.chat(conversations, params)]
+        if mode == "none":
+            ours = first_logits(pipe, conversations[0])
+        pipe.close()
+    assert all(t == tokens["none"] for t in tokens.values()), tokens
+    by_hand = Pipeline.from_pretrained(reference, device="cuda", dtype="float32", graph_mode="none", num_kv_pages=512)
+    assert 1e-5 < rel_err(ours, first_logits(by_hand, conversations[0])) < 0.1
+    by_hand.close()

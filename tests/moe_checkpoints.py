@@ -40,11 +40,11 @@ def per_expert(source: str, target: str) -> str:
     return target
 
 
-def fp8_per_expert(source: str, tmp, block: tuple[int, int] = (128, 128)) -> tuple[str, str]:
+def fp8_per_expert(source: str, tmp, block: tuple[int, int] = (128, 128), dense: bool = True) -> tuple[str, str]:
     """(`source` as a block-scaled FP8 checkpoint in the Qwen releases' layout: every expert's
-    projections and the attention and dense MLP projections in FP8 with `weight_scale_inv`, the
-    routers and the vision tower as they were; the same weights dequantized by hand in float32,
-    experts in transformers' 3D layout)."""
+    projections and (with `dense`) the attention and dense MLP projections in FP8 with
+    `weight_scale_inv`, the routers and the vision tower as they were; the same weights
+    dequantized by hand in float32, experts in transformers' 3D layout)."""
     rows, cols = block
     stored, by_hand = {}, {}
     for k, (name, tensor) in enumerate(sorted(load_file(os.path.join(source, "model.safetensors")).items())):
@@ -59,7 +59,7 @@ def fp8_per_expert(source: str, tmp, block: tuple[int, int] = (128, 128)) -> tup
                 by_hand[name] = torch.stack(dequantized)
             else:
                 by_hand[name] = torch.stack([torch.cat(dequantized[i:i + 2]) for i in range(0, len(dequantized), 2)])
-        elif _is_lm_linear(name):
+        elif dense and _is_lm_linear(name):
             q, scale = quantize_blocks(tensor.float(), rows, cols, seed=k)
             stored[name], stored[name + "_scale_inv"] = q, scale
             full = scale.repeat_interleave(rows, 0)[:tensor.shape[0]].repeat_interleave(cols, 1)[:, :tensor.shape[1]]
@@ -68,6 +68,6 @@ def fp8_per_expert(source: str, tmp, block: tuple[int, int] = (128, 128)) -> tup
             stored[name] = by_hand[name] = tensor
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [rows, cols],
               "modules_to_not_convert": ["lm_head", "visual", "mlp.gate"]}
-    name = f"moe_{rows}x{cols}"
+    name = f"moe_{rows}x{cols}" + ("" if dense else "_experts_only")
     return _write(source, str(tmp / f"fp8_{name}"), stored, config), _write(source, str(tmp / f"by_hand_{name}"),
                                                                           by_hand, None)

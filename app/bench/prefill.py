@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     parser.add_argument("--skip-startup", action="store_true", help="leave out the start-up and memory runs")
     parser.add_argument("--compilers", default="eager,inductor", help="piece compilers of the start-up runs")
+    parser.add_argument("--quantization", choices=("fp8",), default=None, help="mmpipe's language model in FP8")
 
 
 def image_448() -> Any:
@@ -215,7 +216,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     gpu = torch.cuda.get_device_name()
     result: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "lengths": lengths, "rows": {},
-                              "shape": args.shape}
+                              "shape": args.shape, "quantization": args.quantization}
     cases = cases_of(path, lengths)
     if not args.skip_hf:
         print("transformers:", file=sys.stderr, flush=True)
@@ -225,7 +226,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     mmpipe_systems = {}
     for name, mode in (("mmpipe-eager", "full_decode_only"), ("mmpipe-piecewise", "full_and_piecewise")):
         print(f"{name}:", file=sys.stderr, flush=True)
-        system = MmpipeTTFT(path, mode)
+        system = MmpipeTTFT(path, mode, quantization=args.quantization)
         mmpipe_systems[name] = system
         result["rows"][name] = measure(system, cases, args.repeats)
     pw = mmpipe_systems["mmpipe-piecewise"]
@@ -257,7 +258,8 @@ def report(result: dict[str, Any]) -> str:
         gap = f"{p['ttft_ms'] / p['kernel_ms']:.2f}" if "kernel_ms" in p else "-"
         lines.append([name, ms(h, "ttft_ms"), ms(e, "ttft_ms"), ms(e, "kernel_ms"), ms(p, "ttft_ms"),
                       ms(p, "kernel_ms"), ratio, gap])
-    out = table(f"Time to first token, ms ({result['gpu']}, {SHAPES[result.get('shape', '3b')].label} shape, bf16)",
+    weights = "bf16" + (f", mmpipe in {result['quantization']}" if result.get("quantization") else "")
+    out = table(f"Time to first token, ms ({result['gpu']}, {SHAPES[result.get('shape', '3b')].label} shape, {weights})",
                 ["prompt", "transformers", "mmpipe eager", "eager kernels", "mmpipe piecewise", "piecewise kernels",
                  "vs transformers", "TTFT / kernels"], lines)
     start = result.get("startup")

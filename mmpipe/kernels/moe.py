@@ -6,6 +6,8 @@ renormalised to sum to one -> (weights [rows, top_k] float32, expert ids [rows, 
 `experts(x, gate_up, down, weights, ids)`: each row's sum over its chosen experts of
 weight * down(silu(gate) * up), with the experts' weights as two 3D tensors, `gate_up`
 [experts, 2 * width, hidden] (gate rows, then up rows) and `down` [experts, hidden, width].
+Under expert parallelism a rank holds some of the experts and sums only over those: ids from
+`local_ids`, where another rank's expert is `experts` (one past the rank's last), add nothing.
 
 On CUDA (`moe_kernels`) nothing waits for the host and no shape depends on the routing, so CUDA
 graphs hold both paths:
@@ -42,7 +44,7 @@ from mmpipe.kernels.moe_configs import GroupedTiles, PairTiles, grouped_tiles, p
 from mmpipe.kernels.partial_sums import PartialSums
 
 __all__ = ["PAIR_ROWS", "PREFILL_ROWS", "SCALE_BLOCK", "align", "dequantize_experts", "experts", "experts_reference",
-           "grouped_experts", "pair_experts", "route", "route_reference"]
+           "grouped_experts", "local_ids", "pair_experts", "route", "route_reference"]
 
 PAIR_ROWS = 4  # up to this many rows the pair kernels run (decode at small batches)
 PREFILL_ROWS = 4096  # the row count whose tiles every prefill step takes
@@ -103,11 +105,18 @@ def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     return (weight.float() * full[:, :weight.shape[1], :weight.shape[2]]).to(dtype)
 
 
+def local_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Expert parallelism: global expert ids as this rank's (it holds experts [first, first +
+    count)), `count` for another rank's: `experts` then adds nothing for those."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
+
+
 def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
     if scales is not None:
         gate_up, down = dequantize_experts(gate_up, scales[0], x.dtype), dequantize_experts(down, scales[1], x.dtype)
-    dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+    dense = torch.zeros(x.shape[0], gate_up.shape[0] + 1, dtype=x.dtype, device=x.device)  # (+1: other ranks')
     dense.scatter_(1, ids.long(), weights.to(x.dtype))
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
@@ -174,18 +183,19 @@ def _pair_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weigh
     from mmpipe.kernels.moe_kernels import pair_down_kernel, pair_gate_up_kernel
 
     rows, hidden = x.shape
-    top_k, width = ids.shape[1], down.shape[2]
+    experts, top_k, width = gate_up.shape[0], ids.shape[1], down.shape[2]
     act = torch.empty(rows * top_k, width, dtype=x.dtype, device=x.device)
     sums = torch.empty(top_k, rows, hidden, dtype=torch.float32, device=x.device)
     scaled = up_scales is not None
     up_s, up_se, up_sn = _scale_args(up_scales, weights)
     down_s, down_se, down_sn = _scale_args(down_scales, weights)
     if rows:
-        launch(pair_gate_up_kernel, (rows * top_k, cdiv(width, up_n)), x, gate_up, up_s, ids, act, hidden, width,
+        launch(pair_gate_up_kernel, (rows * top_k, cdiv(width, up_n)), x, gate_up, up_s, ids, act, experts, hidden,
+               width,
                x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), up_se, up_sn, TOP_K=top_k,
                BLOCK_N=up_n, BLOCK_K=up_k, SCALED=scaled, num_warps=up_warps)
-        launch(pair_down_kernel, (rows * top_k, cdiv(hidden, down_n)), act, down, down_s, ids, weights, sums, hidden,
-               width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0), sums.stride(1), down_se,
+        launch(pair_down_kernel, (rows * top_k, cdiv(hidden, down_n)), act, down, down_s, ids, weights, sums,
+               experts, hidden, width, act.stride(0), down.stride(0), down.stride(1), sums.stride(0), sums.stride(1), down_se,
                down_sn, TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=down_k, SCALED=scaled, num_warps=down_warps)
     return sums
 
@@ -249,7 +259,7 @@ def _grouped_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     rows, hidden = x.shape
     num_experts, top_k, width = gate_up.shape[0], ids.shape[1], down.shape[2]
     pairs = rows * top_k
-    sorted_pairs, block_expert, total = align(ids, num_experts, block_m)
+    sorted_pairs, block_expert, total = align(ids, num_experts + 1, block_m)  # (+1: other ranks' experts)
     blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
@@ -262,12 +272,12 @@ def _grouped_sums(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     down_s, down_se, down_sn = _scale_args(down_scales, weights)
     a, a_scales, stride_as = _rows_for(x, fp8_rows, weights)
     launch(grouped_gate_up_kernel, (blocks, cdiv(width, up_n)), a, a_scales, gate_up, up_s, sorted_pairs,
-           block_expert, total, act, pairs, hidden, width, a.stride(0), stride_as, gate_up.stride(0),
+           block_expert, total, act, pairs, num_experts, hidden, width, a.stride(0), stride_as, gate_up.stride(0),
            gate_up.stride(1), act.stride(0), up_se, up_sn, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up_n,
            BLOCK_K=up_k, IEEE=ieee, SCALED=scaled, FP8_ROWS=fp8_rows, num_warps=warps, num_stages=stages)
     a, a_scales, stride_as = _rows_for(act, fp8_rows, weights)
     launch(grouped_down_kernel, (blocks, cdiv(hidden, down_n)), a, a_scales, down, down_s, sorted_pairs,
-           block_expert, total, weights, sums, pairs, hidden, width, a.stride(0), stride_as, down.stride(0),
+           block_expert, total, weights, sums, pairs, num_experts, hidden, width, a.stride(0), stride_as, down.stride(0),
            down.stride(1), sums.stride(0), sums.stride(1), down_se, down_sn, TOP_K=top_k, BLOCK_M=block_m,
            BLOCK_N=down_n, BLOCK_K=down_k, IEEE=ieee, SCALED=scaled, FP8_ROWS=fp8_rows,
            OUT_DTYPE=getattr(tl, str(x.dtype).removeprefix("torch.")), num_warps=warps, num_stages=stages)

@@ -14,6 +14,10 @@ Rows choose `TOP_K` experts each; a (row, choice) is a *pair*, numbered row * TO
   block); blocks past the padded total return at once, so the grid is sized from the row count
   alone and a CUDA graph can hold it.
 
+Under expert parallelism a rank holds `num_experts` of the experts; a pair whose (local) expert
+id is `num_experts` or more belongs to another rank: its gate/up work is skipped and its down
+product is zero (`moe.local_ids`).
+
 Both down kernels scale a pair's product by its routing weight and store it in float32 as slice
 `choice` of `sums` [TOP_K, rows, hidden]: partial sums that the residual add after the layer adds
 in choice order (`PartialSums`), so combining a row's experts costs no kernel of its own.
@@ -76,14 +80,17 @@ if triton is not None:
         return tl.load(scales + expert * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
 
     @triton.jit
-    def pair_gate_up_kernel(x, w, scales, ids, act, hidden, width, stride_x, stride_we, stride_wn, stride_act,
-                            stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SCALED: tl.constexpr):
+    def pair_gate_up_kernel(x, w, scales, ids, act, num_experts, hidden, width, stride_x, stride_we, stride_wn,
+                            stride_act, stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         expert = tl.load(ids + pair).to(tl.int64)
-        n_ok = n < width
+        # Another rank's expert: nothing read, a zero row (compared per column: the interpreter takes no
+        # scalar mask).
+        n_ok = (n < width) & (n * 0 + expert < num_experts)
+        expert = tl.minimum(expert, num_experts - 1)
         x_row = x + (pair // TOP_K) * stride_x
         gate_w = w + expert * stride_we + n[:, None] * stride_wn + ks[None, :]
         up_w = gate_w + width * stride_wn
@@ -102,17 +109,18 @@ if triton is not None:
             gate += tl.load(gate_w + k0, mask=ok, other=0.0).to(tl.float32) * gate_x[None, :]
             up += tl.load(up_w + k0, mask=ok, other=0.0).to(tl.float32) * up_x[None, :]
         out = _silu_product(tl.sum(gate, axis=1), tl.sum(up, axis=1), act.dtype.element_ty)
-        tl.store(act + pair * stride_act + n, out, mask=n_ok)
+        tl.store(act + pair * stride_act + n, out, mask=n < width)
 
     @triton.jit
-    def pair_down_kernel(act, w, scales, ids, weights, sums, hidden, width, stride_act, stride_we, stride_wn,
-                         stride_split, stride_row, stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    def pair_down_kernel(act, w, scales, ids, weights, sums, num_experts, hidden, width, stride_act, stride_we,
+                         stride_wn, stride_split, stride_row, stride_se, stride_sn, TOP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        n_ok = n < hidden
         expert = tl.load(ids + pair).to(tl.int64)
+        n_ok = (n < hidden) & (n * 0 + expert < num_experts)
+        expert = tl.minimum(expert, num_experts - 1)
         w_rows = w + expert * stride_we + n[:, None] * stride_wn + ks[None, :]
         row_s = scales + expert * stride_se + (tl.program_id(1) * BLOCK_N // 128) * stride_sn
         part = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -123,11 +131,12 @@ if triton is not None:
                 a *= tl.load(row_s + (k0 + ks) // 128, mask=k_ok, other=0.0)
             part += tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
         product = tl.sum(part, axis=1).to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair)
-        tl.store(sums + (pair % TOP_K) * stride_split + (pair // TOP_K) * stride_row + n, product, mask=n_ok)
+        tl.store(sums + (pair % TOP_K) * stride_split + (pair // TOP_K) * stride_row + n, product, mask=n < hidden)
 
     @triton.jit
     def _block_rows(sorted_pairs, block_expert, total_padded, num_pairs, BLOCK_M: tl.constexpr):
-        """This program's block: (live, expert, pair of each row, whether the row is a real pair)."""
+        """This program's block: (live, expert, pair of each row, whether the row is a real pair).
+        The block's expert may be `num_experts`: the pairs of other ranks' experts."""
         block = tl.program_id(0)
         live = block * BLOCK_M < tl.load(total_padded)
         expert = tl.load(block_expert + block).to(tl.int64)
@@ -141,15 +150,15 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _scaled_dot(a, w_tile, acc, a_scales, a_rows, k0, stride_as, scales, expert, n, n_ok, stride_se, stride_sn,
-                    IEEE: tl.constexpr, SCALED: tl.constexpr, FP8_ROWS: tl.constexpr):
+    def _scaled_dot(a, w_tile, acc, a_scales, a_rows, real, k0, stride_as, scales, expert, n, n_ok, stride_se,
+                    stride_sn, IEEE: tl.constexpr, SCALED: tl.constexpr, FP8_ROWS: tl.constexpr):
         """acc + a @ w_tile. An FP8 tile: with FP8 rows (quantized per 128 columns beforehand, their
         scales at `a_scales` by row and column block) on the FP8 tensor cores, the product scaled
         by both; with float32 rows, the tile widened (IEEE) and the product scaled by the tile's."""
         if SCALED:  # (if/else: a constexpr branch's early return still compiles the code after it)
             s = _tile_scale(scales, expert, n, n_ok, k0, stride_se, stride_sn)
             if FP8_ROWS:
-                row_s = tl.load(a_scales + a_rows * stride_as + k0 // 128)
+                row_s = tl.load(a_scales + a_rows * stride_as + k0 // 128, mask=real, other=0.0)
                 out = acc + tl.dot(a, w_tile, tl.zeros_like(acc)) * (row_s[:, None] * s[None, :])
             else:
                 out = acc + _dot(a, w_tile.to(a.dtype), tl.zeros_like(acc), IEEE) * s[None, :]
@@ -159,12 +168,12 @@ if triton is not None:
 
     @triton.jit
     def grouped_gate_up_kernel(x, x_scales, w, scales, sorted_pairs, block_expert, total_padded, act, num_pairs,
-                               hidden, width, stride_x, stride_xs, stride_we, stride_wn, stride_act, stride_se,
+                               num_experts, hidden, width, stride_x, stride_xs, stride_we, stride_wn, stride_act, stride_se,
                                stride_sn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
                                FP8_ROWS: tl.constexpr):
         live, expert, pairs, real = _block_rows(sorted_pairs, block_expert, total_padded, num_pairs, BLOCK_M)
-        if live:
+        if live & (expert < num_experts):
             n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             n_ok = n < width
@@ -177,9 +186,10 @@ if triton is not None:
                 k_ok = k0 + ks < hidden
                 a = tl.load(a_rows + k0, mask=real[:, None] & k_ok[None, :], other=0.0)
                 w_ok = k_ok[:, None] & n_ok[None, :]
-                gate = _scaled_dot(a, tl.load(gate_w + k0, mask=w_ok, other=0.0), gate, x_scales, pairs // TOP_K, k0,
+                rows = pairs // TOP_K
+                gate = _scaled_dot(a, tl.load(gate_w + k0, mask=w_ok, other=0.0), gate, x_scales, rows, real, k0,
                                    stride_xs, scales, expert, n, n_ok, stride_se, stride_sn, IEEE, SCALED, FP8_ROWS)
-                up = _scaled_dot(a, tl.load(up_w + k0, mask=w_ok, other=0.0), up, x_scales, pairs // TOP_K, k0,
+                up = _scaled_dot(a, tl.load(up_w + k0, mask=w_ok, other=0.0), up, x_scales, rows, real, k0,
                                  stride_xs, scales, expert, n + width, n_ok, stride_se, stride_sn, IEEE, SCALED,
                                  FP8_ROWS)
             out = _silu_product(gate, up, act.dtype.element_ty)
@@ -187,7 +197,7 @@ if triton is not None:
 
     @triton.jit
     def grouped_down_kernel(act, act_scales, w, scales, sorted_pairs, block_expert, total_padded, weights, sums,
-                            num_pairs, hidden, width, stride_act, stride_as, stride_we, stride_wn, stride_split,
+                            num_pairs, num_experts, hidden, width, stride_act, stride_as, stride_we, stride_wn, stride_split,
                             stride_row, stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
                             FP8_ROWS: tl.constexpr, OUT_DTYPE: tl.constexpr):
@@ -199,11 +209,12 @@ if triton is not None:
             a_rows = act + pairs[:, None] * stride_act + ks[None, :]
             w_cols = w + expert * stride_we + n[None, :] * stride_wn + ks[:, None]
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, width, BLOCK_K):
+            here = expert < num_experts  # else the block's pairs are other ranks': zeros
+            for k0 in range(0, tl.where(here, width, 0), BLOCK_K):
                 k_ok = k0 + ks < width
                 a = tl.load(a_rows + k0, mask=real[:, None] & k_ok[None, :], other=0.0)
                 acc = _scaled_dot(a, tl.load(w_cols + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc,
-                                  act_scales, pairs, k0, stride_as, scales, expert, n, n_ok, stride_se, stride_sn,
+                                  act_scales, pairs, real, k0, stride_as, scales, expert, n, n_ok, stride_se, stride_sn,
                                   IEEE, SCALED, FP8_ROWS)
             weight = tl.load(weights + pairs, mask=real, other=0.0)
             acc = acc.to(OUT_DTYPE).to(tl.float32) * weight[:, None]

@@ -26,12 +26,14 @@ class TPGroup:
     """This process's place in a tensor-parallel group. `group`: a `torch.distributed` process
     group (None: the default group); `backend`: instead, a standalone backend object
     (`ProcessGroupNCCL` / `ProcessGroupGloo` built on a store of the group's own), attached once
-    every rank has joined: a rank's shards are built and loaded before that."""
+    every rank has joined: a rank's shards are built and loaded before that. `expert_parallel`:
+    a mixture of experts' layers are split by whole experts, not along every expert's width."""
 
     rank: int
     size: int
     group: Any = None
     backend: Any = None
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
         """Sum (or `op`, a `dist.ReduceOp`) over the ranks, in place."""
@@ -120,6 +122,9 @@ class Slice:
     def read(self, stored: Any) -> torch.Tensor:
         """This rank's part read from a safetensors slice (only that part is read)."""
         return self.padded(stored[self.index(len(stored.get_shape()))])
+
+
+NOTHING = Slice(0, 0, 0, 0)  # a tensor this rank does not read at all (another rank's expert)
 
 
 @dataclass(frozen=True)

@@ -197,25 +197,12 @@ def test_an_fp8_checkpoint_runs_in_fp8_in_every_graph_mode(wide, tmp_path, fmt):
     """A published-format FP8 checkpoint keeps its projections in FP8 on the GPU: every graph mode
     gives eager's greedy tokens, and the first-token logits stay within the activation
     quantization's error of the weights dequantized by hand."""
-    from tests.helpers import first_logits, rel_err
+    from tests.helpers import fp8_checkpoint_in_every_graph_mode
     from tests.unit.test_fp8_checkpoints import fp8_pair
 
     quantized, reference = fp8_pair(wide, tmp_path, fmt, block=(128, 128))
-    conversations = four_image_conversations()
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0)
-    tokens = {}
-    for mode in ("none", "full_decode_only", "piecewise", "full_and_piecewise"):
-        pipe = Pipeline.from_pretrained(quantized, device="cuda", dtype="float32", graph_mode=mode,
-                                        num_kv_pages=512, max_running_requests=4)
-        assert "8 language-model linear layers kept in FP8" in pipe.model.quantization
-        tokens[mode] = [o.token_ids for o in pipe.chat(conversations, params)]
-        if mode == "none":
-            ours = first_logits(pipe, conversations[0])
-        pipe.close()
-    assert all(t == tokens["none"] for t in tokens.values()), tokens
-    by_hand = Pipeline.from_pretrained(reference, device="cuda", dtype="float32", graph_mode="none", num_kv_pages=512)
-    assert 1e-5 < rel_err(ours, first_logits(by_hand, conversations[0])) < 0.1
-    by_hand.close()
+    fp8_checkpoint_in_every_graph_mode(quantized, reference, four_image_conversations(),
+                                       "8 language-model linear layers kept in FP8")
 
 
 def test_fp8_all_quantizes_the_vision_tower_and_keeps_graphs_exact(checkpoint):

@@ -1,6 +1,7 @@
 """The fused expert kernels (`mmpipe.kernels.moe`) on CUDA (`pytest -m gpu`): routing equal to
 PyTorch's softmax-top-k, both expert paths against a plain per-expert loop for row counts on both
-sides of every switch, tokens reaching many experts; replayed inside CUDA graphs with new rows
+sides of every switch, tokens reaching many experts; experts split over ranks (expert
+parallelism) adding up to the whole; replayed inside CUDA graphs with new rows
 (new routing) equal to eager; prefill pieces compiled by inductor (the token count traced
 dynamic) equal to the eager prefill; and `mmpipe bench moe`'s tuning sweep writing entries that
 the kernels then read. Generation against transformers runs in `test_gpu_families.py`."""
@@ -15,7 +16,7 @@ import torch
 from mmpipe import Pipeline, SamplingParams
 from mmpipe.config import GraphConfig
 from mmpipe.kernels import moe, moe_configs
-from tests.helpers import make_checkpoint
+from tests.helpers import make_checkpoint, replays_equal_eager
 from tests.parity_cases import CASES, one_image
 
 pytestmark = pytest.mark.gpu
@@ -65,6 +66,42 @@ def test_expert_paths_equal_the_per_expert_loop(dtype, count, path):
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("count", [1, 4, 5, 300])
+@pytest.mark.parametrize("path", ["pair", "grouped"])
+def test_experts_split_over_ranks_sum_to_the_whole(fp8, count, path, monkeypatch):
+    """Expert parallelism: four ranks of 32 experts each (rows choosing other ranks' experts get
+    nothing from a rank) add up to all 128 at once, plain or FP8; fresh buffers start as NaN, so
+    a slot of the sums left unwritten shows."""
+    from mmpipe.layers.fp8_experts import Fp8Experts
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
+                                                         else t)(empty(*a, **k)))
+
+    gate_up, down, router = layer(torch.bfloat16)
+    width = WIDTH
+    if fp8:  # FP8 experts need whole 128-wide tiles
+        width = 128
+        gate_up = torch.cat([gate_up, gate_up[:, :64]], dim=1)[:, :256].contiguous()
+        down = torch.cat([down, down[:, :, :32]], dim=2).contiguous()
+        held = Fp8Experts.from_weights(gate_up, down)
+        gate_up, down, scales = held.gate_up_proj, held.down_proj, held.scales()
+    x = rows(count, torch.bfloat16, count)
+    weights, ids = moe.route(x @ router.T, TOP_K)
+
+    def part(first: int, count_: int):
+        part_scales = tuple(s[first:first + count_] for s in scales) if fp8 else None
+        return moe.experts(x, gate_up[first:first + count_], down[first:first + count_], weights,
+                           moe.local_ids(ids, first, count_), path=path, scales=part_scales).total().float()
+
+    whole = part(0, EXPERTS)
+    split = sum(part(r * 32, 32) for r in range(4))
+    assert down.shape[2] == width
+    assert (split - whole).abs().max() <= 1e-2 * whole.abs().max()
+    assert len({int(e) // 32 for e in ids.unique()}) > 1  # the rows chose experts of several ranks
+
+
 @pytest.mark.parametrize("count", [1, 4, 48])
 def test_experts_replay_in_a_cuda_graph(count):
     """Captured once, replayed with new rows (so new routing): equal to the same call run eagerly."""
@@ -76,19 +113,7 @@ def test_experts_replay_in_a_cuda_graph(count):
         path = "pair" if count <= moe.PAIR_ROWS else "grouped"
         return moe.experts(x, gate_up, down, weights, ids, path=path).total()
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward(static)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward(static)
-    for seed in (1, 2, 3):
-        fresh = rows(count, torch.bfloat16, seed)
-        static.copy_(fresh)
-        graph.replay()
-        assert torch.equal(out, forward(fresh))
+    replays_equal_eager(forward, static, [rows(count, torch.bfloat16, seed) for seed in (1, 2, 3)])
 
 
 def test_the_tuning_sweep_writes_entries_the_kernels_read(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 interpreter on the CPU, in float32 (the interpreter's bfloat16 products are not exact): routing
 equal to softmax-top-k (a NaN row and an all-tied row still pick real experts), and both expert
 paths equal to the per-expert loop for widths no tile divides, fewer pairs than experts, and one
-expert per token, and FP8 experts with uneven tile scales against their dequantized weights
+expert per token, experts split over two ranks (expert parallelism) summing to the whole, and
+FP8 experts with uneven tile scales against their dequantized weights
 (skipped where Triton is not installed; on CUDA the same kernels run in
 `tests/gpu/test_gpu_moe.py`). And the tuned-tile table's lookup, which needs no Triton."""
 
@@ -37,6 +38,15 @@ for experts, top_k, hidden, width, rows in ((16, 4, 72, 40, 5), (16, 4, 72, 40, 
     scale = expected.abs().max().item()
     pair = moe.pair_experts(x, gate_up, down, weights, ids, (PairTiles(8, 32, 4), PairTiles(16, 32, 4))).total()
     grouped = moe.grouped_experts(x, gate_up, down, weights, ids, GroupedTiles(16, 32, 32, 32, 32, 4, 2)).total()
+    if experts == 16:  # expert parallelism: two ranks of 8 experts each, their sums added
+        empty = torch.empty  # (every slot of the sums written: fresh buffers start as NaN)
+        torch.empty = lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(empty(*a, **k))
+        half = experts // 2
+        pair, grouped = (sum(fn(x, gate_up[r * half:(r + 1) * half], down[r * half:(r + 1) * half], weights,
+                                moe.local_ids(ids, r * half, half)) for r in range(2))
+                         for fn in (lambda *a: moe.pair_experts(*a, (PairTiles(8, 32, 4), PairTiles(16, 32, 4))).total(),
+                                    lambda *a: moe.grouped_experts(*a, GroupedTiles(16, 32, 32, 32, 32, 4, 2)).total()))
+        torch.empty = empty
     results.append([experts, rows, routed, (pair - expected).abs().max().item() / scale,
                     (grouped - expected).abs().max().item() / scale])
 from mmpipe.layers.fp8_experts import Fp8Experts

@@ -168,7 +168,8 @@ def moe_checkpoints(tmp_path_factory):
     """Tiny Qwen3-VL-MoE in transformers' expert layout and in the published one (swapped), its
     experts twice as wide as its hidden size: a rank's part of a published down projection is
     then square, so only the whole tensor's shape tells its layout. Also with one tensor per expert
-    and projection (the FP8 releases' layout), unquantized and in FP8 (dequantized here)."""
+    and projection (the FP8 releases' layout), unquantized and in FP8 (dequantized here); each of
+    them also split by whole experts (expert parallelism: another rank's experts are not read)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -189,8 +190,11 @@ def moe_checkpoints(tmp_path_factory):
             "moe_fp8": fp8}
 
 
-@pytest.mark.parametrize("which", ["bundled", "untied", "moe", "moe_published", "moe_per_expert", "moe_fp8"])
-def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, checkpoint, moe_checkpoints):
+@pytest.mark.parametrize("which, expert_parallel", [
+    ("bundled", False), ("untied", False), ("moe", False), ("moe_published", False), ("moe_per_expert", False),
+    ("moe_fp8", False), ("moe", True), ("moe_published", True), ("moe_per_expert", True), ("moe_fp8", True)])
+def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, expert_parallel, checkpoint,
+                                                                     moe_checkpoints):
     """`load_model(..., tp=TPGroup(r, 2))` builds rank r's shard on the meta device and reads only
     its slices from the files: its weights equal the whole model sharded in place, and it reads
     about half of the language model's bytes. The bundled model ties its head and has 485 tokens
@@ -203,15 +207,19 @@ def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, check
     path = {"bundled": default_model_path(), "untied": checkpoint, **moe_checkpoints}[which]
     cpu = torch.device("cpu")
     for rank in range(2):
-        whole = shard_language_model(load_model(path, cpu, torch.float32).language, TPGroup(rank, 2))
-        part = load_model(path, cpu, torch.float32, tp=TPGroup(rank, 2)).language
+        group = TPGroup(rank, 2, expert_parallel=expert_parallel)
+        whole = shard_language_model(load_model(path, cpu, torch.float32).language, group)
+        part = load_model(path, cpu, torch.float32, tp=group).language
+        if expert_parallel:
+            assert part.layers[0].mlp.expert_offset == rank * 4 and part.layers[0].mlp.experts.down_proj.shape[0] == 4
         theirs, ours = whole.state_dict(), part.state_dict()
         assert theirs.keys() == ours.keys()
         for name in theirs:
             assert torch.equal(theirs[name], ours[name]), name
         assert part.cfg == whole.cfg
     spec = load_model(path, cpu, torch.float32).spec
-    select = spec.shard_slices(load_model(path, cpu, torch.float32).language.cfg, TPGroup(0, 2))
+    select = spec.shard_slices(load_model(path, cpu, torch.float32).language.cfg,
+                               TPGroup(0, 2, expert_parallel=expert_parallel))
     language = lambda n: (split_name(n) or ("",))[0] == "language"  # noqa: E731
 
     fp8 = fp8_checkpoint(read_json(path, "config.json"), path)
@@ -225,3 +233,32 @@ def test_a_rank_reads_only_its_part_and_it_equals_the_sharded_whole(which, check
         return select(split[1]) if split and split[0] == "language" else None
 
     assert lm_elements(select=rule) < 0.55 * lm_elements()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fp8_experts_kept_in_fp8_load_as_a_rank_s_part(tmp_path_factory, expert_parallel):
+    """FP8 experts kept in FP8 (as on an FP8 GPU) under either split: each rank's FP8 weights and
+    block scales equal the whole layer's, cut in place (its own experts under expert
+    parallelism, its 128-wide blocks of every expert's width otherwise)."""
+    from mmpipe.layers.fp8_experts import Fp8Experts
+    from mmpipe.models import load_model
+    from tests.helpers import make_checkpoint
+    from tests.moe_checkpoints import fp8_per_expert
+
+    base = make_checkpoint(str(tmp_path_factory.mktemp("moe_wide")), family="qwen3_vl_moe",
+                           text={"hidden_size": 128, "moe_intermediate_size": 256})
+    path, _ = fp8_per_expert(base, tmp_path_factory.mktemp("moe_wide_fp8"), dense=False)
+    cpu = torch.device("cpu")
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    for rank in range(2):
+        group = TPGroup(rank, 2, expert_parallel=expert_parallel)
+        whole = shard_language_model(load_model(path, cpu, torch.float32, keep_fp8=True).language, group)
+        part = load_model(path, cpu, torch.float32, keep_fp8=True, tp=group).language
+        assert sum(isinstance(m, Fp8Experts) for m in part.modules()) == 2
+        theirs, ours = whole.state_dict(), part.state_dict()
+        assert theirs.keys() == ours.keys()
+        for name in theirs:
+            assert torch.equal(raw(theirs[name]), raw(ours[name])), name

@@ -73,14 +73,26 @@ def test_two_ranks_give_the_unsharded_tokens(tp_checkpoint, one_kv_head, vit_par
     assert theirs == ours_runs if vit_parallel == "tensor" else (theirs > 0) == (vit_parallel == "data")
 
 
-def test_two_ranks_split_every_expert_and_give_the_unsharded_tokens(checkpoint_factory):
-    """Qwen3-VL-MoE: each rank holds half of every expert's width (the router whole) and the
-    layer's output is summed over the ranks; the dense layer between sparse ones splits as usual."""
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_split_the_experts_and_give_the_unsharded_tokens(checkpoint_factory, expert_parallel):
+    """Qwen3-VL-MoE: each rank holds half of every expert's width (the router whole), or with
+    expert parallelism half of the experts whole; the layer's output is summed over the ranks;
+    the dense layer between sparse ones splits as usual."""
     path = checkpoint_factory(family="qwen3_vl_moe")
     reference, _ = run(path, 1)
-    ours, stats = run(path, 2)
+    ours, stats = run(path, 2, expert_parallel=expert_parallel)
     assert ours == reference and len({tuple(t) for t in reference}) > 2
     assert stats["tensor_parallel"]["size"] == 2
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_split(checkpoint_factory):
+    with pytest.raises(InputError, match="give tensor_parallel_size > 1"):
+        Pipeline.from_pretrained(checkpoint_factory(family="qwen3_vl_moe"), device="cpu", expert_parallel=True)
+    with pytest.raises(UnsupportedModelError, match="the model has no mixture-of-experts layers"):
+        Pipeline.from_pretrained(checkpoint_factory(), device="cpu", tensor_parallel_size=2, expert_parallel=True)
+    with pytest.raises(UnsupportedModelError, match="does not divide its 8 experts"):
+        Pipeline.from_pretrained(checkpoint_factory(family="qwen3_vl_moe", text={"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48}), device="cpu",
+                                 tensor_parallel_size=3, expert_parallel=True)
 
 
 @pytest.fixture(scope="module")

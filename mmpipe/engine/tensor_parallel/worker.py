@@ -158,7 +158,8 @@ def _worker_main(rank: int, spec: WorkerSpec, pipe: Any) -> None:
             torch.cuda.set_device(device)
         cfg = spec.config
         model = load_model(spec.path, device, spec.dtype, cfg.attention_backend, cfg.extend_attention,
-                           cfg.quantization, tp=TPGroup(rank, spec.size), shard_vision=cfg.vit_parallel == "tensor",
+                           cfg.quantization, tp=TPGroup(rank, spec.size, expert_parallel=cfg.expert_parallel),
+                           shard_vision=cfg.vit_parallel == "tensor",
                            load_format=cfg.load_format)
         pipe.send(("loaded", None))
         kind, startup_sampling = pipe.recv()  # rank 0 resolves the sampling once its tokenizer is loaded
