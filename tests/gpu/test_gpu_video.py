@@ -1,4 +1,4 @@
-"""Video prompts on CUDA in every graph mode, against transformers (float32, all three families):
+"""Video prompts on CUDA in every graph mode, against transformers (float32, every family):
 one video, an image and a video, two videos (a file and a list of frames), and a video split
 across prefill chunks (first-step logits within 5e-4 relative: prompts of near a thousand tokens
 through different attention kernels; greedy tokens identical, logprobs within 1e-3); the ViT graph of a pack of frame groups equal to eager to the bit where
@@ -18,7 +18,7 @@ from tests.video_helpers import make_video
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 MODES = ["none", "piecewise", "full_decode_only", "full_and_piecewise"]
 
 
