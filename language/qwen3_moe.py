@@ -139,23 +139,25 @@ class ExpertWeightMap(WeightMap):
         whole = []
         for name, tensor in weights:
             match = PER_EXPERT.match(name)
+            target = None if match is None else self._load_part(name, tensor, *match.groups())
             if match is None:
                 whole.append((name, self._as_held(name, tensor)))
-            elif self._load_part(name, tensor, *match.groups()):
-                loaded.update(target for target, parts in self._parts.items() if self._complete(target, parts))
-            else:
+            elif target is None:
                 unexpected.append(name)
+            elif self._complete(target):
+                loaded.add(target)
         got, extra = super().load(whole)
         return loaded | got, unexpected + extra
 
     def _load_part(self, name: str, tensor: torch.Tensor, experts: str, index: str, projection: str,
-                   kind: str) -> bool:
-        """Copy one expert's projection (or its tile scales) into its rows of the 3D tensor."""
+                   kind: str) -> str | None:
+        """Copy one expert's projection (or its tile scales) into its rows of the 3D tensor; that
+        tensor's name, or None when the model has no such expert."""
         stem = "down" if projection == "down_proj" else "gate_up"
         target = f"{experts}.{stem}_{'proj' if kind == 'weight' else 'scale'}"
         param, e = self.params.get(target), int(index) - self._offsets.get(experts, 0)
         if param is None or not 0 <= e < param.shape[0]:
-            return False
+            return None
         block = param[e]
         if stem == "gate_up":
             half = block.shape[0] // 2
@@ -164,10 +166,10 @@ class ExpertWeightMap(WeightMap):
             tensor = tensor[:, :block.shape[1]]  # (kept FP8 scales come with columns padded for cuBLASLt)
         copy_into(block, tensor, name)
         self._parts.setdefault(target, set()).add((e, projection))
-        return True
+        return target
 
-    def _complete(self, target: str, parts: set[tuple[int, str]]) -> bool:
-        return len(parts) == self.params[target].shape[0] * (2 if ".gate_up_" in target else 1)
+    def _complete(self, target: str) -> bool:
+        return len(self._parts[target]) == self.params[target].shape[0] * (2 if ".gate_up_" in target else 1)
 
     def _as_held(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         param = self.params.get(name)
