@@ -1,13 +1,13 @@
 """`mmpipe bench serve`'s load and statistics: Poisson arrivals under a concurrency cap, driven
-either through the HTTP server (`drive_server`: `openai.AsyncOpenAI` streaming chat completions,
-in a process of its own, `LoadProcess`) or straight through `Pipeline.stream` on one thread per
+either through the HTTP server (`drive_server`: streaming chat completions from `openai.AsyncOpenAI`
+or the bare client of `http_client`, in a process of its own, `LoadProcess`) or straight through `Pipeline.stream` on one thread per
 request, as the server runs them (`drive_api`); and what a run's records give (`summarise`):
 TTFT, TPOT, inter-token latency and end-to-end latency (mean, p50, p90, p99), request and output
 token throughput.
 
 Every time is a `time.perf_counter()` reading (one clock for every process of the machine), in
-seconds from the run's start. A chunk is timed when it arrives, before it is parsed. The client reads the SSE
-lines of `with_streaming_response` and parses each with `json.loads`: the openai SDK's typed
+seconds from the run's start. A chunk is timed when it arrives, before it is parsed. Either client
+hands over the SSE lines (the SDK's `with_streaming_response`) and each is parsed with `json.loads`: the openai SDK's typed
 chunk objects cost the client far more CPU per chunk than the server spends sending it, so a
 client that built them would measure itself at high token rates. The CPU share of the run of the
 busiest load process (`client_cpu_share`) says whether the load kept up.
@@ -130,10 +130,10 @@ def summarise(run: Run) -> dict[str, Any]:
 
 
 def _post(client: Any, body: dict[str, Any] | bytes) -> Any:
-    """The streamed request: through the openai SDK, or (an `httpx` client: `--client raw`) as bare
-    HTTP, its JSON encoded before the run: the client's own work per request is then only HTTP."""
+    """The streamed request: through the openai SDK, or (`--client raw`, `BareHttpClient`) as the
+    bytes encoded before the run: the client's own work per request is then only writing them."""
     if isinstance(body, bytes):
-        return client.stream("POST", "chat/completions", content=body, headers={"Content-Type": "application/json"})
+        return client.stream(body)
     return client.chat.completions.with_streaming_response.create(
         model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
         temperature=body["temperature"], stream=True, stream_options=body["stream_options"],
@@ -144,6 +144,8 @@ async def _stream_one(client: Any, body: dict[str, Any] | bytes, record: Record,
     record.sent = time.perf_counter() - start
     try:
         async with _post(client, body) as response:
+            if getattr(response, "status_code", 200) != 200:
+                record.error = f"HTTP {response.status_code}"
             async for line in response.aiter_lines() if hasattr(response, "aiter_lines") else response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -164,14 +166,15 @@ async def _stream_one(client: Any, body: dict[str, Any] | bytes, record: Record,
 
 async def drive_server(client: Any, bodies: Sequence[dict[str, Any]], offsets: Sequence[float],
                        concurrency: int | None, start_at: float | None = None) -> Run:
-    """Send `bodies` with `client` (an `openai.AsyncOpenAI`, or an httpx client for bare HTTP), each
+    """Send `bodies` with `client` (an `openai.AsyncOpenAI`, or a `BareHttpClient`), each
     at its arrival offset, at most `concurrency` at once (None: no cap); a request that arrives
     while every slot is taken waits for one, and its times count from when it is sent. Offsets
     count from `start_at` (a `time.perf_counter()` reading, shared by every process of the machine)
     when given, else from now."""
     records = [Record() for _ in bodies]
     slots = asyncio.Semaphore(concurrency or max(1, len(bodies)))
-    payloads = list(bodies) if hasattr(client, "chat") else [json.dumps(b).encode() for b in bodies]
+    payloads = list(bodies) if hasattr(client, "chat") else [client.encode("chat/completions", json.dumps(b).encode())
+                                                             for b in bodies]
     if start_at is not None:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     cpu, start = time.process_time(), start_at if start_at is not None else time.perf_counter()
@@ -196,12 +199,9 @@ def _load_loop(conn: Any, base_url: str, api_key: str, kind: str = "openai") -> 
 
     async def make_client() -> Any:
         if kind == "raw":
-            try:
-                import httpx2 as httpx  # what the openai SDK itself uses
-            except ImportError:
-                import httpx
-            return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", timeout=CLIENT_TIMEOUT_S,
-                                     headers={"Authorization": f"Bearer {api_key}"})
+            from mmpipe.app.bench.http_client import BareHttpClient
+
+            return BareHttpClient(base_url, api_key)
         import openai
 
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=CLIENT_TIMEOUT_S)

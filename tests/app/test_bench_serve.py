@@ -23,6 +23,7 @@ from mmpipe.app.bench.serve_load import (
     LoadProcess,
     Record,
     Run,
+    _stream_one,
     arrival_offsets,
     chat_body,
     drive_api,
@@ -184,6 +185,35 @@ def test_the_bare_http_client_times_the_same_stream(tpipe, load):
     assert [(r.tokens, r.prompt_tokens, len(r.chunks)) for r in bare.records] == \
         [(r.tokens, r.prompt_tokens, len(r.chunks)) for r in sdk.records] == [(TOKENS, r.prompt_tokens, TOKENS)
                                                                              for r in sdk.records]
+
+
+def test_the_bare_client_reuses_its_connection_and_reports_a_refusal(tpipe):
+    """Requests one after another go over one kept-alive connection; a refused request is an
+    error of its record, and the connection still serves the next one."""
+    import asyncio
+    import json
+
+    from mmpipe.app.bench.http_client import BareHttpClient
+
+    good = _bodies(tpipe, "text", 2)
+    refused = {**good[0], "model": "no-such-model"}
+
+    async def send_all(url: str) -> tuple[list[Record], int]:
+        client = BareHttpClient(url, "none")
+        records = [Record() for _ in range(3)]
+        for body, record in zip([good[0], refused, good[1]], records):
+            await _stream_one(client, client.encode("chat/completions", json.dumps(body).encode()), record, 0.0)
+        idle = len(client._idle)
+        await client.aclose()
+        return records, idle
+
+    with bench_serve.serving(tpipe, 256) as url:
+        records, idle = asyncio.run(send_all(url))
+    assert records[1].error is not None and records[1].error.startswith("HTTP 4") and not records[1].chunks
+    assert [r.error for r in (records[0], records[2])] == [None, None]
+    assert [r.tokens for r in (records[0], records[2])] == [TOKENS, TOKENS]
+    assert [len(r.chunks) for r in (records[0], records[2])] == [TOKENS, TOKENS]
+    assert idle == 1  # one connection carried all three
 
 
 @pytest.mark.parametrize("via", ["server", "api"])
