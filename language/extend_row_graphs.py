@@ -1,20 +1,19 @@
 """Whole-forward CUDA graphs for short extends over long cached contexts: the step's query tokens
-run as decode rows.
+run as rows.
 
 A request whose prompt is mostly cached (a chat's next turn, a repeated request) leaves a prefill
 step of a few tokens over a context of thousands. In the piecewise prefill its attention runs
 eagerly between the pieces, layer after layer, and the host's launches take longer than the
-kernels. Such a step's attention is decode attention, one row per query token (its sequence's
-page table, the keys up to itself): `language/attention/metadata.decode_rows`. Decode attention
-needs no host lengths, so the whole forward (pieces and attention) is captured once per small
-schedule size and replayed like a decode step.
+kernels. Such a step's attention can run as rows, one per query token (its sequence's page table,
+the keys up to itself, its sequence): `language/attention/metadata.decode_rows`, attended by the
+rows kernel (`kernels/rows_attention`). That kernel needs no host lengths, so the whole forward
+(pieces and attention) is captured once per small schedule size and replayed like a decode step.
 
 The graph reads the prefill runner's fixed buffers (embeddings, positions, KV slots, deepstack)
-and two of its own, filled before each replay: `table [rows, max_pages]` (each row's page table)
-and `lens [rows]` (the keys each row sees). Rows past the step's tokens read one key of the dummy
-page; their outputs are dropped. Rotary and the KV write run before attention as their own
-kernel: the decode kernel's fused rotary would let a row read a key another program of the same
-kernel has yet to write (the tokens of one sequence see each other).
+and three of its own, filled before each replay: `table [rows, max_pages]` (each row's page
+table), `lens [rows]` (the keys each row sees) and `seqs [rows]` (each row's sequence; padding
+rows -1, which the kernel skips; their outputs are dropped). Rotary and the KV write run before
+attention as their own kernel: the rows of one sequence see each other's new keys.
 
 The backend decides which steps run as rows (`runs_as_rows`), the same decision its eager path
 takes, and the split count follows the graph's size in both, so a step's attention reduces alike
@@ -53,6 +52,7 @@ class RowGraphs(GraphRunner):
         rows = self.sizes[-1] if self.sizes else 1
         self.table = torch.full((rows, max(1, max_pages)), DUMMY_PAGE, dtype=torch.int32, device=device)
         self.lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.seqs = torch.full((rows,), -1, dtype=torch.int32, device=device)  # each row's sequence; < 0: padding
         self.slots = slots
         self.runs = 0
 
@@ -65,7 +65,7 @@ class RowGraphs(GraphRunner):
             is_decode=True, num_tokens=size, slot_mapping=self.slots[:size], seq_lens=self.lens[:size],
             query_start_loc=None, page_table=self.table[:size], seq_lens_host=None, query_lens_host=None,
             max_query_len=1, max_seq_len=None, seq_len_bound=self.table.shape[1] * self.kv.page_size,
-            split_rows=size, extend_rows=True)
+            split_rows=size, extend_rows=True, decode_rows=(self.table[:size], self.lens[:size], self.seqs[:size]))
 
     def body(self, key: Any) -> Callable[[], torch.Tensor]:
         meta = self.meta(key)
@@ -76,8 +76,9 @@ class RowGraphs(GraphRunner):
         return forward
 
     def capture(self, key: Any, quiet: bool = False) -> bool:
-        self.lens.fill_(1)  # the warm-up and the capture read one key of the dummy page
+        self.lens.fill_(1)  # the warm-up and the capture: padding rows alone
         self.table[:, 0].fill_(DUMMY_PAGE)
+        self.seqs.fill_(-1)
         return super().capture(key, quiet)
 
     def replay(self, key: Any) -> Any | None:
@@ -100,12 +101,13 @@ class RowGraphs(GraphRunner):
     def run_rows(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         """Fill the row buffers from the step's rows and replay; hidden states [size, hidden]."""
         assert self.cache is not None and meta.decode_rows is not None
-        table, lens = meta.decode_rows
+        table, lens, seqs = meta.decode_rows
         n, width = table.shape
         self.table[:n, :width].copy_(table)
         self.lens[:n].copy_(lens)
-        if n < size:  # padding rows: one key of the dummy page
-            self.table[n:size, 0].fill_(DUMMY_PAGE)
+        self.seqs[:n].copy_(seqs)
+        if n < size:  # padding rows: skipped by the attention kernel; one key for a reference backend
+            self.seqs[n:size].fill_(-1)
             self.lens[n:size].fill_(1)
         self.runs += 1
         self.counts.graph_runs += 1

@@ -89,7 +89,7 @@ def upload_inputs(inputs: PrefillInputs, uploader: PackedUploader, rows_up_to: i
         is_decode=False, num_tokens=t, slot_mapping=slots, seq_lens=lens, query_start_loc=cu,
         page_table=table, seq_lens_host=inputs.seq_lens, query_lens_host=inputs.query_lens,
         max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
-        decode_rows=(row_arrays[0], row_arrays[1]) if rows else None)
+        decode_rows=tuple(row_arrays) if rows else None)
     return PrefillTensors(ids, pos, meta, logit_rows, count)
 
 

@@ -11,8 +11,9 @@ uses Triton (FlashAttention has no float32).
 
 A step whose sequences each add only a few tokens to a long cached context (a prompt found in
 the prefix cache but for its last page) would give the extend kernel a program per sequence and
-head, leaving most of the GPU idle: there every query token runs as a decode row of its own (its
-sequence's page table, its causal length) through the split-KV decode kernel.
+head, leaving most of the GPU idle: there every query token runs as a row (its sequence's page
+table, its causal length) through the split-KV rows kernel (`kernels/rows_attention`), which
+reads each key block once for a block of rows of one sequence.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mmpipe.language.attention.metadata import AttentionMetadata, decode_rows
 from mmpipe import settings
 from mmpipe.kernels.decode_attention import decode_num_splits, paged_decode, paged_decode_rope
 from mmpipe.kernels.extend_attention import paged_extend
+from mmpipe.kernels.rows_attention import paged_rows_attention, rows_num_splits
 from mmpipe.layers.attention import flash_varlen, flash_varlen_available
 
 VARLEN_FROM_CONTEXT = 8192  # "auto": longest context from which varlen beat the Triton kernel
@@ -58,6 +60,8 @@ class CudaLMAttention:
             raise ValueError("the LM attention reads K/V from the paged cache: pass cache=(k_cache, v_cache)")
         k_cache, v_cache = cache
         out = torch.empty_like(q) if out is None else out
+        if meta.extend_rows:  # a row graph's step: its rows are in `decode_rows`
+            return self._rows(q, k_cache, v_cache, meta, out)
         if meta.is_decode:
             # The split count depends only on the batch rows (never on lengths), so a captured
             # step serves any lengths.
@@ -67,12 +71,7 @@ class CudaLMAttention:
         if self.runs_as_rows(meta, q.shape[1], q.device):
             if meta.decode_rows is None:  # once per forward: every layer reads the same rows
                 meta.decode_rows = decode_rows(meta)
-            table, lens = meta.decode_rows
-            n = table.shape[0]
-            # Splits by the padded size, as the step's graph (`extend_row_graphs`) plans them.
-            splits = decode_num_splits(meta.split_rows or n, k_cache.shape[2], self._sms(q.device))
-            paged_decode(q[:n], k_cache, v_cache, table, lens, out[:n], self.scale, splits)
-            return out
+            return self._rows(q, k_cache, v_cache, meta, out)
         if self._use_varlen(q.dtype, meta):
             if meta.query_lens_host == meta.seq_lens_host:  # nothing cached: attend to the new K/V
                 n = meta.num_tokens
@@ -85,6 +84,17 @@ class CudaLMAttention:
         else:  # reads only the real rows (by query_start_loc), whatever the padding
             paged_extend(q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.query_start_loc, out,
                          self.scale, meta.max_query_len)
+        return out
+
+    def _rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+              out: torch.Tensor) -> torch.Tensor:
+        """An extend step's tokens as rows (`paged_rows_attention`), split by the padded size as the
+        step's graph (`extend_row_graphs`) plans them, so eager and graph steps reduce alike."""
+        assert meta.decode_rows is not None
+        table, lens, seqs = meta.decode_rows
+        n = table.shape[0]
+        splits = rows_num_splits(meta.split_rows or n, q.shape[1], k_cache.shape[2], self._sms(q.device))
+        paged_rows_attention(q[:n], k_cache, v_cache, table, lens, seqs, out[:n], self.scale, splits)
         return out
 
     def decode_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,

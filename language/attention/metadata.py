@@ -37,10 +37,10 @@ class AttentionMetadata:
     # Decode: the batch size the split-KV count is chosen for. The padded bucket inside a graph,
     # and the same bucket when the batch runs eagerly, so eager and graph steps reduce alike.
     split_rows: int | None = None
-    # An extend step's query tokens as decode rows: (page table [n, pages], keys seen [n] int32),
-    # one row per real query token (`decode_rows`). Uploaded with a short step's inputs, else
+    # An extend step's query tokens as rows: (page table [n, pages], keys seen [n] int32, sequence
+    # [n] int32; < 0: a padding row), one row per real query token (`decode_rows`). Uploaded with a short step's inputs, else
     # made by the first layer that needs them; kept for the others.
-    decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # A decode-shaped forward whose rows are an extend step's tokens (`language/extend_row_graphs`):
     # rows of one sequence read each other's new K/V, so the new K/V are written before attention,
     # never inside the attention kernel.
@@ -51,9 +51,10 @@ class AttentionMetadata:
             self.seq_len_bound = self.max_seq_len
 
 
-def decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each real query token of an extend step as a decode row: its sequence's page-table row and
-    the keys it sees (int32: its sequence's prefix, itself and the tokens before it in the step).
+def decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each real query token of an extend step as a row: its sequence's page-table row, the keys it
+    sees (int32: its sequence's prefix, itself and the tokens before it in the step) and its
+    sequence's index (int32).
     Device work only, sized from the host lengths: no sync. (`host_decode_rows` makes the same
     on the host, for a step's upload.)"""
     lens_host = meta.query_lens_host or []
@@ -64,16 +65,16 @@ def decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     index = torch.repeat_interleave(torch.arange(batch, device=device), query_lens, output_size=total)
     local = torch.arange(total, device=device) - starts[:-1][index]
     keys = meta.seq_lens[:batch].long()[index] - query_lens[index] + local + 1
-    return meta.page_table.index_select(0, index), keys.to(torch.int32)
+    return meta.page_table.index_select(0, index), keys.to(torch.int32), index.to(torch.int32)
 
 
 def host_decode_rows(query_lens: Sequence[int], seq_lens: Sequence[int], page_table: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """`decode_rows` from a step's host inputs: (page table [n, pages] int32, keys [n] int32)."""
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`decode_rows` from a step's host inputs: (page table [n, pages], keys [n], sequence [n]), int32."""
     q = np.asarray(query_lens, dtype=np.int64)
     s = np.asarray(seq_lens, dtype=np.int64)
     index = np.repeat(np.arange(q.shape[0]), q)
     starts = np.cumsum(q) - q
     local = np.arange(index.shape[0]) - starts[index]
     keys = (s[index] - q[index] + local + 1).astype(np.int32)
-    return np.ascontiguousarray(page_table[index], dtype=np.int32), keys
+    return np.ascontiguousarray(page_table[index], dtype=np.int32), keys, index.astype(np.int32)

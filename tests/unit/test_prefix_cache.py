@@ -308,9 +308,9 @@ def test_two_ranks_read_the_cached_pages_rank_0_found(checkpoint, pipes):
 
 
 def test_an_extend_steps_tokens_as_decode_rows_see_their_prefix_and_the_tokens_before_them():
-    """The rows the CUDA backend runs through the decode kernel: page-table row and key count of
-    each real query token (sequences without new tokens and padding rows have none), the same
-    from the device tensors and from the host inputs a short step uploads."""
+    """The rows the CUDA backend runs through the rows kernel: page-table row, key count and
+    sequence of each real query token (sequences without new tokens and padding rows have none),
+    the same from the device tensors and from the host inputs a short step uploads."""
     import numpy as np
     import torch
     from mmpipe.language.attention.metadata import AttentionMetadata, decode_rows, host_decode_rows
@@ -323,11 +323,13 @@ def test_an_extend_steps_tokens_as_decode_rows_see_their_prefix_and_the_tokens_b
                              seq_lens=torch.tensor([*lens, 0], dtype=torch.int32), query_start_loc=starts,
                              page_table=torch.from_numpy(table), seq_lens_host=lens,
                              query_lens_host=new, max_query_len=3, max_seq_len=1503)
-    rows, keys = decode_rows(meta)
+    rows, keys, owners = decode_rows(meta)
     assert rows.tolist() == table[[0, 0, 0, 2, 2, 3]].tolist() and keys.tolist() == [1501, 1502, 1503, 18, 19, 6]
-    host_rows, host_keys = host_decode_rows(new, lens, table[:4])
+    assert owners.tolist() == [0, 0, 0, 2, 2, 3] and owners.dtype == torch.int32
+    host_rows, host_keys, host_owners = host_decode_rows(new, lens, table[:4])
     assert host_rows.tolist() == rows.tolist() and host_keys.tolist() == keys.tolist()
-    assert host_rows.dtype == np.int32 and host_keys.dtype == np.int32
+    assert host_owners.tolist() == owners.tolist()
+    assert host_rows.dtype == np.int32 and host_keys.dtype == np.int32 and host_owners.dtype == np.int32
 
 
 class _Stub:
