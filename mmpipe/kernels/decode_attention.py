@@ -251,14 +251,20 @@ def _decode(q: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.T
         ROPE=rope is not None, HEADS=heads, KV_HEADS=kv_heads, QK_NORM=norm, NO_FMA=no_fma,
         num_warps=4, num_stages=2, launch_pdl=on,
     )
-    if direct:
-        return
+    if not direct:
+        reduce_splits(part_out, part_lse, out, on)
+
+
+def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, pdl_on: bool) -> None:
+    """Combine split partials [rows, heads, splits, D] and their log-sum-exps [rows, heads, splits]
+    (-inf: an empty split, never read) into `out` [rows, heads, D]."""
+    rows, heads, num_splits, head_dim = part_out.shape
     launch(
-        _decode_reduce_kernel, (batch, heads),
+        _decode_reduce_kernel, (rows, heads),
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, S_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        PDL=on, num_warps=4, launch_pdl=on,
+        NUM_SPLITS=num_splits, S_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+        D_PAD=next_power_of_2(head_dim), PDL=pdl_on, num_warps=4, launch_pdl=pdl_on,
     )

@@ -30,8 +30,8 @@ require_triton("the rows attention kernel")
 
 from mmpipe.kernels import pdl
 from mmpipe.kernels.attention_common import load_paged_kv, online_softmax_step
-from mmpipe.kernels.decode_attention import _decode_reduce_kernel
-from mmpipe.kernels.launch import launch, next_power_of_2
+from mmpipe.kernels.decode_attention import reduce_splits
+from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
 
 _LOG2E = 1.4426950408889634
@@ -154,7 +154,7 @@ def paged_rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                         part_lse.stride(0), part_lse.stride(1))
     launch(
-        _rows_split_kernel, (triton.cdiv(rows, block_rows), kv_heads, num_splits),
+        _rows_split_kernel, (cdiv(rows, block_rows), kv_heads, num_splits),
         q, k_cache, v_cache, table, lens, seqs, part_out, part_lse, out,
         rows, scale * _LOG2E,
         q.stride(0), q.stride(1),
@@ -168,14 +168,5 @@ def paged_rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=block_n, PRECISION=precision, PDL=on,
         num_warps=8, num_stages=2, launch_pdl=on,
     )
-    if direct:
-        return
-    launch(
-        _decode_reduce_kernel, (rows, heads),
-        part_out, part_lse, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, S_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        PDL=on, num_warps=4, launch_pdl=on,
-    )
+    if not direct:
+        reduce_splits(part_out, part_lse, out, on)
