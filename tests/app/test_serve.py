@@ -143,6 +143,51 @@ def test_n_seed_stop_and_logprobs(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("knob, value", [("top_p", 0.3), ("top_k", 3), ("min_p", 0.3), ("repetition_penalty", 1.8),
+                                         ("min_tokens", 24)])
+def test_each_sampling_field_reaches_the_sampler(client, pipe, knob, value):
+    """vLLM's sampling fields in the body (top_k, min_p, repetition_penalty, min_tokens) and
+    OpenAI's (top_p, max_completion_tokens): a seeded sampled answer equals the Python API's with
+    the same setting, and the setting changes it (so one the server dropped would show)."""
+    story = [{"role": "user", "content": "Tell me a story."}]  # the tiny model is unsure here
+    field = {"min_tokens": "min_new_tokens"}.get(knob, knob)
+    reply = client.chat.completions.create(model="tiny", messages=story, max_completion_tokens=24, temperature=1.5,
+                                           seed=5, **({"top_p": value} if knob == "top_p" else {}),
+                                           extra_body={} if knob == "top_p" else {knob: value})
+    ours = pipe.chat(story, SamplingParams(max_new_tokens=24, temperature=1.5, seed=5, **{field: value}))[0]
+    plain = pipe.chat(story, SamplingParams(max_new_tokens=24, temperature=1.5, seed=5))[0]
+    assert reply.choices[0].message.content == ours.text and reply.usage.completion_tokens == len(ours.token_ids)
+    assert ours.token_ids != plain.token_ids
+
+
+def test_streamed_choices_and_videos_as_data_uris(client, media):
+    """n=2 streamed: each chunk names its choice, and each choice's chunks join to the answer the
+    whole response gives; a video sent as a data URI is read like the file, and one that is not a
+    video is refused (400, naming the part)."""
+    story = [{"role": "user", "content": "Tell me a story."}]
+    sampled = {"model": "tiny", "messages": story, "max_tokens": 12, "temperature": 2.0, "seed": 3, "n": 2}
+    whole = client.chat.completions.create(**sampled)
+    parts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(stream=True, **sampled):
+        for choice in chunk.choices:
+            parts[choice.index] += choice.delta.content or ""
+    assert [parts[0], parts[1]] == [c.message.content for c in whole.choices] and parts[0] != parts[1]
+
+    def video(url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "Describe this video."}]}]
+
+    as_file = client.chat.completions.create(model="tiny", messages=video(str(media / "clip.mp4")), max_tokens=8,
+                                             temperature=0)
+    as_data = client.chat.completions.create(model="tiny", messages=video(_data_uri(str(media / "clip.mp4"), "video/mp4")),
+                                             max_tokens=8, temperature=0)
+    assert as_data.choices[0].message.content == as_file.choices[0].message.content
+    assert as_data.usage.prompt_tokens == as_file.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=video(_data_uri(SCENE, "video/mp4")), max_tokens=4)
+    assert info.value.status_code == 400 and "video" in info.value.body["message"]
+
+
 def test_completions_and_models_and_health(client, base, pipe):
     prompts = ["<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", "A photo of"]
     reply = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2, logprobs=2)

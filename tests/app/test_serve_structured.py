@@ -59,6 +59,16 @@ def test_json_object_answers_are_objects(client):
     reply = client.chat.completions.create(model="tiny", messages=_image_message(_data_uri(SCENE)), max_tokens=60,
                                            response_format={"type": "json_object"})
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    # The completions endpoint takes it too (in the body: the SDK's completions have no such argument).
+    schema = {"type": "object", "properties": {"seen": {"type": "boolean"}}, "required": ["seen"],
+              "additionalProperties": False}
+    plain = client.completions.create(model="tiny", prompt="A photo of", max_tokens=40, temperature=0)
+    held = client.completions.create(model="tiny", prompt="A photo of", max_tokens=40, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "seen", "schema": schema}}})
+    answer = json.loads(held.choices[0].text)
+    assert list(answer) == ["seen"] and isinstance(answer["seen"], bool) and held.choices[0].finish_reason == "stop"
+    with pytest.raises(ValueError):
+        json.loads(plain.choices[0].text)  # left free, the tiny model writes no JSON
 
 
 def test_a_schema_the_grammar_engine_cannot_compile_is_a_400(client):
