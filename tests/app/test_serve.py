@@ -247,6 +247,36 @@ def test_unknown_model_long_prompt_bad_json_key_and_unknown_route(client, base, 
     assert idle(engine)  # no failed request kept pages
 
 
+def test_bad_requests_leave_a_running_stream_alone(client, base, pipe, engine):
+    """While a greedy stream runs, an unreadable image, an unknown model, a prompt over
+    max_model_len and a body that is not JSON are each answered 400; the stream's answer is the
+    one it gives alone."""
+    messages = _image_message(_data_uri(SCENE))
+    alone = pipe.chat(messages, SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True))[0]
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=300, temperature=0,
+                                            extra_body={"ignore_eos": True}, stream=True)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].delta.content or ""
+    refused = []
+    for kwargs in ({"model": "tiny", "messages": _image_message("data:image/png;base64,AAAA")},
+                   {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]},
+                   {"model": "tiny", "messages": [{"role": "user", "content": "word " * 3000}]}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(max_tokens=4, **kwargs)
+        refused.append(info.value.status_code)
+    request = urllib.request.Request(base + "/v1/chat/completions", data=b"{not json", method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(request)
+    refused.append(http.value.code)
+    stats = engine.stats()
+    assert stats["kv_pages"]["free"] < stats["kv_pages"]["total"]  # the stream was still generating
+    text += "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert refused == [400] * 4
+    assert text == alone.text
+    assert idle(engine)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(client, engine):
     stream = client.chat.completions.create(model="tiny", messages=_image_message(_data_uri(SCENE)),
                                             max_tokens=1500, extra_body={"ignore_eos": True}, stream=True)
