@@ -197,6 +197,11 @@ def test_completions_and_models_and_health(client, base, pipe):
     assert reply.usage.prompt_tokens == ours[0].num_prompt_tokens + ours[1].num_prompt_tokens
     streamed = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == ours[1].text
+    echoed = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompts[1] + ours[1].text
+    streamed = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=8, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompts[1] + ours[1].text
     assert [m.id for m in client.models.list()] == ["tiny"]
     with urllib.request.urlopen(base + "/health") as r:
         assert r.status == 200
