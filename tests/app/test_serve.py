@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 from mmpipe.app.serve import on_loopback as serving
 from mmpipe.app.serve_api import create_app
 
-from mmpipe import SamplingParams
+from mmpipe import Pipeline, SamplingParams
 from tests.engine_helpers import idle
 from tests.video_helpers import make_video
 
@@ -205,6 +205,23 @@ def test_completions_and_models_and_health(client, base, pipe):
     assert [m.id for m in client.models.list()] == ["tiny"]
     with urllib.request.urlopen(base + "/health") as r:
         assert r.status == 200
+
+
+def test_the_checkpoints_generation_config_fills_what_a_request_leaves_out(checkpoint_factory):
+    """A body without max_tokens or temperature gets generation_config.json's; one that sets them
+    overrides it."""
+    path = checkpoint_factory(generation={"do_sample": True, "temperature": 0.7, "top_k": 5, "max_new_tokens": 7})
+    with Pipeline.from_pretrained(path, device="cpu") as local, serving(create_app(local, served_model_name="g")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        story = [{"role": "user", "content": "Tell me a story."}]
+        left_out = client.chat.completions.create(model="g", messages=story, seed=4, extra_body={"ignore_eos": True})
+        ours = local.chat(story, SamplingParams(seed=4, ignore_eos=True))[0]  # the defaults: 0.7, top-k 5, 7 tokens
+        assert left_out.usage.completion_tokens == 7 and left_out.choices[0].message.content == ours.text
+        greedy = client.chat.completions.create(model="g", messages=story, max_tokens=3, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert greedy.usage.completion_tokens == 3
+        assert greedy.choices[0].message.content == local.chat(story, SamplingParams(
+            max_new_tokens=3, temperature=0, ignore_eos=True))[0].text
 
 
 @pytest.mark.parametrize("messages, param, words", [
