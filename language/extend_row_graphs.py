@@ -106,7 +106,7 @@ class RowGraphs(GraphRunner):
         self.table[:n, :width].copy_(table)
         self.lens[:n].copy_(lens)
         self.seqs[:n].copy_(seqs)
-        if n < size:  # padding rows: skipped by the attention kernel; one key for a reference backend
+        if n < size:  # padding rows: skipped by the rows kernel (a reference backend reads one key of each)
             self.seqs[n:size].fill_(-1)
             self.lens[n:size].fill_(1)
         self.runs += 1

@@ -40,49 +40,68 @@ class BareResponse:
             yield pending.rstrip(b"\r").decode()
 
     async def _body(self) -> AsyncIterator[bytes]:
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+        codings = self.headers.get("transfer-encoding", "")
+        if codings and codings.split(",")[-1].strip().lower() == "chunked":
             while True:
                 size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
                 if size == 0:
-                    await self.reader.readuntil(b"\r\n")  # no trailers are sent
+                    while await self.reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
+                        pass
                     break
                 data = await self.reader.readexactly(size + 2)
                 yield data[:-2]
-        else:
-            yield await self.reader.readexactly(int(self.headers.get("content-length", "0")))
+        elif "content-length" in self.headers:
+            yield await self.reader.readexactly(int(self.headers["content-length"]))
+        else:  # the body ends with the connection, which then carries nothing more
+            yield await self.reader.read()
+            return
         self.complete = True
 
 
 class BareHttpClient:
-    """POSTs to one server, each request encoded once (`encode`) and sent by `stream`."""
+    """POSTs to one server, each request encoded once (`encode`) and sent by `stream`, which
+    gives up (TimeoutError) on a response not read whole within `timeout_s`."""
 
-    def __init__(self, base_url: str, api_key: str) -> None:
+    def __init__(self, base_url: str, api_key: str, timeout_s: float = 3600.0) -> None:
         url = urlsplit(base_url)
         if url.scheme != "http" or url.hostname is None:
             raise ValueError(f"{base_url!r}: the bare client speaks plain http:// only")
         self.host, self.port = url.hostname, url.port or 80
         self.prefix = url.path.rstrip("/")
-        self.api_key = api_key
+        self.api_key, self.timeout_s = api_key, timeout_s
         self._idle: list[_Connection] = []
 
     def encode(self, path: str, body: bytes) -> bytes:
-        head = (f"POST {self.prefix}/{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        head = (f"POST {self.prefix}/{path} HTTP/1.1\r\nHost: {host}:{self.port}\r\n"
                 f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
                 f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n")
         return head.encode() + body
 
     @contextlib.asynccontextmanager
     async def stream(self, request: bytes) -> AsyncIterator[BareResponse]:
-        reader, writer, headers = await self._send(request)
-        response = None
+        # One timer a request (not one per read): it cancels the request's task, and the
+        # cancellation it caused leaves as a TimeoutError.
+        task, expired = asyncio.current_task(), []
+        assert task is not None
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, lambda: (expired.append(True), task.cancel()))
+        response, headers = None, {}
         try:
-            response = BareResponse(reader, int(headers.pop(":status")), headers)
-            yield response
+            reader, writer, headers = await self._send(request)
+            try:
+                response = BareResponse(reader, int(headers.pop(":status")), headers)
+                yield response
+            finally:
+                if response is not None and response.complete and headers.get("connection", "").lower() != "close":
+                    self._idle.append((reader, writer))
+                else:
+                    writer.close()
+        except asyncio.CancelledError:
+            if expired:
+                raise TimeoutError(f"no whole response in {self.timeout_s:g} s") from None
+            raise
         finally:
-            if response is not None and response.complete and headers.get("connection", "").lower() != "close":
-                self._idle.append((reader, writer))
-            else:
-                writer.close()
+            timer.cancel()
 
     async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, str]]:
         """Write `request` and read the response's head. A kept-alive connection the server has
@@ -97,6 +116,9 @@ class BareHttpClient:
                 return reader, writer, await self._exchange(reader, writer, request)
             except StaleConnection:
                 writer.close()
+            except BaseException:
+                writer.close()
+                raise
         reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
             return reader, writer, await self._exchange(reader, writer, request)
@@ -122,6 +144,9 @@ class BareHttpClient:
         return headers
 
     async def aclose(self) -> None:
-        for _, writer in self._idle:
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
             writer.close()
-        self._idle.clear()
+        for _, writer in idle:
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()

@@ -201,7 +201,7 @@ def _load_loop(conn: Any, base_url: str, api_key: str, kind: str = "openai") -> 
         if kind == "raw":
             from mmpipe.app.bench.http_client import BareHttpClient
 
-            return BareHttpClient(base_url, api_key)
+            return BareHttpClient(base_url, api_key, CLIENT_TIMEOUT_S)
         import openai
 
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=CLIENT_TIMEOUT_S)

@@ -11,7 +11,8 @@ each program reads the lengths on the device, so a CUDA graph captured for a row
 lengths, as the decode kernel does.
 
 Rows of one block usually belong to one sequence. A block that straddles two (a step holding
-several requests' tokens) is told by `seqs` (each row's sequence; padding rows < 0, ignored):
+several requests' tokens) is told by `seqs` (each row's sequence; padding rows < 0, after the
+real ones, skipped):
 its program goes over its rows one at a time, each with its own page table, which gives the
 same sums with less sharing. Splits divide the block's longest row into equal key ranges; partial
 results and their log-sum-exps reduce as the decode kernel's do (`_decode_reduce_kernel`), or
@@ -135,7 +136,8 @@ def paged_rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """q/out [n, Hq, D] (one row per query token); caches [pages, page_size, Hkv, D]; table [n, P]
     int32 (each row's sequence's pages); lens [n] int32 (the keys each row sees: its prefix,
     itself and the rows before it in its sequence); seqs [n] int32 (each row's sequence, rows of
-    one sequence consecutive; < 0: a padding row, whose output is zeros)."""
+    one sequence consecutive; < 0: a padding row, whose output is zeros; padding rows come after
+    every real row, as a step's padding does: a block takes its first row's page table)."""
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits}: need at least 1")
     rows, heads, head_dim = q.shape[0], q.shape[1], out.shape[2]
