@@ -141,8 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "%(default)s): one process reading many fast streams falls behind them")
     parser.add_argument("--client", choices=("openai", "raw"), default="openai",
                         help="the load generator's client: the openai SDK, or bare HTTP (each request's bytes "
-                             "encoded before the run, written on a kept-alive socket), which leaves the client's own work per request out of the server's "
-                             "figures (default %(default)s)")
+                             "encoded before the run, written on a kept-alive socket), which leaves the client's "
+                             "own work per request out of the server's figures (default %(default)s)")
 
 
 # ------------------------------------------------------------------ checkpoint and requests

@@ -1,16 +1,17 @@
 """`mmpipe bench serve`'s load and statistics: Poisson arrivals under a concurrency cap, driven
-either through the HTTP server (`drive_server`: streaming chat completions from `openai.AsyncOpenAI`
-or the bare client of `http_client`, in a process of its own, `LoadProcess`) or straight through `Pipeline.stream` on one thread per
-request, as the server runs them (`drive_api`); and what a run's records give (`summarise`):
-TTFT, TPOT, inter-token latency and end-to-end latency (mean, p50, p90, p99), request and output
-token throughput.
+either through the HTTP server (`drive_server`: streaming chat completions from
+`openai.AsyncOpenAI` or the bare client of `http_client`, in a process of its own,
+`LoadProcess`) or straight through `Pipeline.stream` on one thread per request, as the server
+runs them (`drive_api`); and what a run's records give (`summarise`): TTFT, TPOT, inter-token
+latency and end-to-end latency (mean, p50, p90, p99), request and output token throughput.
 
 Every time is a `time.perf_counter()` reading (one clock for every process of the machine), in
-seconds from the run's start. A chunk is timed when it arrives, before it is parsed. Either client
-hands over the SSE lines (the SDK's `with_streaming_response`) and each is parsed with `json.loads`: the openai SDK's typed
-chunk objects cost the client far more CPU per chunk than the server spends sending it, so a
-client that built them would measure itself at high token rates. The CPU share of the run of the
-busiest load process (`client_cpu_share`) says whether the load kept up.
+seconds from the run's start. A chunk is timed when it arrives, before it is parsed. Either
+client hands over the SSE lines (the SDK's `with_streaming_response`) and each is parsed with
+`json.loads`: the openai SDK's typed chunk objects cost the client far more CPU per chunk than
+the server spends sending it, so a client that built them would measure itself at high token
+rates. The CPU share of the run of the busiest load process (`client_cpu_share`) says whether the
+load kept up.
 
 This module imports neither torch nor the server, so the load process starts quickly.
 """

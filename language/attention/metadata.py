@@ -38,8 +38,8 @@ class AttentionMetadata:
     # and the same bucket when the batch runs eagerly, so eager and graph steps reduce alike.
     split_rows: int | None = None
     # An extend step's query tokens as rows: (page table [n, pages], keys seen [n] int32, sequence
-    # [n] int32; < 0: a padding row), one row per real query token (`decode_rows`). Uploaded with a short step's inputs, else
-    # made by the first layer that needs them; kept for the others.
+    # [n] int32; < 0: a padding row), one row per real query token (`decode_rows`). Uploaded
+    # with a short step's inputs, else made by the first layer that needs them; kept for the others.
     decode_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # A decode-shaped forward whose rows are an extend step's tokens (`language/extend_row_graphs`):
     # rows of one sequence read each other's new K/V, so the new K/V are written before attention,

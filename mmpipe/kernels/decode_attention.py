@@ -159,7 +159,8 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_yb + h * stride_yh + d, result.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def _block_n(head_dim: int, dtype: torch.dtype) -> int:
+def key_block(head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per loop step of the split kernels (float32 tiles of wide heads take half as many)."""
     return 32 if (dtype == torch.float32 and head_dim > 64) else 64
 
 
@@ -215,7 +216,7 @@ def _decode(q: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.T
     batch, head_dim = q.shape[0], out.shape[2]
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    block_n = _block_n(head_dim, q.dtype)
+    block_n = key_block(head_dim, q.dtype)
     d_pad = next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     direct = num_splits == 1

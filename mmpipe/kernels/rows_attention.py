@@ -12,11 +12,10 @@ lengths, as the decode kernel does.
 
 Rows of one block usually belong to one sequence. A block that straddles two (a step holding
 several requests' tokens) is told by `seqs` (each row's sequence; padding rows < 0, after the
-real ones, skipped):
-its program goes over its rows one at a time, each with its own page table, which gives the
-same sums with less sharing. Splits divide the block's longest row into equal key ranges; partial
-results and their log-sum-exps reduce as the decode kernel's do (`_decode_reduce_kernel`), or
-with one split are written normalised at once.
+real ones, skipped): its program goes over its rows one at a time, each with its own page table,
+which gives the same sums with less sharing. Splits divide the block's longest row into equal key
+ranges; partial results and their log-sum-exps reduce as the decode kernel's do
+(`decode_attention.reduce_splits`), or with one split are written normalised at once.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ require_triton("the rows attention kernel")
 
 from mmpipe.kernels import pdl
 from mmpipe.kernels.attention_common import load_paged_kv, online_softmax_step
-from mmpipe.kernels.decode_attention import reduce_splits
+from mmpipe.kernels.decode_attention import key_block, reduce_splits
 from mmpipe.kernels.launch import cdiv, launch, next_power_of_2
 from mmpipe.kernels.pdl import pdl_enter
 
@@ -144,7 +143,7 @@ def paged_rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     block_rows, group_pad = rows_tile(heads, kv_heads)
     d_pad = next_power_of_2(head_dim)
-    block_n = 32 if (q.dtype == torch.float32 and head_dim > 64) else 64
+    block_n = key_block(head_dim, q.dtype)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     direct = num_splits == 1
     on = pdl.enabled(q)
