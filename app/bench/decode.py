@@ -46,11 +46,12 @@ from mmpipe.app.bench.decode_math import (
 from mmpipe.app.bench.decode_report import fmt, plot, report
 from mmpipe.app.bench.decode_systems import (
     GRAPH_MODES,
-    LABELS,
     SYSTEMS,
     HFSystem,
     MmpipeSystem,
     free_memory,
+    gpus_of,
+    label_of,
     make_prompts,
     measure,
     raise_recompile_limit,
@@ -59,7 +60,12 @@ from mmpipe.app.bench.decode_systems import (
     short,
 )
 from mmpipe.app.bench.results import write_json
-from mmpipe.app.bench.shapes import add_shape_argument, build_checkpoint, default_checkpoint_dir
+from mmpipe.app.bench.shapes import (
+    add_layers_argument,
+    add_shape_argument,
+    build_checkpoint,
+    default_checkpoint_dir,
+)
 from mmpipe.app.bench.timing import copy_bandwidth, wall_s
 
 
@@ -81,9 +87,22 @@ def system_list(text: str) -> list[str]:
     return [s for s in SYSTEMS if s in names]  # fixed order: the baselines first
 
 
+def layout_list(text: str) -> list[str]:
+    """`1`, `tpN` (tensor parallel over N GPUs) or `epN` (the same with experts split whole)."""
+    names = [v for v in str(text).replace(" ", "").split(",") if v]
+    bad = [n for n in names if n != "1" and not (n[:2] in ("tp", "ep") and n[2:].isdigit() and int(n[2:]) >= 2)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1, tpN or epN (N >= 2 GPUs), comma-separated")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `decode` subcommand's options (`bench.main` adds --json to every subcommand)."""
     add_shape_argument(parser)
+    add_layers_argument(parser)
+    parser.add_argument("--parallel", type=layout_list, default=["1"],
+                        help="mmpipe on one GPU (1), tensor parallel over N GPUs (tpN) or expert parallel "
+                             "(epN: a mixture of experts' experts split whole), each in turn; default: 1")
     parser.add_argument("--batches", type=int_list, default=[1, 8, 32, 128],
                         help="comma-separated batch sizes")
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -134,7 +153,8 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     clock = time.perf_counter()
     n1, n2 = args.new_tokens
     batches = list(args.batches)
-    path = build_checkpoint(args.checkpoint or default_checkpoint_dir(args.shape), args.shape, str(device))
+    path = build_checkpoint(args.checkpoint or default_checkpoint_dir(args.shape, args.layers), args.shape, str(device),
+                            args.layers)
     _log(clock, f"checkpoint {path}")
     text = text_config_of(read_config(path))
     elem = torch.empty(0, dtype=_torch_dtype(args.dtype)).element_size()
@@ -144,8 +164,8 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result: dict[str, Any] = {
         "device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
-        "copy_GBps": copy_gbs, "shape": args.shape, "dtype": args.dtype, "quantization": args.quantization,
-        "checkpoint": path,
+        "copy_GBps": copy_gbs, "shape": args.shape, "layers": text["num_hidden_layers"], "dtype": args.dtype,
+        "quantization": args.quantization, "checkpoint": path, "parallel": list(args.parallel),
         "prompt_tokens": args.prompt_tokens, "new_tokens": [n1, n2], "batches": batches,
         "repeats": args.repeats, "systems": list(args.systems), "mean_context": context,
         "lm_weight_params": lm_weight_params(text), "lm_weight_bytes": lm_weight_params(text) * elem,
@@ -155,8 +175,10 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(path, max(batches), args.prompt_tokens)
 
     def add_row(system: str, batch: int, **fields: Any) -> dict[str, Any]:
-        row = {"system": system, "label": LABELS[system], "batch": batch,
-               "floor_ms": floor_ms(text, batch, context, copy_gbs, elem, fp8=fp8 and system.startswith("mmpipe")),
+        gpus = gpus_of(system)  # the floor: the step's bytes read by that many GPUs at once
+        row = {"system": system, "label": label_of(system), "batch": batch,
+               "floor_ms": floor_ms(text, batch, context, copy_gbs * gpus, elem,
+                                    fp8=fp8 and system.startswith("mmpipe")),
                **fields}
         ms = row.get("ms_per_step")
         row["tokens_per_s"] = tokens_per_s(batch, ms)
@@ -205,17 +227,20 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
 
     page_size = EngineConfig().kv_page_size
     pages = args.kv_pages or kv_pages_needed(max(batches), args.prompt_tokens, n2, page_size)
-    for system in (s for s in args.systems if s.startswith("mmpipe")):
+    mmpipe_systems = [s for s in args.systems if s.startswith("mmpipe")]
+    for system in (f"{s}@{layout}" if layout != "1" else s for layout in args.parallel for s in mmpipe_systems):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        mode = GRAPH_MODES[system.split("@")[0]]
         try:
-            mm = MmpipeSystem(path, device, args.dtype, GRAPH_MODES[system], pages, max(batches), args.quantization)
+            mm = MmpipeSystem(path, device, args.dtype, mode, pages, max(batches), args.quantization,
+                              tensor_parallel_size=gpus_of(system), expert_parallel="@ep" in system)
         except Exception as exc:
             for batch in batches:
                 add_row(system, batch, error=f"start-up: {type(exc).__name__}: {exc}")
             free_memory(device)
             continue
-        info: dict[str, Any] = {"graph_mode": GRAPH_MODES[system], "startup_s": mm.startup_s,
+        info: dict[str, Any] = {"graph_mode": mode, "startup_s": mm.startup_s,
                                 "kv_pages": pages, "per_batch": {}}
         _log(clock, f"{system}: Pipeline.from_pretrained {mm.startup_s:.1f} s")
         first_call = None
@@ -250,7 +275,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         mm.close()
         mm = None
         free_memory(device)
-        if GRAPH_MODES[system] != "none" and device.type == "cuda":
+        if mode != "none" and device.type == "cuda" and gpus_of(system) == 1:
             info["largest_alone_MiB"] = largest_bucket_alone_MiB(path, device, args.dtype, pages, max(batches))
             free_memory(device)
         save_partial(args, result)

@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any, Sequence
 
-from mmpipe.app.bench.decode_systems import LABELS, SYSTEMS, short
+from mmpipe.app.bench.decode_systems import label_of, short
 from mmpipe.app.bench.results import table
 from mmpipe.app.bench.shapes import SHAPES
 
@@ -34,10 +34,10 @@ def result_rows(rows: Sequence[dict[str, Any]]) -> list[list[Any]]:
     for r in rows:
         ms = r.get("ms_per_step")
         if r.get("error"):
-            out.append([LABELS.get(r["system"], r["system"]), r["batch"], "error: " + short(r["error"])]
+            out.append([label_of(r["system"]), r["batch"], "error: " + short(r["error"])]
                        + [""] * 7)
             continue
-        out.append([LABELS.get(r["system"], r["system"]), r["batch"], fmt(ms, ".3g"),
+        out.append([label_of(r["system"]), r["batch"], fmt(ms, ".3g"),
                     fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("floor_ms"), ".3g"),
                     fmt(r.get("pct_of_floor"), ".0f", "%"), fmt(r.get("host_us_per_step"), ".0f"),
                     speedup(base.get(("hf", r["batch"])), ms),
@@ -53,7 +53,7 @@ GRAPH_HEADER = ["system", "graph mode (reported)", "start-up s", "first call s",
 
 
 def graph_rows(mmpipe: dict[str, dict[str, Any]]) -> list[list[Any]]:
-    return [[LABELS.get(system, system), info.get("graph_mode_reported") or NA,
+    return [[label_of(system), info.get("graph_mode_reported") or NA,
              fmt(info.get("startup_s"), ".1f"), fmt(info.get("first_call_s"), ".1f"),
              fmt(info.get("capture_s"), ".2f"), fmt(info.get("memory_MiB"), ".0f"),
              fmt(info.get("largest_alone_MiB"), ".0f"), fmt(info.get("graphs"), ""), fmt(info.get("replays"), ""), fmt(info.get("eager_steps"), "")]
@@ -64,11 +64,16 @@ def header_line(result: dict[str, Any]) -> str:
     n1, n2 = result["new_tokens"]
     return (f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}; "
             f"device-to-device copy {result['copy_GBps']:.0f} GB/s (read + write); "
-            f"{SHAPES[result['shape']].label}-shaped LM, random weights, {result['dtype']}"
+            f"{SHAPES[result['shape']].label}-shaped LM{depth_note(result)}, random weights, {result['dtype']}"
             f"{'; mmpipe in ' + result['quantization'] + ' (those weights at one byte in its floor)' if result.get('quantization') else ''}; "
             f"{result['prompt_tokens']}-token prompts, ms/step = (t({n2}) - t({n1})) / {n2 - n1} new tokens; "
             f"floor = ({result['lm_weight_bytes'] / 1e9:.2f} GB of LM weights + KV at context "
-            f"{result['mean_context']:g}) / copy bandwidth")
+            f"{result['mean_context']:g}) / copy bandwidth (x N for a system on N GPUs)")
+
+
+def depth_note(result: dict[str, Any]) -> str:
+    layers, full = result.get("layers"), SHAPES[result["shape"]].text["num_hidden_layers"]
+    return f" cut to {layers} of its {full} layers" if layers and layers != full else ""
 
 
 def report(result: dict[str, Any]) -> str:
@@ -92,14 +97,14 @@ def plot(result: dict[str, Any], path: str) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = sorted({r["batch"] for r in result["rows"]})
-    for system in SYSTEMS:
+    for system in dict.fromkeys(r["system"] for r in result["rows"]):
         points = sorted((r["batch"], r.get("tokens_per_s"), r.get("pct_of_floor")) for r in result["rows"]
                         if r["system"] == system and r.get("tokens_per_s"))
         if not points:
             continue
         xs = [p[0] for p in points]
-        left.plot(xs, [p[1] for p in points], marker="o", label=LABELS[system])
-        right.plot(xs, [p[2] for p in points], marker="o", label=LABELS[system])
+        left.plot(xs, [p[1] for p in points], marker="o", label=label_of(system))
+        right.plot(xs, [p[2] for p in points], marker="o", label=label_of(system))
     for ax, ylabel in ((left, "decode tokens/s"), (right, "% of bandwidth floor")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches or [1])

@@ -24,6 +24,20 @@ LABELS = {"hf": "transformers (dynamic cache)",
 GRAPH_MODES = {"mmpipe-eager": "none", "mmpipe-graphs": "full_and_piecewise"}
 
 
+def gpus_of(system: str) -> int:
+    """GPUs a system runs on: `mmpipe-graphs@tp2` and `mmpipe-graphs@ep2` two, a bare name one."""
+    layout = system.partition("@")[2]
+    return int(layout[2:]) if layout else 1
+
+
+def label_of(system: str) -> str:
+    name, _, layout = system.partition("@")
+    if not layout:
+        return LABELS.get(name, name)
+    kind = "expert" if layout.startswith("ep") else "tensor"
+    return f"{LABELS.get(name, name)}, {kind} parallel x{layout[2:]}"
+
+
 def short(message: str, limit: int = 160) -> str:
     line = " ".join(str(message).split())
     return line if len(line) <= limit else line[:limit - 3] + "..."
@@ -105,14 +119,16 @@ class MmpipeSystem:
     """mmpipe's engine on token-id requests (text only), graph mode chosen."""
 
     def __init__(self, path: str, device: torch.device, dtype: str, graph_mode: str, num_kv_pages: int,
-                 max_running_requests: int, quantization: str | None = None) -> None:
+                 max_running_requests: int, quantization: str | None = None, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         from mmpipe.app.bench.shapes import load_options
 
         from mmpipe import Pipeline
 
         options: dict[str, Any] = dict(num_kv_pages=num_kv_pages, max_running_requests=max_running_requests,
                                        graph_mode=graph_mode, prefix_caching=False,  # every run prefills
-                                       quantization=quantization, **load_options(path))
+                                       quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                                       expert_parallel=expert_parallel, **load_options(path))
         self.note = ""
         self.pipe, self.startup_s = timed(lambda: Pipeline.from_pretrained(path, device=str(device), dtype=dtype,
                                                                            **options), device)

@@ -91,28 +91,39 @@ def add_shape_argument(parser: Any) -> None:
                         + ", ".join(f"{k} ({v.label})" for k, v in SHAPES.items()))
 
 
-def default_checkpoint_dir(shape: str) -> str:
-    return os.path.join(tempfile.gettempdir(), "mmpipe-3b-random" if shape == "3b" else f"mmpipe-{shape}-random")
+def default_checkpoint_dir(shape: str, layers: int | None = None) -> str:
+    name = "mmpipe-3b-random" if shape == "3b" else f"mmpipe-{shape}-random"
+    return os.path.join(tempfile.gettempdir(), name + (f"-{layers}-layers" if layers else ""))
 
 
-def hf_config(shape: str) -> Any:
+def hf_config(shape: str, layers: int | None = None) -> Any:
+    """transformers' config of `shape`; `layers`: the language model cut to that many decoder
+    layers (the widths unchanged), for a shape too large for the GPUs at hand."""
     from mmpipe.app.tiny.synthetic import FAMILY_CONFIGS, build_tokenizer
 
     spec = SHAPES[shape]
-    return FAMILY_CONFIGS[spec.family](build_tokenizer(vocab_size=512), vision=spec.vision, text=spec.text,
+    text = spec.text if layers is None else dict(spec.text, num_hidden_layers=layers)
+    return FAMILY_CONFIGS[spec.family](build_tokenizer(vocab_size=512), vision=spec.vision, text=text,
                                        tie_word_embeddings=spec.tied)
 
 
-def build_checkpoint(path: str | None, shape: str = "3b", device: str = "cuda") -> str:
-    """A checkpoint of `shape` with random bfloat16 weights in `path` (kept: a second run reuses it)."""
+def add_layers_argument(parser: Any) -> None:
+    parser.add_argument("--layers", type=int, default=None,
+                        help="cut the language model to this many decoder layers, widths unchanged (a shape "
+                             "too large for the GPUs at hand; per-token figures scale with the depth)")
+
+
+def build_checkpoint(path: str | None, shape: str = "3b", device: str = "cuda", layers: int | None = None) -> str:
+    """A checkpoint of `shape` with random bfloat16 weights in `path` (kept: a second run reuses
+    it); `layers` cuts the language model's depth (`hf_config`)."""
     from mmpipe.app.tiny.synthetic import build_tokenizer, model_class, write_checkpoint
 
-    path = path or default_checkpoint_dir(shape)
+    path = path or default_checkpoint_dir(shape, layers)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     spec = SHAPES[shape]
     tokenizer = build_tokenizer(vocab_size=512)
-    config = hf_config(shape)
+    config = hf_config(shape, layers)
     if spec.dummy:
         return write_checkpoint(path, config, tokenizer, min_pixels=56 * 56, max_pixels=spec.max_pixels)
     torch.manual_seed(0)

@@ -199,12 +199,15 @@ def _reference_block_product(values: torch.Tensor, scale: torch.Tensor, weight: 
 
 def quantize_linears(module: nn.Module, names: tuple[str, ...]) -> int:
     """Replace every `nn.Linear` child of `module` (recursively) whose attribute name is in
-    `names` (and whose shape cuBLASLt takes, `fp8_shape_ok`) by its `Fp8Linear`, one at a time
-    (the bfloat16 weight is freed as it goes); returns how many were replaced."""
+    `names` (and whose shape cuBLASLt takes, `fp8_shape_ok`) by its `Fp8Linear`, one at a time;
+    returns how many were replaced. Only the parents' names are held while it runs, so each
+    replaced layer's weight is freed before the next is quantized: the peak is the unquantized
+    model plus one layer."""
     replaced = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if name in names and isinstance(child, nn.Linear) and fp8_shape_ok(child):
-                setattr(parent, name, Fp8Linear.from_linear(child))
+    for path in [path for path, _ in module.named_modules()]:
+        parent = module.get_submodule(path)
+        for name in [n for n, child in parent.named_children() if n in names and isinstance(child, nn.Linear)]:
+            if fp8_shape_ok(getattr(parent, name)):
+                setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
                 replaced += 1
     return replaced

@@ -77,9 +77,12 @@ class Fp8Experts(nn.Module):
 def quantize_experts(module: nn.Module) -> tuple[int, int]:
     """Replace every plain experts module (a child named `experts` holding 3D `gate_up_proj` and
     `down_proj` parameters) of `module` by its `Fp8Experts`, one layer at a time; returns (layers
-    replaced, layers left unquantized because their shape is not made of whole tiles)."""
+    replaced, layers left unquantized because their shape is not made of whole tiles). Only the
+    parents' names are held while it runs, so each layer's unquantized experts are freed before
+    the next layer is quantized: the peak is the unquantized model plus one layer's FP8 experts."""
     replaced = left = 0
-    for parent in list(module.modules()):
+    for path in [path for path, _ in module.named_modules()]:
+        parent = module.get_submodule(path)
         child = getattr(parent, "experts", None)
         if not isinstance(child, nn.Module) or isinstance(child, Fp8Experts):
             continue
@@ -90,5 +93,6 @@ def quantize_experts(module: nn.Module) -> tuple[int, int]:
             left += 1
             continue
         parent.experts = Fp8Experts.from_weights(gate_up.detach(), down.detach())
+        del child, gate_up, down  # the last references to this layer's unquantized experts
         replaced += 1
     return replaced, left

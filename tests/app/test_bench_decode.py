@@ -248,3 +248,40 @@ def test_end_to_end_on_cpu(checkpoint, tmp_path, capsys):
     assert result["lm_weight_bytes"] == 4 * dm.lm_weight_params(dm.text_config_of(ds.read_config(checkpoint)))
     out = capsys.readouterr().out
     assert "### Decode speed" in out and "mmpipe graphs" in out
+
+
+def test_parallel_layouts_and_depth_are_parsed_and_labelled():
+    assert parse(["--parallel", "1, tp2,ep4"]).parallel == ["1", "tp2", "ep4"]
+    for bad in ("tp1", "xp2", "ep", "2", ""):
+        with pytest.raises(SystemExit):
+            parse(["--parallel", bad])
+    assert (ds.gpus_of("mmpipe-graphs"), ds.gpus_of("mmpipe-graphs@tp2"), ds.gpus_of("mmpipe-eager@ep4")) == (1, 2, 4)
+    assert ds.label_of("mmpipe-graphs@ep2") == "mmpipe graphs, expert parallel x2"
+    assert ds.label_of("mmpipe-graphs@tp4") == "mmpipe graphs, tensor parallel x4"
+    from mmpipe.app.bench.shapes import default_checkpoint_dir, hf_config
+
+    assert hf_config("qwen3-vl-235b-a22b", layers=12).text_config.num_hidden_layers == 12
+    assert hf_config("qwen3-vl-235b-a22b", layers=12).text_config.moe_intermediate_size == 1536
+    assert default_checkpoint_dir("qwen3-vl-235b-a22b", 12) != default_checkpoint_dir("qwen3-vl-235b-a22b")
+    result = dict(fake_result(), shape="qwen3-vl-235b-a22b", layers=12)
+    assert "Qwen3-VL-235B-A22B-shaped LM cut to 12 of its 94 layers" in dr.header_line(result)
+
+
+def test_split_layouts_end_to_end_on_cpu(checkpoint_factory, capsys):
+    """One GPU, tensor parallel and expert parallel in one run (gloo ranks on the CPU): a row per
+    layout and batch, each on its own Pipeline split as asked, the floor over the GPUs' summed
+    bandwidth."""
+    path = checkpoint_factory(family="qwen3_vl_moe")
+    args = parse(["--device", "cpu", "--dtype", "float32", "--checkpoint", path, "--batches", "1,2",
+                  "--systems", "mmpipe-eager", "--parallel", "1,tp2,ep2", "--prompt-tokens", "8",
+                  "--new-tokens", "2,4", "--repeats", "1"])
+    result = bd.run_decode(args)
+    rows = {(r["system"], r["batch"]): r for r in result["rows"]}
+    assert set(rows) == {(s, b) for s in ("mmpipe-eager", "mmpipe-eager@tp2", "mmpipe-eager@ep2") for b in (1, 2)}
+    assert not any(r.get("error") for r in rows.values()), [r.get("error") for r in rows.values()]
+    for batch in (1, 2):
+        assert rows[("mmpipe-eager@ep2", batch)]["floor_ms"] == pytest.approx(rows[("mmpipe-eager", batch)]["floor_ms"] / 2)
+    parallel = {name: info["stats"]["tensor_parallel"] for name, info in result["mmpipe"].items()}
+    assert parallel["mmpipe-eager@tp2"]["size"] == parallel["mmpipe-eager@ep2"]["size"] == 2
+    assert parallel["mmpipe-eager@ep2"]["expert_parallel"] and not parallel["mmpipe-eager@tp2"]["expert_parallel"]
+    assert "mmpipe eager, expert parallel x2" in capsys.readouterr().out

@@ -176,3 +176,22 @@ def test_the_fused_kernels_refuse_a_group_width_they_cannot_tile():
         add_rms_norm(torch.randn(2, 192), None, torch.ones(192), 1e-6, fp8=96)
     with pytest.raises(ValueError, match="fp8=96"):
         silu_mul(torch.randn(2, 384), fp8=96)
+
+
+def test_runtime_quantization_frees_each_linear_before_the_next(monkeypatch):
+    """When a layer is quantized, no earlier layer's unquantized weight is still held (the peak is
+    the unquantized model plus one layer)."""
+    import weakref
+
+    lm = tiny_lm()
+    plain = [weakref.ref(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)]
+    alive_at_each_call = []
+    original = Fp8Linear.from_linear.__func__
+
+    def spy(cls, linear):
+        alive_at_each_call.append(sum(ref() is not None for ref in plain))
+        return original(cls, linear)
+
+    monkeypatch.setattr(Fp8Linear, "from_linear", classmethod(spy))
+    count = quantize_linears(lm, LM_FP8_LAYERS)
+    assert alive_at_each_call == [len(plain) - k for k in range(count)]

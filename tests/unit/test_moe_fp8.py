@@ -122,3 +122,29 @@ def test_runtime_quantization_replaces_experts_of_whole_tiles_only(checkpoint):
     assert quantize_experts(holder) == (1, 1)
     assert isinstance(layer.experts, Fp8Experts) and isinstance(narrow.experts, Experts)
     assert layer.experts.gate_up_scale.shape == (4, 4, 1) and layer.experts.down_scale.shape == (4, 1, 2)
+
+
+def test_runtime_quantization_frees_each_layers_plain_experts_before_the_next(monkeypatch):
+    """A model that fits only unquantized plus one layer's FP8 copy loads: when a layer is
+    quantized, no earlier layer's plain experts are still held."""
+    import weakref
+
+    from mmpipe.language.qwen3_moe import Experts
+
+    layers = torch.nn.ModuleList()
+    for _ in range(3):
+        layer = torch.nn.Module()
+        layer.experts = Experts(2, 128, 128)
+        layers.append(layer)
+    plain = [weakref.ref(layer.experts.gate_up_proj) for layer in layers]
+    alive_at_each_call = []
+    original = Fp8Experts.from_weights.__func__
+
+    def spy(cls, gate_up, down):
+        alive_at_each_call.append(sum(ref() is not None for ref in plain))
+        return original(cls, gate_up, down)
+
+    monkeypatch.setattr(Fp8Experts, "from_weights", classmethod(spy))
+    assert quantize_experts(layers) == (3, 0)
+    assert alive_at_each_call == [3, 2, 1]  # this layer's and the ones not yet reached
+    assert all(ref() is None for ref in plain)

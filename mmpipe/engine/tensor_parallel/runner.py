@@ -51,7 +51,8 @@ class TensorParallelRunner(ModelRunner):
 
     def parallel_stats(self) -> dict[str, Any]:
         return {"size": self.workers.size if self.workers is not None else self.model.tp.size,
-                "vit_parallel": self.cfg.vit_parallel, "vision_sharded": self.vision_sharded,
+                "expert_parallel": self.cfg.expert_parallel, "vit_parallel": self.cfg.vit_parallel,
+                "vision_sharded": self.vision_sharded,
                 "images_encoded_by_workers": self.images_on_workers, "worker_vit_runs": dict(self.worker_vit_runs)}
 
     def _encode_packs(self, images: Sequence[Any]) -> list[torch.Tensor]:
