@@ -16,7 +16,9 @@ launched dropped, never shown. Off, every step's tokens are read before `step()`
 Finished requests release their KV pages as soon as their last token is read.
 
 Prefix caching: after each launch the pages its requests filled are registered in the cache
-(`Scheduler.cache_computed`; every later reader is queued after the writes on the same stream).
+(`Scheduler.cache_computed`; every later reader is queued after the writes on the same stream),
+and the logits of the prompts it completed are kept; a new request whose prompt was prefilled
+before samples its first token from them in the step that admits it (`first_token_cache`).
 
 Structured output: a decode step with a row constrained by a grammar is launched in two parts
 (`ModelRunner.finish_decode`): its forward, then, once the step before's tokens are read and the
@@ -55,6 +57,8 @@ class LaunchedStep:
     decoded: list[Request] = field(default_factory=list)
     decode_tokens: PendingDecode | None = None
     prefilled: list[Request] = field(default_factory=list)  # every request with a prompt chunk in it
+    first: list[Request] = field(default_factory=list)  # first tokens sampled from kept logits
+    first_tokens: PendingDecode | None = None
 
 
 class Engine:
@@ -119,8 +123,8 @@ class Engine:
         unfinished step may have been cached (at launch, or by a request aborted meanwhile)."""
         self._in_flight = None
         involved: dict[int, Request] = {}
-        for request in [c.request for c in plan.prefill] + plan.decode + [
-                r for step in unread for r in step.prefilled + step.decoded]:
+        for request in [c.request for c in plan.prefill] + plan.decode + [r for r, _ in plan.first_tokens] + [
+                r for step in unread for r in step.prefilled + step.decoded + step.first]:
             involved[id(request)] = request
             request.pending, request.pending_decode = 0, False
         requests = list(involved.values())
@@ -133,7 +137,9 @@ class Engine:
         self.scheduler.requeue([r for r in requests if not r.finished])
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached KV page (pages running requests hold stay theirs); the number forgotten."""
+        """Forget every cached KV page (pages running requests hold stay theirs) and every kept
+        first-token logits row; the number of pages forgotten."""
+        self.scheduler.first_tokens.clear()
         return self.scheduler.pages.clear_cache()
 
     def drain(self) -> list[Request]:
@@ -152,12 +158,18 @@ class Engine:
                 launched.prefilled = [c.request for c in plan.prefill]
                 launched.sampled = [c.request for c in plan.prefill if c.completes]
                 if launched.sampled:
+                    self.scheduler.keep_first_logits(launched.sampled, logits)
                     launched.prefill_tokens = self.runner.launch_sample(launched.sampled, logits)
+        if plan.first_tokens:
+            with phase("prefill"):
+                launched.first = [r for r, _ in plan.first_tokens]
+                rows = torch.cat([row for _, row in plan.first_tokens])
+                launched.first_tokens = self.runner.launch_sample(launched.first, rows)
         if plan.decode:
             with phase("decode"):
                 launched.decode_tokens = self.runner.launch_decode(plan.decode)  # samples inside the step
             launched.decoded = plan.decode
-        for request in launched.sampled:
+        for request in launched.sampled + launched.first:
             request.pending += 1
             request.pending_decode = False
         for request in launched.decoded:
@@ -173,7 +185,7 @@ class Engine:
 
     def _read(self, launched: LaunchedStep) -> list[Request]:
         finished: list[Request] = []
-        for requests, tokens in ((launched.sampled, launched.prefill_tokens),
+        for requests, tokens in ((launched.sampled, launched.prefill_tokens), (launched.first, launched.first_tokens),
                                  (launched.decoded, launched.decode_tokens)):
             if tokens is None:
                 continue

@@ -55,3 +55,19 @@ def extend_keys(request: Request, pages: int, page_size: int) -> list[bytes]:
         parent = digest.digest()
         keys.append(parent)
     return keys
+
+
+def prompt_key(request: Request, full_pages: int, page_size: int) -> bytes:
+    """The key of the request's whole prompt: the chain of its first `full_pages` pages, then
+    the tokens after them (their ids, positions and images, as a page's), under a tag no page key
+    carries. Logits of the prompt's last position are kept under it (`FirstTokenCache`)."""
+    keys = extend_keys(request, full_pages, page_size)
+    parent = keys[full_pages - 1] if full_pages else chain_root(request.sampling.cache_salt)
+    start, end = full_pages * page_size, request.prompt_len
+    digest = hashlib.blake2b(parent + b"\0prompt", digest_size=DIGEST_BYTES)
+    digest.update(np.asarray(request.tokens(start, end), dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(np.asarray(request.positions_of(start, end), dtype=np.int64).T).tobytes())
+    for first, image in zip(request.image_starts, request.images):
+        if first + image.num_tokens > start and first < end:
+            digest.update(f"{image.key}@{first - start};".encode())
+    return digest.digest()

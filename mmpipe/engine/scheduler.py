@@ -19,7 +19,10 @@ at its last token, whose logits it needs); pages it computes itself are register
 (`cache_computed`, after each launch, and when its pages are released), so a preempted,
 finished or aborted request leaves its pages cached. After a failed step the pages its requests
 registered are forgotten (the engine empties the cache) and their other pages are never
-registered (`stop_caching`): their contents are in doubt.
+registered (`stop_caching`): their contents are in doubt. A new request whose every full page is
+cached and whose whole prompt was prefilled before takes its first token from the logits kept
+then (`first_token_cache`): it is admitted with no prompt chunk, and its remaining prompt tokens
+are computed in its next step together with that token.
 
 Overlapped scheduling (the engine plans step N+1 before step N's tokens reach the host): a
 request's token in flight (`Request.pending`) counts in its length. A decoding request is
@@ -33,13 +36,17 @@ same stream.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from mmpipe.config import EngineConfig
 from mmpipe.engine.batch import PrefillChunk
 from mmpipe.engine.encoder_cache import EncoderCache
+from mmpipe.engine.first_token_cache import FirstTokenCache
 from mmpipe.engine.kv_pages import PageAllocator, pages_needed
-from mmpipe.engine.prefix_keys import extend_keys
+from mmpipe.engine.prefix_keys import extend_keys, prompt_key
 from mmpipe.engine.request import Request
 
 KEYS_AT_ONCE = 64  # prefix-cache keys hashed per batch at admission
@@ -47,18 +54,19 @@ KEYS_AT_ONCE = 64  # prefix-cache keys hashed per batch at admission
 
 @dataclass
 class PrefixStats:
-    """First admissions: how many, how many found cached pages, their prompt tokens and how many
-    of those came from the cache."""
+    """First admissions: how many, how many found cached pages, their prompt tokens, how many of
+    those came from the cache, and how many first tokens came from kept logits."""
 
     requests: int = 0
     hits: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    first_tokens: int = 0
 
     def as_dict(self) -> dict[str, float]:
         share = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return {"requests": self.requests, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "cached_share": share}
+                "cached_tokens": self.cached_tokens, "cached_share": share, "first_tokens": self.first_tokens}
 
 
 @dataclass
@@ -67,10 +75,11 @@ class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     images: list[tuple[Request, int]] = field(default_factory=list)  # embeddings to provide first
     preempted: list[Request] = field(default_factory=list)
+    first_tokens: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # sampled from kept logits
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill)
+        return not (self.decode or self.prefill or self.first_tokens)
 
 
 class Scheduler:
@@ -81,6 +90,7 @@ class Scheduler:
         self.preemptions = 0
         self.prefix = PrefixStats()
         self.prefix_caching = cfg.prefix_caching  # switchable between steps (a benchmark compares both)
+        self.first_tokens = FirstTokenCache()
         self._watermark = max(1, pages.capacity // 100)  # headroom so new admissions do not evict at once
 
     @property
@@ -130,7 +140,12 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             request.mark_scheduled()
-            prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
+            logits = self._kept_first_logits(request)
+            if logits is not None and self._grow(request, request.prompt_len + 1):  # + its first token
+                plan.first_tokens.append((request, logits))
+                self.prefix.first_tokens += 1
+            else:
+                prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
         return plan
 
     def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
@@ -200,6 +215,26 @@ class Scheduler:
             self.prefix.prompt_tokens += request.prompt_len
             self.prefix.cached_tokens += request.num_computed
         return True
+
+    def _kept_first_logits(self, request: Request) -> torch.Tensor | None:
+        """Logits for a just admitted new request's first token, kept when its prompt was
+        prefilled before, if every full page before its last token was found cached."""
+        if not self.prefix_caching or request.output_ids or request.pending:
+            return None
+        full = (request.prompt_len - 1) // self.page_size
+        if request.num_computed != full * self.page_size:
+            return None
+        return self.first_tokens.get(prompt_key(request, full, self.page_size))
+
+    def keep_first_logits(self, requests: Sequence[Request], logits: torch.Tensor) -> None:
+        """Keep the logits of prompts a prefill just completed (row i is requests[i]'s), under
+        each prompt's key, for a later identical request (`_kept_first_logits`)."""
+        if not self.prefix_caching:
+            return
+        for i, request in enumerate(requests):
+            if not request.output_ids and not request.pending:  # the prompt's own last position
+                full = (request.prompt_len - 1) // self.page_size
+                self.first_tokens.keep(prompt_key(request, full, self.page_size), logits[i:i + 1])
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """The cached pages the request's sequence starts with, short of its last token."""

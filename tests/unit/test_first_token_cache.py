@@ -1,0 +1,135 @@
+"""A prompt prefilled before gives its first token without a forward (`first_token_cache`): the
+identical request samples it from the logits kept then, computes the tokens after its last full
+page together with that token, and answers exactly as without the cache, greedy, sampled or
+constrained by a JSON schema; a prompt that differs anywhere, its last tokens included, is not
+served the kept logits, nor is one after the cache is reset."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmpipe import Pipeline, SamplingParams
+from tests.helpers import random_image
+from tests.unit.test_prefix_cache import PAGE, _Stub, assert_same, user
+
+IMAGE = random_image(200, 150, seed=11)
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def pipes(checkpoint):
+    on = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE)
+    off = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE, prefix_caching=False)
+    yield on, off
+    on.close()
+    off.close()
+
+
+@pytest.fixture
+def on(pipes):
+    pipes[0].reset_prefix_cache()
+    return pipes[0]
+
+
+def counters(pipe) -> tuple[int, int, int]:
+    return (pipe.stats()["prefix_cache"]["first_tokens"], pipe.runner.stats.prefill_forwards,
+            pipe.runner.stats.prefill_tokens)
+
+
+@pytest.mark.parametrize("sampling", [
+    GREEDY, SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20, seed=7, logprobs=2),
+    SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=1,
+                   json_schema={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})],
+    ids=["greedy", "sampled", "json"])
+def test_an_identical_request_takes_its_first_token_from_the_kept_logits(pipes, on, sampling):
+    off = pipes[1]
+    conversation = [user(IMAGE, "What is in the picture?")]
+    on.chat(conversation, sampling)
+    before = counters(on)
+    ours = on.chat(conversation, sampling)[0]
+    after = counters(on)
+    assert_same(ours, off.chat(conversation, sampling)[0])
+    assert after[0] - before[0] == 1
+    # the tokens after the last full page are prefilled once, with the first token, in one forward
+    assert after[1] - before[1] == 1 and after[2] - before[2] == ours.num_prompt_tokens - ours.num_cached_tokens + 1
+    if sampling.json_schema is not None:  # the first token obeyed the grammar too
+        assert ours.text.startswith("{")
+
+
+def test_a_one_token_answer_runs_no_forward(on):
+    conversation = [user(IMAGE, "Name one colour.")]
+    one = SamplingParams(max_new_tokens=1, temperature=0.0)
+    first = on.chat(conversation, one)[0]
+    before = counters(on)
+    again = on.chat(conversation, one)[0]
+    assert again.token_ids == first.token_ids and counters(on)[:2] == (before[0] + 1, before[1])
+
+
+def token_prompt(pipe, ids: list[int]):
+    from mmpipe.engine.processor import Prepared
+
+    sampling = GREEDY.resolve(pipe.defaults)
+    return pipe.processor.assemble(Prepared(0, "ids", list(ids), [], sampling, False), [])
+
+
+def answer(pipe, ids: list[int]):
+    request = token_prompt(pipe, ids)
+    with pipe.engine.lock:
+        pipe.engine.add(request)
+        while not request.finished:
+            pipe.engine.step()
+    return request
+
+
+def test_prompts_that_differ_only_after_their_last_full_page_do_not_share_kept_logits(pipes, on):
+    """The same full pages, then one different last token: the second prompt computes its own."""
+    base = list(range(300, 300 + 4 * PAGE))
+    first, second = base + [17], base + [18]
+    answer(on, first)
+    before = counters(on)
+    ours = answer(on, second)
+    assert counters(on)[0] == before[0]
+    assert ours.num_cached_tokens == len(base)
+    reference = answer(pipes[1], second)
+    assert ours.output_ids == reference.output_ids
+    assert answer(on, second).output_ids == reference.output_ids and counters(on)[0] == before[0] + 1
+
+
+def test_a_reset_cache_keeps_no_logits(on):
+    conversation = [user(IMAGE, "What is in the picture?")]
+    on.chat(conversation, GREEDY)
+    assert len(on.engine.scheduler.first_tokens) == 1
+    on.reset_prefix_cache()
+    before = counters(on)
+    on.chat(conversation, GREEDY)
+    assert counters(on)[0] == before[0] and len(on.engine.scheduler.first_tokens) == 1
+
+
+def test_the_prompt_key_covers_the_tokens_their_positions_and_images_after_the_last_full_page():
+    from mmpipe.engine.prefix_keys import extend_keys, prompt_key
+
+    def key(image: str = "A", salt: str | None = None, last: int | None = None, shift: int = 0) -> bytes:
+        stub = _Stub(image, salt)
+        stub.prompt_len = 12
+        if last is not None:
+            stub.ids[-1] = last
+        stub.pos = stub.pos + (stub.pos >= 11) * shift
+        return prompt_key(stub, 1, 4)  # one full page; tokens 4..11 after it, the image at 5-6
+
+    same = key()
+    assert key() == same
+    assert key(image="B") != same and key(salt="s") != same and key(last=7) != same and key(shift=1) != same
+    stub = _Stub("A")
+    assert prompt_key(type("S", (_Stub,), {"prompt_len": 12})("A"), 1, 4) not in extend_keys(stub, 3, 4)
+
+
+def test_only_a_prompts_own_last_position_is_kept(on):
+    """A recomputed request (preempted after it generated) completes its prefill with logits for
+    its next token, not its first: those are not kept under its prompt's key."""
+    import torch
+
+    scheduler = on.engine.scheduler
+    recomputed, fresh = token_prompt(on, list(range(300, 310))), token_prompt(on, list(range(400, 410)))
+    recomputed.output_ids.append(5)
+    scheduler.keep_first_logits([recomputed, fresh], torch.randn(2, 16))
+    assert len(scheduler.first_tokens) == 1
