@@ -25,6 +25,20 @@ def chain_root(salt: str | None) -> bytes:
     return b"" if not salt else hashlib.blake2b(b"salt\0" + salt.encode(), digest_size=DIGEST_BYTES).digest()
 
 
+def _token_rows(request: Request, start: int, end: int) -> memoryview:
+    """Tokens [start, end) as bytes, four int32 each: the id, then its three M-RoPE positions."""
+    rows = np.empty((end - start, 4), dtype=np.int32)
+    rows[:, 0] = request.tokens(start, end)
+    rows[:, 1:] = np.asarray(request.positions_of(start, end)).T
+    return memoryview(rows).cast("B")
+
+
+def _spans(request: Request, start: int, end: int) -> list[tuple[int, int, str]]:
+    """(first token, end, key) of every image or frame group with tokens in [start, end)."""
+    return [(first, first + image.num_tokens, image.key) for first, image in zip(request.image_starts, request.images)
+            if first + image.num_tokens > start and first < end]
+
+
 def extend_keys(request: Request, pages: int, page_size: int) -> list[bytes]:
     """The keys of the request's first `pages` full pages (each computed once, kept on the request);
     every token of them must be known on the host."""
@@ -33,22 +47,17 @@ def extend_keys(request: Request, pages: int, page_size: int) -> list[bytes]:
     if done >= pages:
         return keys
     start, end = done * page_size, pages * page_size
-    # Bytes of every page at once, cut per page below (a page is page_size ids, then their positions).
-    tokens = np.asarray(request.tokens(start, end), dtype=np.int64).tobytes()
-    positions = np.ascontiguousarray(np.asarray(request.positions_of(start, end), dtype=np.int64).T).tobytes()
-    spans = [(first, first + image.num_tokens, image.key) for first, image in zip(request.image_starts, request.images)
-             if first + image.num_tokens > start and first < end]
+    data, step = _token_rows(request, start, end), page_size * 16  # a page's bytes are one slice
+    spans = _spans(request, start, end)
     parent = keys[-1] if keys else chain_root(request.sampling.cache_salt)
     span = 0
     for index in range(done, pages):
         lo, hi = index * page_size, (index + 1) * page_size
-        at = (lo - start) * 8
         digest = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
-        digest.update(tokens[at:at + page_size * 8])
-        digest.update(positions[3 * at:3 * (at + page_size * 8)])
+        digest.update(data[(lo - start) * 16:(lo - start) * 16 + step])
         while span < len(spans) and spans[span][1] <= lo:  # spans ending before this page
             span += 1
-        for first, last, key in spans[span:]:
+        for first, _, key in spans[span:]:
             if first >= hi:
                 break
             digest.update(f"{key}@{first - lo};".encode())
@@ -65,9 +74,7 @@ def prompt_key(request: Request, full_pages: int, page_size: int) -> bytes:
     parent = keys[full_pages - 1] if full_pages else chain_root(request.sampling.cache_salt)
     start, end = full_pages * page_size, request.prompt_len
     digest = hashlib.blake2b(parent + b"\0prompt", digest_size=DIGEST_BYTES)
-    digest.update(np.asarray(request.tokens(start, end), dtype=np.int64).tobytes())
-    digest.update(np.ascontiguousarray(np.asarray(request.positions_of(start, end), dtype=np.int64).T).tobytes())
-    for first, image in zip(request.image_starts, request.images):
-        if first + image.num_tokens > start and first < end:
-            digest.update(f"{image.key}@{first - start};".encode())
+    digest.update(_token_rows(request, start, end))
+    for first, _, key in _spans(request, start, end):
+        digest.update(f"{key}@{first - start};".encode())
     return digest.digest()
