@@ -8,27 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from mmpipe import Pipeline, SamplingParams
+from mmpipe import SamplingParams
 from tests.helpers import random_image
+from tests.unit import test_prefix_cache
 from tests.unit.test_prefix_cache import PAGE, _Stub, assert_same, user
 
 IMAGE = random_image(200, 150, seed=11)
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
-
-
-@pytest.fixture(scope="module")
-def pipes(checkpoint):
-    on = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE)
-    off = Pipeline.from_pretrained(checkpoint, device="cpu", kv_page_size=PAGE, prefix_caching=False)
-    yield on, off
-    on.close()
-    off.close()
-
-
-@pytest.fixture
-def on(pipes):
-    pipes[0].reset_prefix_cache()
-    return pipes[0]
+pipes, on = test_prefix_cache.pipes, test_prefix_cache.on  # the cache-on and cache-off engines (fixtures)
 
 
 def counters(pipe) -> tuple[int, int, int]:
