@@ -336,7 +336,7 @@ class Pipeline:
                              "preemptions": scheduler.preemptions},
                 "encoder_cache": self.engine.cache.stats(),
                 "prefix_cache": {"enabled": scheduler.prefix_caching, **scheduler.prefix.as_dict(),
-                                 **self.runner.pages.cache_stats()},
+                                 **self.runner.pages.cache_stats(), "kept_logits": len(scheduler.first_tokens)},
                 "preprocessed_cache": self.processor.preprocessed.stats(),
                 "steps": self.engine.steps,
                 "overlap_schedule": self.engine.overlap,

@@ -196,6 +196,8 @@ class Engine:
             if len(live) < len(requests):
                 out = out.select(live)
                 requests = [requests[i] for i in live]
+            if tokens is launched.first_tokens:
+                self.scheduler.prefix.first_tokens += len(requests)
             self.runner.apply_tokens(requests, out)
             finished += [r for r in requests if r.finished]
         for request in finished:

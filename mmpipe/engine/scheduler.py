@@ -55,7 +55,8 @@ KEYS_AT_ONCE = 64  # prefix-cache keys hashed per batch at admission
 @dataclass
 class PrefixStats:
     """First admissions: how many, how many found cached pages, their prompt tokens, how many of
-    those came from the cache, and how many first tokens came from kept logits."""
+    those came from the cache; and first tokens read that were sampled from kept logits (a prompt
+    within its first page has none to find, so these are not a part of the hits)."""
 
     requests: int = 0
     hits: int = 0
@@ -141,9 +142,9 @@ class Scheduler:
             self.running.append(request)
             request.mark_scheduled()
             logits = self._kept_first_logits(request)
-            if logits is not None and self._grow(request, request.prompt_len + 1):  # + its first token
+            # The first token's K/V are computed with the next step's chunk, if one follows it.
+            if logits is not None and self._grow(request, request.prompt_len + (request.sampling.max_new_tokens > 1)):
                 plan.first_tokens.append((request, logits))
-                self.prefix.first_tokens += 1
             else:
                 prefill_budget -= self._add_chunk(plan, request, prefill_budget, vision_budget)
         return plan

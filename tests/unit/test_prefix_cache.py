@@ -25,7 +25,8 @@ def user(*parts) -> dict:
 def assert_same(ours, reference) -> None:
     assert ours.error is None and reference.error is None
     assert ours.token_ids == reference.token_ids
-    for a, b in zip(ours.logprobs, reference.logprobs):
+    assert (ours.logprobs is None) == (reference.logprobs is None)
+    for a, b in zip(ours.logprobs or [], reference.logprobs or []):
         assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) <= 1e-5
 
 
