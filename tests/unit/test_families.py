@@ -169,7 +169,7 @@ def test_mlp_products_left_as_partial_sums_change_no_deepstack_layer(family_chec
 
     path = family_checkpoints("qwen3_vl")
     params = SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=5)
-    pipe = Pipeline.from_pretrained(path, device="cpu")
+    pipe = Pipeline.from_pretrained(path, device="cpu", prefix_caching=False)  # both runs compute alike
     expected = pipe.chat(one_image(), params)[0]
     plain = GatedMLP.forward
 
