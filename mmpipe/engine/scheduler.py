@@ -222,10 +222,9 @@ class Scheduler:
         prefilled before, if every full page before its last token was found cached."""
         if not self.prefix_caching or request.output_ids or request.pending:
             return None
-        full = (request.prompt_len - 1) // self.page_size
-        if request.num_computed != full * self.page_size:
+        if request.num_computed != self._prompt_pages(request) * self.page_size:
             return None
-        return self.first_tokens.get(prompt_key(request, full, self.page_size))
+        return self.first_tokens.get(prompt_key(request, self._prompt_pages(request), self.page_size))
 
     def keep_first_logits(self, requests: Sequence[Request], logits: torch.Tensor) -> None:
         """Keep the logits of prompts a prefill just completed (row i is requests[i]'s), under
@@ -234,8 +233,11 @@ class Scheduler:
             return
         for i, request in enumerate(requests):
             if not request.output_ids and not request.pending:  # the prompt's own last position
-                full = (request.prompt_len - 1) // self.page_size
-                self.first_tokens.keep(prompt_key(request, full, self.page_size), logits[i:i + 1])
+                self.first_tokens.keep(prompt_key(request, self._prompt_pages(request), self.page_size), logits[i:i + 1])
+
+    def _prompt_pages(self, request: Request) -> int:
+        """Full pages before the prompt's last token: what a prompt key chains before its tail."""
+        return (request.prompt_len - 1) // self.page_size
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """The cached pages the request's sequence starts with, short of its last token."""
