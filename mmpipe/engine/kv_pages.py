@@ -81,15 +81,29 @@ class PageAllocator:
         """The cached page registered under `key`, if any (nothing is held or reordered)."""
         return self._page_of.get(key)
 
-    def held(self, page: int) -> bool:
-        return self._holders[page] > 0
+    def find(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached pages of the leading `keys` that are all cached (`lookup` of each in turn,
+        up to the first miss)."""
+        get, found = self._page_of.get, []
+        for key in keys:
+            page = get(key)
+            if page is None:
+                break
+            found.append(page)
+        return found
+
+    def unheld(self, pages: Sequence[int]) -> int:
+        """How many of `pages` nobody holds."""
+        holders = self._holders
+        return [holders[page] for page in pages].count(0)
 
     def hold(self, pages: Sequence[int]) -> None:
         """Take a hold on cached pages found by `lookup` (a page nobody held leaves the LRU)."""
+        holders, unheld = self._holders, self._unheld
         for page in pages:
-            if self._holders[page] == 0:
-                del self._unheld[page]
-            self._holders[page] += 1
+            if not holders[page]:
+                del unheld[page]
+            holders[page] += 1
 
     def register(self, page: int, key: bytes) -> bool:
         """Cache a held, fully computed page under `key`; False when the key already has a page

@@ -46,7 +46,7 @@ from mmpipe.engine.batch import PrefillChunk
 from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.first_token_cache import FirstTokenCache
 from mmpipe.engine.kv_pages import PageAllocator, pages_needed
-from mmpipe.engine.prefix_keys import extend_keys, prompt_key
+from mmpipe.engine.prefix_keys import KeyMemo, extend_keys, prompt_key
 from mmpipe.engine.request import Request
 
 KEYS_AT_ONCE = 64  # prefix-cache keys hashed per batch at admission
@@ -92,6 +92,7 @@ class Scheduler:
         self.prefix = PrefixStats()
         self.prefix_caching = cfg.prefix_caching  # switchable between steps (a benchmark compares both)
         self.first_tokens = FirstTokenCache()
+        self.key_memo = KeyMemo()
         self._watermark = max(1, pages.capacity // 100)  # headroom so new admissions do not evict at once
 
     @property
@@ -201,7 +202,7 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         need = pages_needed(request.total_len, self.page_size)
         found = self._cached_prefix(request) if self.prefix_caching else []
-        reclaimed = sum(1 for page in found if not self.pages.held(page))  # counted free until held
+        reclaimed = self.pages.unheld(found)  # counted free until held
         headroom = self._watermark if self.running else 0
         if need - len(found) + headroom > self.pages.num_free - reclaimed:
             return False
@@ -243,13 +244,12 @@ class Scheduler:
         """The cached pages the request's sequence starts with, short of its last token."""
         found: list[int] = []
         limit = (request.total_len - 1) // self.page_size  # it may hold keys past it (a token dropped)
+        self.key_memo.seed(request, limit, self.page_size)
         for start in range(0, limit, KEYS_AT_ONCE):  # keys in batches: a miss stops the hashing early
             end = min(limit, start + KEYS_AT_ONCE)
-            for key in extend_keys(request, end, self.page_size)[start:end]:
-                page = self.pages.lookup(key)
-                if page is None:
-                    return found
-                found.append(page)
+            found += self.pages.find(extend_keys(request, end, self.page_size)[start:end])
+            if len(found) < end:
+                break
         return found
 
     def cache_computed(self, requests: list[Request]) -> None:

@@ -57,10 +57,13 @@ def test_a_conversation_prefills_each_earlier_turn_once(pipes, on):
     for turn in range(3):
         before = (on.runner.stats.images_encoded, on.engine.cache.hits + on.engine.cache.misses,
                   on.runner.stats.prefill_tokens)
+        reused = on.engine.scheduler.key_memo.reused_pages
         ours, reference = on.chat(conversation, GREEDY)[0], off.chat(conversation, GREEDY)[0]
         assert_same(ours, reference)
         if turn:  # everything before this turn's new text was cached, the image included
             assert ours.num_cached_tokens >= image_span(on, conversation)[1]
+            # the keys of the pages the last turn's prompt shares were taken, not hashed again
+            assert 0 < on.engine.scheduler.key_memo.reused_pages - reused <= ours.num_cached_tokens // PAGE
             assert (on.runner.stats.images_encoded, on.engine.cache.hits + on.engine.cache.misses) == before[:2]
             assert on.runner.stats.prefill_tokens - before[2] == ours.num_prompt_tokens - ours.num_cached_tokens
         conversation = conversation + [{"role": "assistant", "content": ours.text}, user(f"And then? ({turn})")]
@@ -204,6 +207,8 @@ def test_the_page_allocator_holds_shares_and_evicts_least_recently_used_tails_fi
     pages.hold([pages.lookup(b"a")])  # a second holder of the head
     pages.free(chain)
     assert pages.num_free == 7 - 2 and pages.num_cached == 3  # the head is still held; the rest cached
+    assert pages.find([b"a", b"b", b"x", b"c"]) == chain[:2]  # the leading keys cached, to the first miss
+    assert pages.unheld(chain) == 2 and pages.unheld(chain[:1]) == 0
     taken = pages.allocate(4)  # 3 never-cached pages, then the least recently freed cached one: c
     assert chain[2] in taken and pages.lookup(b"c") is None and pages.lookup(b"b") == chain[1]
     assert pages.evictions == 1 and pages.num_free == 1  # b, cached and unheld

@@ -1,0 +1,124 @@
+"""`prefix_keys.KeyMemo`: a request whose leading pages repeat a recent prompt's takes their keys
+instead of hashing them, and every key it ends with is the one hashing alone gives: the reuse stops
+at the first page where the token ids, their positions or an image differ, and never crosses a
+salt."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mmpipe.engine.prefix_keys import KeyMemo, extend_keys
+
+PAGE = 4
+
+
+class _Prompt:
+    """What the keys read of a request: ids, M-RoPE positions, images (first token, key, length), salt."""
+
+    def __init__(self, ids: list[int], images: list[tuple[int, str, int]] = (), salt: str | None = None,
+                 shift_from: int | None = None) -> None:
+        self.ids = list(ids)
+        self.pos = np.tile(np.arange(len(ids)), (3, 1))
+        if shift_from is not None:  # positions from there on differ (as after an image of another grid)
+            self.pos[:, shift_from:] += 7
+        self.image_starts = [first for first, _, _ in images]
+        self.images = [SimpleNamespace(key=key, num_tokens=n) for _, key, n in images]
+        self.sampling = SimpleNamespace(cache_salt=salt)
+        self.cache_keys: list[bytes] = []
+        self.total_len = len(ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return self.ids[start:end]
+
+    def positions_of(self, start: int, end: int) -> np.ndarray:
+        return self.pos[:, start:end]
+
+
+def _pages(prompt: _Prompt) -> int:
+    return (prompt.total_len - 1) // PAGE  # as the scheduler asks: full pages before the last token
+
+
+def _fresh_keys(prompt: _Prompt) -> list[bytes]:
+    copy = _Prompt(prompt.ids)
+    copy.pos, copy.image_starts, copy.images, copy.sampling = prompt.pos, prompt.image_starts, prompt.images, prompt.sampling
+    return extend_keys(copy, _pages(copy), PAGE)
+
+
+def _admit(memo: KeyMemo, prompt: _Prompt) -> int:
+    """The scheduler's order: seed from the memo, then hash what is left; the pages reused."""
+    before = memo.reused_pages
+    memo.seed(prompt, _pages(prompt), PAGE)
+    keys = extend_keys(prompt, _pages(prompt), PAGE)
+    assert keys == _fresh_keys(prompt)
+    return memo.reused_pages - before
+
+
+HISTORY = list(range(100, 140))  # 40 tokens, 10 pages; an image at 5..12 (pages 1-3)
+IMAGE = [(5, "img-a", 8)]
+
+
+def test_a_next_turn_takes_the_keys_of_its_history_and_hashes_only_its_new_pages():
+    memo = KeyMemo()
+    assert _admit(memo, _Prompt(HISTORY + [1, 2, 3], IMAGE)) == 0  # nothing remembered yet
+    # The next turn: 43 tokens of history, 12 new. Its first page is hashed; pages 1..9 are taken
+    # (page 10 holds tokens the two prompts do not share).
+    assert _admit(memo, _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)), IMAGE)) == 9
+    # The same prompt again: every page but the first.
+    assert _admit(memo, _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)), IMAGE)) == _pages(
+        _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)))) - 1
+
+
+@pytest.mark.parametrize("token", [4, 5, 17, 21, 36, 39])
+def test_reuse_stops_at_the_first_page_whose_ids_differ(token):
+    memo = KeyMemo()
+    _admit(memo, _Prompt(HISTORY + [1]))
+    changed = HISTORY + [1]
+    changed[token] = 9999
+    assert _admit(memo, _Prompt(changed)) == token // PAGE - 1
+
+
+def test_reuse_stops_at_the_first_page_whose_positions_differ():
+    memo = KeyMemo()
+    _admit(memo, _Prompt(HISTORY + [1]))
+    assert _admit(memo, _Prompt(HISTORY + [1], shift_from=22)) == 22 // PAGE - 1
+
+
+@pytest.mark.parametrize("images, first_differing_page", [
+    ([(21, "img-b", 6)], 1),  # no image in page 1 but another in page 5, same tokens
+    ([(5, "img-a", 8), (21, "img-b", 6)], 5),  # the shared image, then one the first prompt lacks
+    ([(5, "img-c", 8)], 1),  # another image where the first prompt had its image
+])
+def test_reuse_stops_at_the_first_page_holding_an_image_they_do_not_share(images, first_differing_page):
+    memo = KeyMemo()
+    _admit(memo, _Prompt(HISTORY + [1], IMAGE))
+    assert _admit(memo, _Prompt(HISTORY + [1], images)) == first_differing_page - 1
+
+
+def test_a_salt_shares_nothing():
+    memo = KeyMemo()
+    _admit(memo, _Prompt(HISTORY + [1]))
+    assert _admit(memo, _Prompt(HISTORY + [1], salt="alice")) == 0
+    assert _admit(memo, _Prompt(HISTORY + [1], salt="alice")) == _pages(_Prompt(HISTORY + [1])) - 1
+
+
+def test_keys_hashed_after_admission_are_taken_too():
+    """The memo keeps the request's own key list: pages hashed later (the scheduler registers
+    pages as they are computed) join it."""
+    memo = KeyMemo()
+    first = _Prompt(HISTORY + [1])
+    memo.seed(first, _pages(first), PAGE)  # admission hashes its first page only here...
+    extend_keys(first, 3, PAGE)
+    assert len(first.cache_keys) == 3
+    extend_keys(first, _pages(first), PAGE)  # ...the rest once computed
+    assert _admit(memo, _Prompt(HISTORY + [1])) == _pages(first) - 1
+
+
+def test_the_oldest_prompts_go_past_the_capacity():
+    memo = KeyMemo(capacity_tokens=48)
+    _admit(memo, _Prompt(HISTORY + [1]))  # its 40 tokens of full pages kept
+    _admit(memo, _Prompt([7] + HISTORY))  # another first page: 40 more, over the capacity
+    assert _admit(memo, _Prompt([7] + HISTORY)) == _pages(_Prompt([7] + HISTORY)) - 1  # the newest stays
+    assert _admit(memo, _Prompt(HISTORY + [1])) == 0  # the oldest was dropped
