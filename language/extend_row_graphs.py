@@ -53,6 +53,7 @@ class RowGraphs(GraphRunner):
         self.table = torch.full((rows, max(1, max_pages)), DUMMY_PAGE, dtype=torch.int32, device=device)
         self.lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.seqs = torch.full((rows,), -1, dtype=torch.int32, device=device)  # each row's sequence; < 0: padding
+        self.real_rows = 0  # rows from here on hold padding values (lens 1, seqs -1)
         self.slots = slots
         self.runs = 0
 
@@ -79,6 +80,7 @@ class RowGraphs(GraphRunner):
         self.lens.fill_(1)  # the warm-up and the capture: padding rows alone
         self.table[:, 0].fill_(DUMMY_PAGE)
         self.seqs.fill_(-1)
+        self.real_rows = 0
         return super().capture(key, quiet)
 
     def replay(self, key: Any) -> Any | None:
@@ -106,9 +108,11 @@ class RowGraphs(GraphRunner):
         self.table[:n, :width].copy_(table)
         self.lens[:n].copy_(lens)
         self.seqs[:n].copy_(seqs)
-        if n < size:  # padding rows: skipped by the rows kernel (a reference backend reads one key of each)
-            self.seqs[n:size].fill_(-1)
-            self.lens[n:size].fill_(1)
+        if n < self.real_rows:  # rows an earlier step filled become padding again: skipped by the rows
+            # kernel (a reference backend reads one key of each)
+            self.seqs[n:self.real_rows].fill_(-1)
+            self.lens[n:self.real_rows].fill_(1)
+        self.real_rows = n
         self.runs += 1
         self.counts.graph_runs += 1
         return self.cache.replay_key(size)

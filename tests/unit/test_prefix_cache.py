@@ -276,6 +276,8 @@ def test_short_turns_over_a_cached_conversation_replay_one_graph_as_decode_rows(
             assert_same(ours, expected)
             new = ours.num_prompt_tokens - ours.num_cached_tokens
             assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == runs + (turn > 0 and new <= 64)
+            rows = prefiller.rows  # the rows after the last step's are padding (a shorter turn refills them)
+            assert (rows.seqs[rows.real_rows:] == -1).all() and (rows.lens[rows.real_rows:] == 1).all()
             conversation += [{"role": "assistant", "content": ours.text}, question]
         assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == 3
     finally:
