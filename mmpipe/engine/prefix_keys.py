@@ -133,13 +133,13 @@ class _Known:
     def equal_pages(self, other: _Known, page_size: int) -> int:
         """How many leading full pages the two have in common."""
         pages = min(len(self.ids), len(other.ids)) // page_size
-        low, high = 0, pages  # ids: the most pages that are equal (list comparisons run in C)
-        if self.ids[:pages * page_size] != other.ids[:pages * page_size]:
-            high = pages - 1
-            while low < high:
-                middle = (low + high + 1) // 2
-                end = middle * page_size
-                low, high = (middle, high) if self.ids[:end] == other.ids[:end] else (low, middle - 1)
+        mine, theirs = self.ids, other.ids  # list comparisons run in C; each slice is compared once
+        if mine[:pages * page_size] != theirs[:pages * page_size]:
+            low, high = 0, pages  # the first `low` pages are equal, the first `high` are not
+            while high - low > 1:
+                middle = (low + high) // 2
+                span = slice(low * page_size, middle * page_size)
+                low, high = (middle, high) if mine[span] == theirs[span] else (low, middle)
             pages = low
         end = pages * page_size
         differ = np.flatnonzero((self.positions[:, :end] != other.positions[:, :end]).any(axis=0))
