@@ -105,13 +105,14 @@ class RowGraphs(GraphRunner):
         assert self.cache is not None and meta.decode_rows is not None
         table, lens, seqs = meta.decode_rows
         n, width = table.shape
+        filled, self.real_rows = self.real_rows, max(self.real_rows, n)  # rows that may hold real values
         self.table[:n, :width].copy_(table)
         self.lens[:n].copy_(lens)
         self.seqs[:n].copy_(seqs)
-        if n < self.real_rows:  # rows an earlier step filled become padding again: skipped by the rows
-            # kernel (a reference backend reads one key of each)
-            self.seqs[n:self.real_rows].fill_(-1)
-            self.lens[n:self.real_rows].fill_(1)
+        if n < filled:  # rows an earlier step filled become padding again: skipped by the rows kernel
+            # (a reference backend reads one key of each)
+            self.seqs[n:filled].fill_(-1)
+            self.lens[n:filled].fill_(1)
         self.real_rows = n
         self.runs += 1
         self.counts.graph_runs += 1

@@ -45,8 +45,9 @@ from mmpipe.config import EngineConfig
 from mmpipe.engine.batch import PrefillChunk
 from mmpipe.engine.encoder_cache import EncoderCache
 from mmpipe.engine.first_token_cache import FirstTokenCache
+from mmpipe.engine.key_memo import KeyMemo
 from mmpipe.engine.kv_pages import PageAllocator, pages_needed
-from mmpipe.engine.prefix_keys import KeyMemo, extend_keys, prompt_key
+from mmpipe.engine.prefix_keys import extend_keys, prompt_key
 from mmpipe.engine.request import Request
 
 KEYS_AT_ONCE = 64  # prefix-cache keys hashed per batch at admission
@@ -110,6 +111,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
+        self.key_memo.finished(request, self.page_size)
 
     def abort(self, request: Request) -> None:
         if request in self.waiting:

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mmpipe.engine.prefix_keys import KeyMemo, extend_keys
+from mmpipe.engine.key_memo import KeyMemo
+from mmpipe.engine.prefix_keys import extend_keys
 
 PAGE = 4
 
@@ -122,3 +123,55 @@ def test_the_oldest_prompts_go_past_the_capacity():
     _admit(memo, _Prompt([7] + HISTORY))  # another first page: 40 more, over the capacity
     assert _admit(memo, _Prompt([7] + HISTORY)) == _pages(_Prompt([7] + HISTORY)) - 1  # the newest stays
     assert _admit(memo, _Prompt(HISTORY + [1])) == 0  # the oldest was dropped
+
+
+SYSTEM = list(range(500, 520))  # five pages every conversation shares (a system prompt)
+
+
+def test_interleaved_conversations_with_one_system_prompt_each_take_their_own_history():
+    memo = KeyMemo()
+    talks = [SYSTEM + list(range(1000 * k, 1000 * k + 30)) for k in range(1, 9)]
+    for k, talk in enumerate(talks):
+        assert _admit(memo, _Prompt(talk + [1])) == (4 if k else 0)  # the shared system prompt only
+    for k, talk in enumerate(talks):  # each one's next turn, the others' in between
+        talks[k] = talk + [1] + list(range(7000 + 10 * k, 7010 + 10 * k))
+        assert _admit(memo, _Prompt(talks[k])) == (len(talk) + 1) // PAGE - 1
+    first = extend_keys(_Prompt(SYSTEM), 1, PAGE)[0]
+    assert list(memo._groups) == [first] and len(memo._groups[first]) == len(talks)  # a turn replaced the last
+
+
+def test_a_group_keeps_its_newest_prompts():
+    memo = KeyMemo(per_group=3)
+    talks = [SYSTEM + list(range(1000 * k, 1000 * k + 30)) + [1] for k in range(1, 5)]
+    for talk in talks:
+        _admit(memo, _Prompt(talk))
+    assert _admit(memo, _Prompt(talks[0] + [2, 3, 4, 5])) == 4  # the oldest went: the system prompt only
+    assert _admit(memo, _Prompt(talks[3] + [2, 3, 4, 5])) == len(talks[3]) // PAGE - 1
+
+
+def test_a_finished_request_lends_the_keys_of_its_answer_and_lets_go_of_its_list():
+    memo = KeyMemo()
+    request = _Prompt(HISTORY + [1])
+    _admit(memo, request)
+    request.ids += list(range(300, 320))  # its answer, decoded
+    request.pos = np.tile(np.arange(len(request.ids)), (3, 1))
+    request.total_len = len(request.ids)
+    extend_keys(request, request.total_len // PAGE, PAGE)  # its answer's pages, registered as computed
+    memo.finished(request, PAGE)
+    (member,) = next(iter(memo._groups.values()))
+    assert member.keys == request.cache_keys and member.keys is not request.cache_keys and member.request is None
+    nxt = _Prompt(request.ids + [7, 8, 9, 10, 11])  # the next turn repeats the answer
+    assert _admit(memo, nxt) == request.total_len // PAGE - 1
+
+
+def test_a_member_does_not_keep_its_request_alive():
+    import gc
+
+    memo = KeyMemo()
+    request = _Prompt(HISTORY + [1])
+    _admit(memo, request)
+    (member,) = next(iter(memo._groups.values()))
+    del request
+    gc.collect()
+    assert member.request() is None
+    assert _admit(memo, _Prompt(HISTORY + [1])) == _pages(_Prompt(HISTORY + [1])) - 1

@@ -1,0 +1,133 @@
+"""Page keys taken from a recent prompt instead of hashed again.
+
+Hashing a page (`prefix_keys`) costs a few microseconds, so a chat's next turn, whose prompt
+repeats the previous turn's prompt and answer, would pay for every page of its history at
+admission. `KeyMemo` remembers recent prompts, grouped by the key of their first page (every chat
+with the same system prompt shares one); a new request hashes its first page, picks the member of
+that group that agrees with it longest, compares their token ids, positions and images directly,
+and takes the keys of the leading pages found equal. It hashes only the pages after them. The keys
+are those hashing would give: only their cost changes.
+
+A member holds the request's own key list while the request runs (keys hashed after admission
+join it); when the request finishes, its ids, positions and images are extended to every page
+it has a key for, its answer included, and the list is copied, so the next turn takes the keys
+of the answer's pages too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from mmpipe.engine.prefix_keys import extend_keys, image_spans
+from mmpipe.engine.request import Request
+
+Span = tuple[int, int, str]
+
+
+class KeyMemo:
+    """Recent prompts, at most `per_group` for a first page and `capacity_tokens` tokens in all
+    (the least recently used group's oldest member goes first)."""
+
+    def __init__(self, capacity_tokens: int = 1 << 19, per_group: int = 64) -> None:
+        self.capacity_tokens, self.per_group = capacity_tokens, per_group
+        self._groups: OrderedDict[bytes, list[_Known]] = OrderedDict()  # members oldest first
+        self._tokens = 0
+        self.reused_pages = 0
+
+    def seed(self, request: Request, pages: int, page_size: int) -> None:
+        """Give `request`, which has no key yet, its first page's key and the keys of the leading
+        pages, up to `pages`, that it shares with the remembered prompt agreeing with it longest;
+        then remember its first `pages` (in place of that prompt, if it covers it)."""
+        if request.cache_keys or pages < 2:
+            return
+        first = extend_keys(request, 1, page_size)[0]
+        end = pages * page_size
+        mine = _Known(request, request.tokens(0, end), request.positions_of(0, end), image_spans(request, 0, end),
+                      request.cache_keys)
+        group = self._groups.pop(first, [])
+        best = max(reversed(group), key=lambda known: mine.reach(known, page_size), default=None)  # newest on ties
+        if best is not None:
+            common = min(len(best.keys), mine.equal_pages(best, page_size))
+            if common > 1:
+                request.cache_keys.extend(best.keys[1:common])
+                self.reused_pages += common - 1
+            if common * page_size >= len(best.ids):  # the same conversation, one turn on
+                group.remove(best)
+                self._tokens -= len(best.ids)
+        if end <= self.capacity_tokens:
+            group.append(mine)
+            self._tokens += end
+        if len(group) > self.per_group:
+            self._tokens -= len(group.pop(0).ids)
+        if group:
+            self._groups[first] = group
+        self._evict()
+
+    def finished(self, request: Request, page_size: int) -> None:
+        """The request is done: its member, if any, covers every page it has a key for (its
+        answer too) and keeps a copy of those keys, not the request's list."""
+        keys = request.cache_keys
+        group = self._groups.get(keys[0]) if keys else None
+        for known in group or ():
+            if known.request is not None and known.request() is request:
+                end = min(len(keys), request.total_len // page_size) * page_size
+                self._tokens += end - len(known.ids)
+                known.request = None
+                known.ids, known.positions = request.tokens(0, end), request.positions_of(0, end)
+                known.spans, known.keys = image_spans(request, 0, end), keys[:end // page_size]
+                self._evict()
+                return
+
+    def _evict(self) -> None:
+        while self._tokens > self.capacity_tokens and self._groups:
+            key, group = next(iter(self._groups.items()))
+            self._tokens -= len(group.pop(0).ids)
+            if not group:
+                del self._groups[key]
+
+
+class _Known:
+    """What a prompt's leading page keys depend on (see `prefix_keys`), the keys, and its request
+    until it finishes."""
+
+    def __init__(self, request: Request, ids: list[int], positions: np.ndarray, spans: list[Span],
+                 keys: list[bytes]) -> None:
+        self.request: weakref.ref[Request] | None = weakref.ref(request)  # None once it finished
+        self.ids, self.positions, self.spans, self.keys = ids, positions, spans, keys
+
+    def reach(self, other: _Known, page_size: int) -> int:
+        """A cheap guess at how far the two agree: the furthest of pages 1, 2, 4, 8, ... up to
+        which the ids of each such page are equal (only the candidate is chosen by it)."""
+        pages = min(len(self.ids), len(other.ids)) // page_size
+        reach, page = 0, 1
+        while page < pages:
+            span = slice(page * page_size, (page + 1) * page_size)
+            if self.ids[span] != other.ids[span]:
+                break
+            reach, page = page, page * 2
+        return reach
+
+    def equal_pages(self, other: _Known, page_size: int) -> int:
+        """How many leading full pages the two have in common."""
+        pages = min(len(self.ids), len(other.ids)) // page_size
+        mine, theirs = self.ids, other.ids  # list comparisons run in C; each slice is compared once
+        if mine[:pages * page_size] != theirs[:pages * page_size]:
+            low, high = 0, pages  # the first `low` pages are equal, the first `high` are not
+            while high - low > 1:
+                middle = (low + high) // 2
+                span = slice(low * page_size, middle * page_size)
+                low, high = (middle, high) if mine[span] == theirs[span] else (low, middle)
+            pages = low
+        end = pages * page_size
+        differ = np.flatnonzero((self.positions[:, :end] != other.positions[:, :end]).any(axis=0))
+        same = int(differ[0]) if differ.size else end
+        for i in range(max(len(self.spans), len(other.spans))):  # the first image they do not share
+            a = self.spans[i] if i < len(self.spans) else None
+            b = other.spans[i] if i < len(other.spans) else None
+            if a != b:  # pages from its first token on differ
+                same = min(same, *(s[0] for s in (a, b) if s is not None))
+                break
+        return same // page_size
