@@ -40,7 +40,7 @@ class KeyMemo:
     def seed(self, request: Request, pages: int, page_size: int) -> None:
         """Give `request`, which has no key yet, its first page's key and the keys of the leading
         pages, up to `pages`, that it shares with the remembered prompt agreeing with it longest;
-        then remember its first `pages` (in place of that prompt, if it covers it)."""
+        then remember its first `pages`, in place of the prompts it begins with."""
         if request.cache_keys or pages < 2:
             return
         first = extend_keys(request, 1, page_size)[0]
@@ -48,18 +48,19 @@ class KeyMemo:
         mine = _Known(request, request.tokens(0, end), request.positions_of(0, end), image_spans(request, 0, end),
                       request.cache_keys)
         group = self._groups.pop(first, [])
-        best = max(reversed(group), key=lambda known: mine.reach(known, page_size), default=None)  # newest on ties
+        # The candidate: the furthest probe, then the longest prompt, then the newest.
+        best = max(reversed(group), key=lambda known: (mine.reach(known, page_size), len(known.ids)), default=None)
         if best is not None:
-            common = min(len(best.keys), mine.equal_pages(best, page_size))
+            equal = mine.equal_pages(best, page_size)
+            mine.base = (weakref.ref(best), equal)
+            common = min(len(best.keys), equal)
             if common > 1:
                 request.cache_keys.extend(best.keys[1:common])
                 self.reused_pages += common - 1
-            if common * page_size >= len(best.ids):  # the same conversation, one turn on
-                group.remove(best)
-                self._tokens -= len(best.ids)
         if end <= self.capacity_tokens:
             group.append(mine)
             self._tokens += end
+            self._drop_covered(group, mine, page_size)  # earlier turns of this conversation
         if len(group) > self.per_group:
             self._tokens -= len(group.pop(0).ids)
         if group:
@@ -73,13 +74,23 @@ class KeyMemo:
         group = self._groups.get(keys[0]) if keys else None
         for known in group or ():
             if known.request is not None and known.request() is request:
-                end = min(len(keys), request.total_len // page_size) * page_size
-                self._tokens += end - len(known.ids)
                 known.request = None
-                known.ids, known.positions = request.tokens(0, end), request.positions_of(0, end)
-                known.spans, known.keys = image_spans(request, 0, end), keys[:end // page_size]
-                self._evict()
+                end = min(len(keys), request.total_len // page_size) * page_size
+                known.keys = keys[:max(end, len(known.ids)) // page_size]
+                if end > len(known.ids):  # pages past the prompt's: its answer
+                    self._tokens += end - len(known.ids)
+                    known.ids, known.positions = request.tokens(0, end), request.positions_of(0, end)
+                    known.spans = image_spans(request, 0, end)
+                    self._drop_covered(group, known, page_size)
+                    self._evict()
+                known.base = None
                 return
+
+    def _drop_covered(self, group: list[_Known], known: _Known, page_size: int) -> None:
+        """Forget the group's other prompts that `known` begins with (it serves whatever they would)."""
+        for other in [other for other in group if other is not known and known.covers(other, page_size)]:
+            group.remove(other)
+            self._tokens -= len(other.ids)
 
     def _evict(self) -> None:
         while self._tokens > self.capacity_tokens and self._groups:
@@ -97,6 +108,7 @@ class _Known:
                  keys: list[bytes]) -> None:
         self.request: weakref.ref[Request] | None = weakref.ref(request)  # None once it finished
         self.ids, self.positions, self.spans, self.keys = ids, positions, spans, keys
+        self.base: tuple[weakref.ref[_Known], int] | None = None  # the prompt it was compared with, pages equal
 
     def reach(self, other: _Known, page_size: int) -> int:
         """A cheap guess at how far the two agree: the furthest of pages 1, 2, 4, 8, ... up to
@@ -110,20 +122,30 @@ class _Known:
             reach, page = page, page * 2
         return reach
 
-    def equal_pages(self, other: _Known, page_size: int) -> int:
-        """How many leading full pages the two have in common."""
+    def covers(self, other: _Known, page_size: int) -> bool:
+        """Whether `other` is a beginning of this prompt (every page of it equal): this one then
+        serves whatever it would."""
+        n = len(other.ids)
+        if n > len(self.ids) or self.ids[n - page_size:n] != other.ids[n - page_size:n]:  # a cheap first look
+            return False
+        known = self.base[1] if self.base is not None and self.base[0]() is other else 0  # compared at admission
+        return self.equal_pages(other, page_size, known) * page_size >= n
+
+    def equal_pages(self, other: _Known, page_size: int, known: int = 0) -> int:
+        """How many leading full pages the two have in common (the first `known` are)."""
         pages = min(len(self.ids), len(other.ids)) // page_size
         mine, theirs = self.ids, other.ids  # list comparisons run in C; each slice is compared once
-        if mine[:pages * page_size] != theirs[:pages * page_size]:
-            low, high = 0, pages  # the first `low` pages are equal, the first `high` are not
+        start = min(known, pages) * page_size
+        if mine[start:pages * page_size] != theirs[start:pages * page_size]:
+            low, high = start // page_size, pages  # the first `low` pages are equal, the first `high` are not
             while high - low > 1:
                 middle = (low + high) // 2
                 span = slice(low * page_size, middle * page_size)
                 low, high = (middle, high) if mine[span] == theirs[span] else (low, middle)
             pages = low
         end = pages * page_size
-        differ = np.flatnonzero((self.positions[:, :end] != other.positions[:, :end]).any(axis=0))
-        same = int(differ[0]) if differ.size else end
+        differ = np.flatnonzero((self.positions[:, start:end] != other.positions[:, start:end]).any(axis=0))
+        same = start + int(differ[0]) if differ.size else end
         for i in range(max(len(self.spans), len(other.spans))):  # the first image they do not share
             a = self.spans[i] if i < len(self.spans) else None
             b = other.spans[i] if i < len(other.spans) else None

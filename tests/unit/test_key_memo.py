@@ -175,3 +175,35 @@ def test_a_member_does_not_keep_its_request_alive():
     gc.collect()
     assert member.request() is None
     assert _admit(memo, _Prompt(HISTORY + [1])) == _pages(_Prompt(HISTORY + [1])) - 1
+
+
+def _answer(memo: KeyMemo, request: _Prompt, tokens: list[int]) -> None:
+    """The request decodes `tokens`, its pages are registered as computed, and it finishes."""
+    request.ids += tokens
+    request.pos = np.tile(np.arange(len(request.ids)), (3, 1))
+    request.total_len = len(request.ids)
+    extend_keys(request, request.total_len // PAGE, PAGE)
+    memo.finished(request, PAGE)
+
+
+def test_the_same_prompt_asked_again_and_again_is_remembered_once():
+    memo = KeyMemo()
+    for _ in range(10):
+        request = _Prompt(HISTORY + [1, 2, 3])
+        _admit(memo, request)
+        _answer(memo, request, [9, 9, 9, 9, 9])  # the same answer: a page past the prompt's
+    (group,) = memo._groups.values()
+    assert len(group) == 1 and len(group[0].ids) == len(request.ids) // PAGE * PAGE
+    assert memo._tokens == len(group[0].ids)
+
+
+def test_a_prompt_that_differs_only_before_its_last_page_is_not_taken_for_a_beginning():
+    memo = KeyMemo()
+    first = HISTORY + [1]  # pages 0-9 full
+    _admit(memo, _Prompt(first))
+    other = list(first)
+    other[33] = 4321  # page 8 differs; page 9 (the last full one) is the same
+    request = _Prompt(other)
+    assert _admit(memo, request) == 7
+    _answer(memo, request, list(range(800, 812)))
+    assert _admit(memo, _Prompt(first)) == _pages(_Prompt(first)) - 1  # still remembered
