@@ -2,11 +2,12 @@
 
 Hashing a page (`prefix_keys`) costs a few microseconds, so a chat's next turn, whose prompt
 repeats the previous turn's prompt and answer, would pay for every page of its history at
-admission. `KeyMemo` remembers recent prompts, grouped by the key of their first page (every chat
-with the same system prompt shares one); a new request hashes its first page, picks the member of
-that group that agrees with it longest, compares their token ids, positions and images directly,
-and takes the keys of the leading pages found equal. It hashes only the pages after them. The keys
-are those hashing would give: only their cost changes.
+admission. `KeyMemo` remembers recent prompts, grouped by the key of their first `GROUP_PAGES`
+pages (a short system prompt and the start of the first question: chats with one long system
+prompt share a group, a stream of captions of new images shares none); a new request hashes
+those pages, picks the member of its group that agrees with it longest, compares their token ids,
+positions and images directly, and takes the keys of the leading pages found equal. It hashes only
+the pages after them. The keys are those hashing would give: only their cost changes.
 
 A member holds the request's own key list while the request runs (keys hashed after admission
 join it); when the request finishes, its ids, positions and images are extended to every page
@@ -25,10 +26,11 @@ from mmpipe.engine.prefix_keys import extend_keys, image_spans
 from mmpipe.engine.request import Request
 
 Span = tuple[int, int, str]
+GROUP_PAGES = 2  # pages hashed to find a request's group
 
 
 class KeyMemo:
-    """Recent prompts, at most `per_group` for a first page and `capacity_tokens` tokens in all
+    """Recent prompts, at most `per_group` for a group and `capacity_tokens` tokens in all
     (the least recently used group's oldest member goes first)."""
 
     def __init__(self, capacity_tokens: int = 1 << 19, per_group: int = 64) -> None:
@@ -38,12 +40,13 @@ class KeyMemo:
         self.reused_pages = 0
 
     def seed(self, request: Request, pages: int, page_size: int) -> None:
-        """Give `request`, which has no key yet, its first page's key and the keys of the leading
-        pages, up to `pages`, that it shares with the remembered prompt agreeing with it longest;
-        then remember its first `pages`, in place of the prompts it begins with."""
-        if request.cache_keys or pages < 2:
+        """Give `request`, which has no key yet, the keys of its first `GROUP_PAGES` pages, hashed,
+        and of the next leading pages, up to `pages`, that it shares with the remembered prompt of
+        its group agreeing with it longest; then remember its first `pages`, in place of the
+        prompts it begins with."""
+        if request.cache_keys or pages <= GROUP_PAGES:
             return
-        first = extend_keys(request, 1, page_size)[0]
+        first = extend_keys(request, GROUP_PAGES, page_size)[-1]
         end = pages * page_size
         mine = _Known(request, request.tokens(0, end), request.positions_of(0, end), image_spans(request, 0, end),
                       request.cache_keys)
@@ -54,9 +57,9 @@ class KeyMemo:
             equal = mine.equal_pages(best, page_size)
             mine.base = (weakref.ref(best), equal)
             common = min(len(best.keys), equal)
-            if common > 1:
-                request.cache_keys.extend(best.keys[1:common])
-                self.reused_pages += common - 1
+            if common > GROUP_PAGES:
+                request.cache_keys.extend(best.keys[GROUP_PAGES:common])
+                self.reused_pages += common - GROUP_PAGES
         if end <= self.capacity_tokens:
             group.append(mine)
             self._tokens += end
@@ -71,7 +74,7 @@ class KeyMemo:
         """The request is done: its member, if any, covers every page it has a key for (its
         answer too) and keeps a copy of those keys, not the request's list."""
         keys = request.cache_keys
-        group = self._groups.get(keys[0]) if keys else None
+        group = self._groups.get(keys[GROUP_PAGES - 1]) if len(keys) >= GROUP_PAGES else None
         for known in group or ():
             if known.request is not None and known.request() is request:
                 known.request = None
@@ -110,10 +113,20 @@ class _Known:
         self.ids, self.positions, self.spans, self.keys = ids, positions, spans, keys
         self.base: tuple[weakref.ref[_Known], int] | None = None  # the prompt it was compared with, pages equal
 
+    def first_unshared_image(self, other: _Known) -> int:
+        """The first token of the first image the two do not share (their length if none)."""
+        for i in range(max(len(self.spans), len(other.spans))):
+            a = self.spans[i] if i < len(self.spans) else None
+            b = other.spans[i] if i < len(other.spans) else None
+            if a != b:  # pages from its first token on differ
+                return min(s[0] for s in (a, b) if s is not None)
+        return max(len(self.ids), len(other.ids))
+
     def reach(self, other: _Known, page_size: int) -> int:
         """A cheap guess at how far the two agree: the furthest of pages 1, 2, 4, 8, ... up to
-        which the ids of each such page are equal (only the candidate is chosen by it)."""
-        pages = min(len(self.ids), len(other.ids)) // page_size
+        which the ids of each such page are equal, before any image they do not share (only the
+        candidate is chosen by it)."""
+        pages = min(len(self.ids), len(other.ids), self.first_unshared_image(other)) // page_size
         reach, page = 0, 1
         while page < pages:
             span = slice(page * page_size, (page + 1) * page_size)
@@ -126,7 +139,9 @@ class _Known:
         """Whether `other` is a beginning of this prompt (every page of it equal): this one then
         serves whatever it would."""
         n = len(other.ids)
-        if n > len(self.ids) or self.ids[n - page_size:n] != other.ids[n - page_size:n]:  # a cheap first look
+        if n > len(self.ids) or self.first_unshared_image(other) < n:
+            return False
+        if self.ids[n - page_size:n] != other.ids[n - page_size:n]:  # a cheap first look
             return False
         known = self.base[1] if self.base is not None and self.base[0]() is other else 0  # compared at admission
         return self.equal_pages(other, page_size, known) * page_size >= n
@@ -146,10 +161,4 @@ class _Known:
         end = pages * page_size
         differ = np.flatnonzero((self.positions[:, start:end] != other.positions[:, start:end]).any(axis=0))
         same = start + int(differ[0]) if differ.size else end
-        for i in range(max(len(self.spans), len(other.spans))):  # the first image they do not share
-            a = self.spans[i] if i < len(self.spans) else None
-            b = other.spans[i] if i < len(other.spans) else None
-            if a != b:  # pages from its first token on differ
-                same = min(same, *(s[0] for s in (a, b) if s is not None))
-                break
-        return same // page_size
+        return min(same, self.first_unshared_image(other)) // page_size

@@ -81,4 +81,3 @@ def prompt_key(request: Request, full_pages: int, page_size: int) -> bytes:
     for first, _, key in image_spans(request, start, end):
         digest.update(f"{key}@{first - start};".encode())
     return digest.digest()
-

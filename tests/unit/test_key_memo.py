@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mmpipe.engine.key_memo import KeyMemo
+from mmpipe.engine.key_memo import GROUP_PAGES, KeyMemo
 from mmpipe.engine.prefix_keys import extend_keys
 
 PAGE = 4
@@ -44,7 +44,8 @@ def _pages(prompt: _Prompt) -> int:
 
 def _fresh_keys(prompt: _Prompt) -> list[bytes]:
     copy = _Prompt(prompt.ids)
-    copy.pos, copy.image_starts, copy.images, copy.sampling = prompt.pos, prompt.image_starts, prompt.images, prompt.sampling
+    copy.pos, copy.image_starts, copy.images = prompt.pos, prompt.image_starts, prompt.images
+    copy.sampling = prompt.sampling
     return extend_keys(copy, _pages(copy), PAGE)
 
 
@@ -66,10 +67,10 @@ def test_a_next_turn_takes_the_keys_of_its_history_and_hashes_only_its_new_pages
     assert _admit(memo, _Prompt(HISTORY + [1, 2, 3], IMAGE)) == 0  # nothing remembered yet
     # The next turn: 43 tokens of history, 12 new. Its first page is hashed; pages 1..9 are taken
     # (page 10 holds tokens the two prompts do not share).
-    assert _admit(memo, _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)), IMAGE)) == 9
+    assert _admit(memo, _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)), IMAGE)) == 10 - GROUP_PAGES
     # The same prompt again: every page but the first.
     assert _admit(memo, _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)), IMAGE)) == _pages(
-        _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)))) - 1
+        _Prompt(HISTORY + [1, 2, 3] + list(range(200, 212)))) - GROUP_PAGES
 
 
 @pytest.mark.parametrize("token", [4, 5, 17, 21, 36, 39])
@@ -78,13 +79,13 @@ def test_reuse_stops_at_the_first_page_whose_ids_differ(token):
     _admit(memo, _Prompt(HISTORY + [1]))
     changed = HISTORY + [1]
     changed[token] = 9999
-    assert _admit(memo, _Prompt(changed)) == token // PAGE - 1
+    assert _admit(memo, _Prompt(changed)) == max(0, token // PAGE - GROUP_PAGES)
 
 
 def test_reuse_stops_at_the_first_page_whose_positions_differ():
     memo = KeyMemo()
     _admit(memo, _Prompt(HISTORY + [1]))
-    assert _admit(memo, _Prompt(HISTORY + [1], shift_from=22)) == 22 // PAGE - 1
+    assert _admit(memo, _Prompt(HISTORY + [1], shift_from=22)) == 22 // PAGE - GROUP_PAGES
 
 
 @pytest.mark.parametrize("images, first_differing_page", [
@@ -95,14 +96,14 @@ def test_reuse_stops_at_the_first_page_whose_positions_differ():
 def test_reuse_stops_at_the_first_page_holding_an_image_they_do_not_share(images, first_differing_page):
     memo = KeyMemo()
     _admit(memo, _Prompt(HISTORY + [1], IMAGE))
-    assert _admit(memo, _Prompt(HISTORY + [1], images)) == first_differing_page - 1
+    assert _admit(memo, _Prompt(HISTORY + [1], images)) == max(0, first_differing_page - GROUP_PAGES)
 
 
 def test_a_salt_shares_nothing():
     memo = KeyMemo()
     _admit(memo, _Prompt(HISTORY + [1]))
     assert _admit(memo, _Prompt(HISTORY + [1], salt="alice")) == 0
-    assert _admit(memo, _Prompt(HISTORY + [1], salt="alice")) == _pages(_Prompt(HISTORY + [1])) - 1
+    assert _admit(memo, _Prompt(HISTORY + [1], salt="alice")) == _pages(_Prompt(HISTORY + [1])) - GROUP_PAGES
 
 
 def test_keys_hashed_after_admission_are_taken_too():
@@ -110,18 +111,18 @@ def test_keys_hashed_after_admission_are_taken_too():
     pages as they are computed) join it."""
     memo = KeyMemo()
     first = _Prompt(HISTORY + [1])
-    memo.seed(first, _pages(first), PAGE)  # admission hashes its first page only here...
+    memo.seed(first, _pages(first), PAGE)  # admission hashes its first pages only here...
     extend_keys(first, 3, PAGE)
     assert len(first.cache_keys) == 3
     extend_keys(first, _pages(first), PAGE)  # ...the rest once computed
-    assert _admit(memo, _Prompt(HISTORY + [1])) == _pages(first) - 1
+    assert _admit(memo, _Prompt(HISTORY + [1])) == _pages(first) - GROUP_PAGES
 
 
 def test_the_oldest_prompts_go_past_the_capacity():
     memo = KeyMemo(capacity_tokens=48)
     _admit(memo, _Prompt(HISTORY + [1]))  # its 40 tokens of full pages kept
     _admit(memo, _Prompt([7] + HISTORY))  # another first page: 40 more, over the capacity
-    assert _admit(memo, _Prompt([7] + HISTORY)) == _pages(_Prompt([7] + HISTORY)) - 1  # the newest stays
+    assert _admit(memo, _Prompt([7] + HISTORY)) == _pages(_Prompt([7] + HISTORY)) - GROUP_PAGES  # the newest stays
     assert _admit(memo, _Prompt(HISTORY + [1])) == 0  # the oldest was dropped
 
 
@@ -132,11 +133,11 @@ def test_interleaved_conversations_with_one_system_prompt_each_take_their_own_hi
     memo = KeyMemo()
     talks = [SYSTEM + list(range(1000 * k, 1000 * k + 30)) for k in range(1, 9)]
     for k, talk in enumerate(talks):
-        assert _admit(memo, _Prompt(talk + [1])) == (4 if k else 0)  # the shared system prompt only
+        assert _admit(memo, _Prompt(talk + [1])) == (5 - GROUP_PAGES if k else 0)  # the shared system prompt only
     for k, talk in enumerate(talks):  # each one's next turn, the others' in between
         talks[k] = talk + [1] + list(range(7000 + 10 * k, 7010 + 10 * k))
-        assert _admit(memo, _Prompt(talks[k])) == (len(talk) + 1) // PAGE - 1
-    first = extend_keys(_Prompt(SYSTEM), 1, PAGE)[0]
+        assert _admit(memo, _Prompt(talks[k])) == (len(talk) + 1) // PAGE - GROUP_PAGES
+    first = extend_keys(_Prompt(SYSTEM), GROUP_PAGES, PAGE)[-1]
     assert list(memo._groups) == [first] and len(memo._groups[first]) == len(talks)  # a turn replaced the last
 
 
@@ -145,8 +146,8 @@ def test_a_group_keeps_its_newest_prompts():
     talks = [SYSTEM + list(range(1000 * k, 1000 * k + 30)) + [1] for k in range(1, 5)]
     for talk in talks:
         _admit(memo, _Prompt(talk))
-    assert _admit(memo, _Prompt(talks[0] + [2, 3, 4, 5])) == 4  # the oldest went: the system prompt only
-    assert _admit(memo, _Prompt(talks[3] + [2, 3, 4, 5])) == len(talks[3]) // PAGE - 1
+    assert _admit(memo, _Prompt(talks[0] + [2, 3, 4, 5])) == 5 - GROUP_PAGES  # the oldest went: the system prompt only
+    assert _admit(memo, _Prompt(talks[3] + [2, 3, 4, 5])) == len(talks[3]) // PAGE - GROUP_PAGES
 
 
 def test_a_finished_request_lends_the_keys_of_its_answer_and_lets_go_of_its_list():
@@ -161,7 +162,7 @@ def test_a_finished_request_lends_the_keys_of_its_answer_and_lets_go_of_its_list
     (member,) = next(iter(memo._groups.values()))
     assert member.keys == request.cache_keys and member.keys is not request.cache_keys and member.request is None
     nxt = _Prompt(request.ids + [7, 8, 9, 10, 11])  # the next turn repeats the answer
-    assert _admit(memo, nxt) == request.total_len // PAGE - 1
+    assert _admit(memo, nxt) == request.total_len // PAGE - GROUP_PAGES
 
 
 def test_a_member_does_not_keep_its_request_alive():
@@ -174,7 +175,7 @@ def test_a_member_does_not_keep_its_request_alive():
     del request
     gc.collect()
     assert member.request() is None
-    assert _admit(memo, _Prompt(HISTORY + [1])) == _pages(_Prompt(HISTORY + [1])) - 1
+    assert _admit(memo, _Prompt(HISTORY + [1])) == _pages(_Prompt(HISTORY + [1])) - GROUP_PAGES
 
 
 def _answer(memo: KeyMemo, request: _Prompt, tokens: list[int]) -> None:
@@ -204,6 +205,15 @@ def test_a_prompt_that_differs_only_before_its_last_page_is_not_taken_for_a_begi
     other = list(first)
     other[33] = 4321  # page 8 differs; page 9 (the last full one) is the same
     request = _Prompt(other)
-    assert _admit(memo, request) == 7
+    assert _admit(memo, request) == 8 - GROUP_PAGES
     _answer(memo, request, list(range(800, 812)))
-    assert _admit(memo, _Prompt(first)) == _pages(_Prompt(first)) - 1  # still remembered
+    assert _admit(memo, _Prompt(first)) == _pages(_Prompt(first)) - GROUP_PAGES  # still remembered
+
+
+def test_captions_of_new_images_after_a_short_system_prompt_share_no_group():
+    """A group is found by its first pages, so a stream of new images (each starting in page 1)
+    does not pile up in one group that every admission would search."""
+    memo = KeyMemo()
+    for i in range(100):
+        _admit(memo, _Prompt(list(range(100, 106)) + [7] * 20 + list(range(200, 210)), [(6, f"image {i}", 20)]))
+    assert max(len(group) for group in memo._groups.values()) == 1
