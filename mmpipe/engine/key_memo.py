@@ -159,6 +159,8 @@ class _Known:
                 low, high = (middle, high) if mine[span] == theirs[span] else (low, middle)
             pages = low
         end = pages * page_size
-        differ = np.flatnonzero((self.positions[:, start:end] != other.positions[:, start:end]).any(axis=0))
-        same = start + int(differ[0]) if differ.size else end
+        a, b = self.positions[:, start:end], other.positions[:, start:end]
+        same = end
+        if not np.array_equal(a, b):  # (rarely: ids and images alike, positions not)
+            same = start + int(np.flatnonzero((a != b).any(axis=0))[0])
         return min(same, self.first_unshared_image(other)) // page_size

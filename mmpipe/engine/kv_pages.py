@@ -84,13 +84,11 @@ class PageAllocator:
     def find(self, keys: Sequence[bytes]) -> list[int]:
         """The cached pages of the leading `keys` that are all cached (`lookup` of each in turn,
         up to the first miss)."""
-        get, found = self._page_of.get, []
-        for key in keys:
-            page = get(key)
-            if page is None:
-                break
-            found.append(page)
-        return found
+        found = list(map(self._page_of.get, keys))  # a lookup per key, in C
+        try:
+            return found[:found.index(None)]
+        except ValueError:
+            return found
 
     def unheld(self, pages: Sequence[int]) -> int:
         """How many of `pages` nobody holds."""
