@@ -127,9 +127,12 @@ class PrefillRunner(GraphRunner):
         self.schedule = self.sizes
         self.uploader = PackedUploader(device)  # each step's inputs, in one host-to-device copy
         # Short extends over long contexts: the whole forward as one graph, attention as decode rows.
+        # A tensor-parallel shard's lookup sums the ranks' rows: it fills the fixed rows itself.
+        tp = getattr(lm, "tp", None) is not None
         self.rows = RowGraphs(lm, kv, device, self.schedule, -(-(max_model_len or 0) // kv.page_size),
                               self._forward_rows, self.slots, wanted=self.cache is not None and bool(max_model_len),
-                              memory=self.cache.memory if self.cache is not None else "shared")
+                              memory=self.cache.memory if self.cache is not None else "shared",
+                              fixed_rows=None if tp else (self.input_embeds, self.positions))
         self.compiled_runs = 0  # compiled forwards without a graph (above the schedule, a failed size)
         self._warm = False  # this capture_all has run a warm-up forward: later sizes capture without one
         self.warmup_retries = 0  # sizes whose capture without a warm-up failed and was redone
@@ -163,6 +166,17 @@ class PrefillRunner(GraphRunner):
     def upload(self, inputs: PrefillInputs) -> PrefillTensors:
         """A step's host inputs on the device, in one copy (views valid for this step only)."""
         return upload_inputs(inputs, self.uploader, ROW_GRAPH_MAX_TOKENS)
+
+    def run_inputs(self, inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of a step's host inputs, and its logit rows on the device (a row graph stages them)."""
+        size = self.rows.staged_size(inputs, self.lm.layers[0].self_attn.num_heads) if self.piecewise else None
+        if size is not None:
+            self._write_images(inputs.images)  # before the replay: the graph's staging keeps their rows
+            self.padded_tokens += size - inputs.token_ids.shape[0]
+            self.counts.graph_runs += 1  # a prefill served by a graph, as the pieces count theirs
+            return self.rows.run_staged(size, inputs)
+        ids, positions, meta, logit_rows, count = self.upload(inputs)
+        return self.forward(ids, positions, inputs.images, meta, count), logit_rows
 
     def rows_for(self, num_tokens: int) -> int:
         """Rows the forward runs: the smallest schedule size >= num_tokens; num_tokens above the

@@ -125,12 +125,15 @@ class CudaLMAttention:
         at most DECODE_ROWS_UP_TO query tokens per sequence over a context of at least
         DECODE_ROWS_FROM_CONTEXT, with fewer extend programs than SMs; not with
         `MMPIPE_DISABLE=extend-decode-rows`."""
-        if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None \
-                or meta.max_query_len > DECODE_ROWS_UP_TO:
+        if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None:
             return False
-        if not settings.current().extend_decode_rows:
+        return self.rows_fit(meta.max_query_len, meta.max_seq_len, len(meta.seq_lens_host), heads, device)
+
+    def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int, device: torch.device) -> bool:
+        """`runs_as_rows` from an extend step's host lengths alone."""
+        if max_query_len > DECODE_ROWS_UP_TO or not settings.current().extend_decode_rows:
             return False
-        return meta.max_seq_len >= DECODE_ROWS_FROM_CONTEXT and len(meta.seq_lens_host) * heads < self._sms(device)
+        return max_seq_len >= DECODE_ROWS_FROM_CONTEXT and sequences * heads < self._sms(device)
 
     def _use_varlen(self, dtype: torch.dtype, meta: AttentionMetadata) -> bool:
         if dtype not in (torch.float16, torch.bfloat16) or not self._varlen or self.extend == "triton":

@@ -71,10 +71,19 @@ def decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, to
 def host_decode_rows(query_lens: Sequence[int], seq_lens: Sequence[int], page_table: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`decode_rows` from a step's host inputs: (page table [n, pages], keys [n], sequence [n]), int32."""
+    keys, index = row_keys(query_lens, seq_lens)
+    return np.ascontiguousarray(page_table[index], dtype=np.int32), keys, index
+
+
+def row_keys(query_lens: Sequence[int], seq_lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per query token of a step: the keys it sees (its sequence's cached prefix, the tokens
+    before it and itself) and its sequence's index; int32 [n] each."""
+    if len(query_lens) == 1:  # a single sequence (a chat turn): no repeats
+        q, s = query_lens[0], seq_lens[0]
+        return np.arange(s - q + 1, s + 1, dtype=np.int32), np.zeros(q, dtype=np.int32)
     q = np.asarray(query_lens, dtype=np.int64)
     s = np.asarray(seq_lens, dtype=np.int64)
     index = np.repeat(np.arange(q.shape[0]), q)
     starts = np.cumsum(q) - q
     local = np.arange(index.shape[0]) - starts[index]
-    keys = (s[index] - q[index] + local + 1).astype(np.int32)
-    return np.ascontiguousarray(page_table[index], dtype=np.int32), keys, index.astype(np.int32)
+    return (s[index] - q[index] + local + 1).astype(np.int32), index.astype(np.int32)

@@ -27,6 +27,11 @@ class TorchLMAttention:
         self.scale = scale
 
     def runs_as_rows(self, meta: AttentionMetadata, heads: int, device: torch.device) -> bool:
+        if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None:
+            return False
+        return self.rows_fit(meta.max_query_len, meta.max_seq_len, len(meta.seq_lens_host), heads, device)
+
+    def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int, device: torch.device) -> bool:
         """Never: the reference attends each sequence's queries at once (see the CUDA backend)."""
         return False
 

@@ -312,8 +312,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_prefill(self, inputs: PrefillInputs) -> torch.Tensor:
         """The forward of one prefill step's host inputs: logits of its `logit_rows`."""
-        ids, positions, meta, logit_rows, count = self.prefiller.upload(inputs)
-        hidden = self.prefiller.forward(ids, positions, inputs.images, meta, count)
+        hidden, logit_rows = self.prefiller.run_inputs(inputs)
         rows = inputs.logit_rows
         if rows.shape[0] == 1:  # one sequence completes (a first token): a view, not a gather kernel
             return self.model.language.compute_logits(hidden[int(rows[0]):int(rows[0]) + 1])

@@ -65,20 +65,31 @@ def stage_rows_triton(table: torch.Tensor, token_ids: torch.Tensor, pos_rows: to
 if triton is not None:
 
     @triton.jit
+    def copy_embedding_row(table_ptr, token, stride_table, embeds_ptr, row, stride_embeds, hidden,
+                           BLOCK: tl.constexpr):
+        """Row `token` of the embedding table into row `row` of the embeddings buffer."""
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, hidden, BLOCK):
+            mask = start + offs < hidden
+            values = tl.load(table_ptr + token * stride_table + start + offs, mask=mask)
+            tl.store(embeds_ptr + row * stride_embeds + start + offs, values, mask=mask)
+
+    @triton.jit
+    def copy_position_and_slot(pos_ptr, slots_ptr, pos_buf_ptr, slot_buf_ptr, row):
+        """A token's three M-RoPE positions (token-major) and its KV slot into the fixed rows."""
+        three = tl.arange(0, 4)
+        in_row = three < 3
+        tl.store(pos_buf_ptr + row * 3 + three, tl.load(pos_ptr + row * 3 + three, mask=in_row), mask=in_row)
+        tl.store(slot_buf_ptr + row, tl.load(slots_ptr + row))
+
+    @triton.jit
     def _stage_kernel(count_ptr, ids_ptr, pos_ptr, slots_ptr, table_ptr, embeds_ptr, pos_buf_ptr, slot_buf_ptr,
                       hidden, stride_table, stride_embeds, dummy_slot, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(count_ptr)
         if row < n:
             token = tl.load(ids_ptr + row).to(tl.int64)
-            offs = tl.arange(0, BLOCK)
-            for start in range(0, hidden, BLOCK):
-                mask = start + offs < hidden
-                values = tl.load(table_ptr + token * stride_table + start + offs, mask=mask)
-                tl.store(embeds_ptr + row * stride_embeds + start + offs, values, mask=mask)
-            three = tl.arange(0, 4)
-            in_row = three < 3
-            tl.store(pos_buf_ptr + row * 3 + three, tl.load(pos_ptr + row * 3 + three, mask=in_row), mask=in_row)
-            tl.store(slot_buf_ptr + row, tl.load(slots_ptr + row))
+            copy_embedding_row(table_ptr, token, stride_table, embeds_ptr, row, stride_embeds, hidden, BLOCK)
+            copy_position_and_slot(pos_ptr, slots_ptr, pos_buf_ptr, slot_buf_ptr, row)
         else:
             tl.store(slot_buf_ptr + row, dummy_slot)

@@ -141,3 +141,44 @@ def test_short_turns_over_a_long_cached_context_replay_one_graph_as_decode_rows(
         assert pipe.stats()["prefill"]["detail"]["row_graphs"] == 4  # sizes 8, 16, 32 and 64, at start-up
     finally:
         pipe.close()
+
+
+def test_back_to_back_row_graph_steps_each_read_their_own_inputs(checkpoint):
+    """Two short extends over a cached context replayed as row graphs while the GPU is still
+    busy: the host writes the second step into the graphs' input region (pinned memory the
+    GPU reads) only once the first replay has read it, so each gives what it gives alone."""
+    import numpy as np
+
+    from mmpipe.step_io import PrefillInputs
+
+    pipe = make(checkpoint, "piecewise")
+    try:
+        prefiller, context = pipe.runner.prefiller, 600
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        for k_cache, v_cache in prefiller.kv.layers:  # a cached context of random K/V in pages 1..
+            for cache in (k_cache, v_cache):
+                cache[1:50].normal_(generator=gen)
+        pages = np.arange(1, 41, dtype=np.int32)
+
+        def step(seed: int, n: int) -> PrefillInputs:
+            rng = np.random.default_rng(seed)
+            index = np.arange(context, context + n)
+            return PrefillInputs(rng.integers(0, 500, n), rng.integers(0, 700, (3, n)),
+                                 pages[index // PAGE].astype(np.int64) * PAGE + index % PAGE, [context + n], [n],
+                                 pages[None, :], np.array([n - 1]), [])
+
+        steps = [step(1, 5), step(2, 7)]
+        alone = []
+        for inputs in steps:
+            hidden, _ = prefiller.run_inputs(inputs)
+            alone.append(hidden[:inputs.token_ids.shape[0]].clone())
+            torch.cuda.synchronize()
+        runs = prefiller.rows.runs
+        torch.cuda._sleep(200_000_000)  # every replay below is queued behind it
+        busy = [prefiller.run_inputs(inputs)[0][:inputs.token_ids.shape[0]].clone() for inputs in steps]
+        torch.cuda.synchronize()
+        assert prefiller.rows.runs == runs + 2 and alone[0].abs().sum() > 0
+        assert all(torch.equal(a, b) for a, b in zip(alone, busy))
+        assert not torch.equal(alone[0][:5], alone[1][:5])
+    finally:
+        pipe.close()

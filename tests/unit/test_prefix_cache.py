@@ -248,9 +248,8 @@ def rows_like_the_cuda_backend(monkeypatch) -> None:
     longer cached context as decode rows (its own attention serves decode rows too)."""
     from mmpipe.language.attention.torch_backend import TorchLMAttention
 
-    monkeypatch.setattr(TorchLMAttention, "runs_as_rows", lambda self, meta, heads, device: (
-        not meta.is_decode and meta.seq_lens_host is not None and meta.max_query_len <= 64
-        and meta.max_seq_len >= 2 * meta.max_query_len))
+    monkeypatch.setattr(TorchLMAttention, "rows_fit", lambda self, query_len, seq_len, sequences, heads, device: (
+        query_len <= 64 and seq_len >= 2 * query_len))
 
 
 @pytest.mark.usefixtures("simulated_piece_graphs")
@@ -276,8 +275,11 @@ def test_short_turns_over_a_cached_conversation_replay_one_graph_as_decode_rows(
             assert_same(ours, expected)
             new = ours.num_prompt_tokens - ours.num_cached_tokens
             assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == runs + (turn > 0 and new <= 64)
-            rows = prefiller.rows  # the rows after the last step's are padding (a shorter turn refills them)
-            assert (rows.seqs[rows.real_rows:] == -1).all() and (rows.lens[rows.real_rows:] == 1).all()
+            rows, size = prefiller.rows, prefiller.rows.size_for(new)  # the graph staged its rows: the step's, then padding
+            if turn > 0 and new <= 64:
+                assert (rows.seqs[:new] == 0).all() and (rows.seqs[new:size] == -1).all()
+                assert (rows.lens[new:size] == 1).all() and (prefiller.slots[new:size] == prefiller.dummy_slot).all()
+                assert rows.lens[:new].tolist() == list(range(ours.num_prompt_tokens - new + 1, ours.num_prompt_tokens + 1))
             conversation += [{"role": "assistant", "content": ours.text}, question]
         assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == 3
     finally:

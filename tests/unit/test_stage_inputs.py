@@ -104,3 +104,113 @@ _INTERPRETER_SCRIPT = textwrap.dedent(r"""
 def test_triton_kernel_under_interpreter():
     failed = [case for case in run_under_triton_interpreter(_INTERPRETER_SCRIPT) if not case[-1]]
     assert not failed, failed
+
+
+# ---------------------------------------------------------------- a row graph's staged step
+
+def row_graph_case(n: int, size: int, width: int, query_lens: list[int], image_rows: tuple[int, ...] = (),
+                   hidden: int = 40, rows: int = 12, dtype=torch.float32, seed: int = 0):
+    """A staged step (`kernels/stage_row_graph.StagedStep`) of `n` rows over len(query_lens)
+    sequences with `width`-page tables, and buffers full of values no step writes."""
+    from mmpipe.kernels.stage_row_graph import RowBuffers, StagedStep
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (rows,), generator=gen)
+    ids[list(image_rows)] = -1
+    seqs = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), torch.tensor(query_lens, dtype=torch.int64))
+    seqs = torch.cat([seqs, torch.full((rows - n,), 9, dtype=torch.int32)])  # past n: never read
+    step = StagedStep(torch.tensor([n, width]), ids, torch.randint(0, 1000, (rows, 3), generator=gen),
+                      torch.randint(1, 500, (rows,), generator=gen),
+                      torch.randint(1, 5000, (rows,), generator=gen, dtype=torch.int32), seqs,
+                      torch.randint(0, 64, (rows,), generator=gen),
+                      torch.randint(1, 900, (len(query_lens) * width + 17,), generator=gen, dtype=torch.int32))
+    out = RowBuffers(torch.randn(50, hidden, generator=gen).to(dtype), torch.full((rows + 4, hidden), -7.0, dtype=dtype),
+                     torch.full((rows + 4, 3), -5, dtype=torch.int64), torch.full((rows + 4,), -3, dtype=torch.int64),
+                     torch.full((rows,), -2, dtype=torch.int32), torch.full((rows,), -4, dtype=torch.int32),
+                     torch.full((rows, width + 5), -6, dtype=torch.int32), torch.full((rows,), -8, dtype=torch.int64))
+    return step, out
+
+
+def row_graph_expected(step, out, size: int, dummy: int):
+    """Row by row, as the module docstring says."""
+    want = [t.clone() for t in out]
+    n, width = step.header.tolist()
+    want[7][:size] = step.logit_rows[:size]
+    for r in range(size):
+        if r < n:
+            if step.ids[r] >= 0:
+                want[1][r] = out.embed_table[step.ids[r]]
+            want[2][r], want[3][r], want[4][r], want[5][r] = step.positions[r], step.slots[r], step.lens[r], step.seqs[r]
+            s = int(step.seqs[r])
+            want[6][r, :width] = step.tables[s * width:(s + 1) * width]
+        else:
+            want[3][r], want[4][r], want[5][r] = dummy, 1, -1
+    return want
+
+
+ROW_GRAPH_CASES = [  # n, size, width, query lens, image rows
+    (5, 8, 300, [3, 2], (1,)), (8, 8, 3, [8], ()), (1, 4, 1, [1], ()), (0, 8, 7, [], ()), (6, 12, 260, [1, 4, 1], (2, 3))]
+
+
+@pytest.mark.parametrize("n,size,width,query_lens,image_rows", ROW_GRAPH_CASES)
+def test_row_graph_reference_stages_the_step_then_padding_and_keeps_image_rows(n, size, width, query_lens, image_rows):
+    from mmpipe.kernels.stage_row_graph import stage_row_graph
+
+    step, out = row_graph_case(n, size, width, query_lens, image_rows, seed=n + width)
+    want = row_graph_expected(step, out, size, DUMMY)
+    stage_row_graph(step, out, size, DUMMY)
+    for name, got, expect in zip(out._fields, out, want):
+        assert torch.equal(got, expect), name
+
+
+_ROW_GRAPH_INTERPRETER_SCRIPT = textwrap.dedent(r"""
+    import torch
+    import json
+    from mmpipe.kernels import stage_row_graph as module
+    from tests.unit.test_stage_inputs import ROW_GRAPH_CASES, row_graph_case, row_graph_expected
+
+    print("READY", flush=True)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, size, width, query_lens, image_rows in ROW_GRAPH_CASES:
+            step, out = row_graph_case(n, size, width, query_lens, image_rows, hidden=1030, dtype=dtype, seed=n)
+            want = row_graph_expected(step, out, size, 0)
+            module.launch(module._stage_kernel, (size,), out.embed_table, step.header, step.ids, step.positions,
+                          step.slots, step.lens, step.seqs, step.logit_rows, step.tables, out.embeds, out.positions,
+                          out.slots, out.lens, out.seqs, out.table, out.logit_rows, 1030, out.embed_table.stride(0),
+                          out.embeds.stride(0), out.table.stride(0), 0, BLOCK=1024, BLOCK_P=256, num_warps=4)
+            wrong = [name for name, got, expect in zip(out._fields, out, want) if not torch.equal(got, expect)]
+            results.append([str(dtype), n, size, width, wrong])
+    print("RESULTS " + json.dumps(results), flush=True)
+""")
+
+
+def test_row_graph_staging_kernel_under_interpreter():
+    failed = [case for case in run_under_triton_interpreter(_ROW_GRAPH_INTERPRETER_SCRIPT) if case[-1]]
+    assert not failed, failed
+
+
+def test_input_region_holds_a_step_of_two_sequences_with_image_rows_marked():
+    """`InputRegion.write`: ids (an image's rows -1, the caller's array untouched), token-major
+    positions, slots, logit rows, the count and table width, each row's keys and sequence, and
+    the sequences' page tables row-major; what the staging kernel reads."""
+    import numpy as np
+    from mmpipe.language.extend_row_graphs import InputRegion
+
+    from mmpipe.step_io import ImageSpan, PrefillInputs
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 500, 7)
+    positions = rng.integers(0, 900, (3, 7))
+    table = rng.integers(1, 99, (2, 5)).astype(np.int32)
+    inputs = PrefillInputs(ids, positions, rng.integers(0, 900, 7), [40, 12], [4, 3], table, np.array([3, 6]),
+                           [ImageSpan(4, torch.zeros(2, 8))])
+    region = InputRegion(8, 6, torch.device("cpu"))
+    region.write(inputs)
+    step = region.step
+    assert step.header.tolist() == [7, 5]
+    assert step.ids[:7].tolist() == ids[:4].tolist() + [-1, -1] + ids[6:].tolist() and ids.min() >= 0
+    assert step.positions[:7].tolist() == positions.T.tolist() and step.slots[:7].tolist() == inputs.slot_mapping.tolist()
+    assert step.logit_rows[:2].tolist() == [3, 6]
+    assert step.lens[:7].tolist() == [37, 38, 39, 40, 10, 11, 12] and step.seqs[:7].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert step.tables[:10].tolist() == table.flatten().tolist()
