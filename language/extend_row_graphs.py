@@ -23,10 +23,10 @@ once the last replay has read it (an event each graph records after its staging 
 tensor-parallel shard, whose embedding lookup sums the ranks' rows, fills them before the replay
 instead (`run_rows`).
 
-The backend decides which steps run as rows (`runs_as_rows`), the same decision its eager path
-takes, and the split count follows the graph's size in both, so a step's attention reduces alike
-with and without the graph. Sizes are captured at start-up only; a size without a graph, or a
-step that does not qualify, takes the piecewise path.
+The backend decides which steps run as rows (`runs_as_rows`; from host lengths alone,
+`rows_fit`), the same decision its eager path takes, and the split count follows the graph's size
+in both, so a step's attention reduces alike with and without the graph. Sizes are captured at
+start-up only; a size without a graph, or a step that does not qualify, takes the piecewise path.
 """
 
 from __future__ import annotations
@@ -85,9 +85,12 @@ class InputRegion:
         table = inputs.page_table
         header = np.array([ids.shape[0], table.shape[1]], dtype=np.int64)
         at = self.offsets
-        for name, array in (("ids", ids), ("positions", inputs.positions.T), ("slots", inputs.slot_mapping),
-                            ("logit_rows", inputs.logit_rows), ("header", header), ("lens", lens), ("seqs", seqs),
-                            ("tables", table)):
+        parts = (("ids", ids, np.int64), ("positions", inputs.positions.T, np.int64),
+                 ("slots", inputs.slot_mapping, np.int64), ("logit_rows", inputs.logit_rows, np.int64),
+                 ("header", header, np.int64), ("lens", lens, np.int32), ("seqs", seqs, np.int32),
+                 ("tables", table, np.int32))
+        for name, array, dtype in parts:
+            array = np.asarray(array, dtype=dtype)  # the slot's type (no copy when it has it)
             start = at[name] // array.itemsize
             self.typed[array.dtype][start:start + array.size].reshape(array.shape)[...] = array
 
@@ -153,6 +156,8 @@ class RowGraphs(GraphRunner):
         self.seqs.fill_(-1)
         self.real_rows = 0
         if self.region is not None:
+            if self.consumed is not None:
+                self.consumed.synchronize()  # a replay still queued reads the region
             self.region.step.header.zero_()  # a step of no rows: all padding, K/V to the dummy page
         return super().capture(key, quiet)
 
@@ -167,7 +172,7 @@ class RowGraphs(GraphRunner):
     def staged_size(self, inputs: PrefillInputs, heads: int) -> int | None:
         """The captured size that runs this step as rows, staging its inputs itself, or None."""
         n = inputs.token_ids.shape[0]
-        if self.region is None or not 0 < n <= ROW_GRAPH_MAX_TOKENS:
+        if self.cache is None or self.region is None or not 0 < n <= ROW_GRAPH_MAX_TOKENS:
             return None
         longest = max(inputs.seq_lens)
         size = self.size_for(n)

@@ -27,6 +27,7 @@ class TorchLMAttention:
         self.scale = scale
 
     def runs_as_rows(self, meta: AttentionMetadata, heads: int, device: torch.device) -> bool:
+        """Whether an extend step runs as decode rows: as `rows_fit` says (see the CUDA backend)."""
         if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None:
             return False
         return self.rows_fit(meta.max_query_len, meta.max_seq_len, len(meta.seq_lens_host), heads, device)

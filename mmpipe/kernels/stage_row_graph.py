@@ -25,7 +25,7 @@ from mmpipe.kernels.launch import launch, next_power_of_2
 
 
 class StagedStep(NamedTuple):
-    """Views of the fixed input region the host fills (one copy) before a replay."""
+    """Views of the fixed input region the host writes before a replay."""
 
     header: torch.Tensor  # [2] int64: the step's rows n, its page-table width w
     ids: torch.Tensor  # [R] int64; < 0: keep the embedding row (an image's)

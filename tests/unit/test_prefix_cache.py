@@ -287,6 +287,39 @@ def test_short_turns_over_a_cached_conversation_replay_one_graph_as_decode_rows(
         off.close()
 
 
+@pytest.mark.usefixtures("simulated_piece_graphs")
+def test_two_conversations_next_turns_share_one_row_graph_step(checkpoint_factory, monkeypatch):
+    """Two chats' next turns admitted together: one row graph step holds both sequences (each row
+    its own sequence's pages and keys) and both first tokens come from its logit rows."""
+    from mmpipe.config import GraphConfig
+
+    rows_like_the_cuda_backend(monkeypatch)
+    path = checkpoint_factory()
+    pipe = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE, prefill_graph=GraphConfig(buckets=(8, 16, 64, 256)))
+    off = Pipeline.from_pretrained(path, device="cpu", kv_page_size=PAGE, prefix_caching=False)
+    try:
+        chats = [[user(IMAGE_A, "Describe this image.")], [user(IMAGE_B, "What is in this picture?")]]
+        for chat, first in zip(chats, pipe.chat(chats, GREEDY)):
+            chat += [{"role": "assistant", "content": first.text}, user("Why?")]
+        runs = pipe.stats()["prefill"]["detail"]["row_graph_runs"]
+        requests = [pipe.processor.build(i, *pipe.processor.render_chat(chat, "t"), GREEDY, "t")
+                    for i, chat in enumerate(chats)]
+        with pipe.engine.lock:  # both in the engine before its first step: one prefill step
+            for request in requests:
+                pipe.engine.add(request)
+            while not all(request.finished for request in requests):
+                pipe.engine.step()
+        ours = [request.to_output() for request in requests]
+        assert pipe.stats()["prefill"]["detail"]["row_graph_runs"] == runs + 1
+        assert sum(o.num_prompt_tokens - o.num_cached_tokens for o in ours) <= 64
+        for mine, expected in zip(ours, off.chat(chats, GREEDY)):
+            assert_same(mine, expected)
+        assert ours[0].token_ids != ours[1].token_ids
+    finally:
+        pipe.close()
+        off.close()
+
+
 def test_qwen3_vl_deepstack_rows_after_a_cached_prefix(checkpoint_factory):
     """Qwen3-VL adds the image's deepstack features in early layers: a turn whose image is cached
     must not need them, and one whose prefix ends inside the image must add the right rows."""

@@ -214,3 +214,7 @@ def test_input_region_holds_a_step_of_two_sequences_with_image_rows_marked():
     assert step.logit_rows[:2].tolist() == [3, 6]
     assert step.lens[:7].tolist() == [37, 38, 39, 40, 10, 11, 12] and step.seqs[:7].tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert step.tables[:10].tolist() == table.flatten().tolist()
+    again = InputRegion(8, 6, torch.device("cpu"))  # other integer types: written as the slots' types
+    again.write(PrefillInputs(ids.astype(np.int32), positions.astype(np.int32), inputs.slot_mapping, [40, 12], [4, 3],
+                              table.astype(np.int64), np.array([3, 6], dtype=np.int32), inputs.images))
+    assert torch.equal(again.buffer, region.buffer)
