@@ -33,6 +33,7 @@ The pieces:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -239,6 +240,21 @@ class SampleResult:
     top_logprobs: torch.Tensor | None  # [B, min(variant.logprobs, V)] float32
 
 
+POLL_SECONDS = 20e-6  # asked of the OS between looks (the kernel's timer slack lengthens each sleep)
+
+
+def wait_for(event: torch.cuda.Event) -> None:
+    """Return once the GPU has passed `event`. By default the thread sleeps between short looks
+    at the event: it neither spins a core for the milliseconds a step runs nor waits for the
+    driver to wake it, as a blocking event's waiter does, well after the GPU is done (that delay
+    lands on every time to first token). `MMPIPE_DISABLE=blocking-sync` spins in the driver."""
+    if not settings.current().blocking_sync:
+        event.synchronize()
+        return
+    while not event.query():
+        time.sleep(POLL_SECONDS)
+
+
 class HostTokens:
     """The first `n` rows of a `SampleResult` on their way to the host: the device-to-host copies
     are queued on the current stream at once (into pinned memory, so they do not wait for the
@@ -258,9 +274,7 @@ class HostTokens:
             self._ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
             self._lps = (torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True).copy_(lps, non_blocking=True)
                          if lps is not None else None)
-            # A blocking event puts the waiting thread to sleep instead of spinning a whole core
-            # for the milliseconds a step runs (`MMPIPE_DISABLE=blocking-sync` spins instead).
-            self._event = torch.cuda.Event(blocking=settings.current().blocking_sync)
+            self._event = torch.cuda.Event()
             self._event.record()
         else:
             self._ids, self._lps = ids.clone(), lps.clone() if lps is not None else None
@@ -272,7 +286,7 @@ class HostTokens:
         """Per row: [token, top ids...] and [token logprob, top logprobs...] (None without them)."""
         if self._event is not None:
             with phase("wait"):  # the host idles until the GPU reaches the copy
-                self._event.synchronize()
+                wait_for(self._event)
         return self._ids.tolist(), self._lps.tolist() if self._lps is not None else None
 
 

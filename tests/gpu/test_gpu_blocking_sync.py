@@ -1,5 +1,6 @@
 """Waiting for a step's tokens (`HostTokens.get`): by default (`blocking-sync` not in `MMPIPE_DISABLE`)
-the engine thread sleeps while the GPU works, with it off it spins a core; the tokens are the same."""
+the engine thread sleeps between short looks while the GPU works, with it off it spins a core; the
+tokens are the same, and neither returns before the GPU has written them."""
 
 from __future__ import annotations
 
