@@ -217,3 +217,17 @@ def test_captions_of_new_images_after_a_short_system_prompt_share_no_group():
     for i in range(100):
         _admit(memo, _Prompt(list(range(100, 106)) + [7] * 20 + list(range(200, 210)), [(6, f"image {i}", 20)]))
     assert max(len(group) for group in memo._groups.values()) == 1
+
+
+
+def test_a_prompt_whose_positions_differ_only_in_its_last_page_is_not_taken_for_a_beginning():
+    """Its ids and images begin the newer prompt, its last page's positions do not (as after an
+    image of another grid): the newer prompt does not serve it, and both stay remembered."""
+    memo = KeyMemo()
+    first = _Prompt(HISTORY + [1], shift_from=37)  # pages 0-9; page 9's positions differ
+    _admit(memo, first)
+    request = _Prompt(HISTORY + [1, 2, 3, 4, 5, 6])
+    assert _admit(memo, request) == 9 - GROUP_PAGES
+    _answer(memo, request, list(range(800, 812)))
+    (group,) = memo._groups.values()
+    assert [len(known.ids) for known in group] == [40, len(request.ids) // PAGE * PAGE]
