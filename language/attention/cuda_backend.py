@@ -19,7 +19,7 @@ reads each key block once for a block of rows of one sequence.
 from __future__ import annotations
 
 import torch
-from mmpipe.language.attention.metadata import AttentionMetadata, decode_rows
+from mmpipe.language.attention.metadata import AttentionMetadata, RowsDecision, decode_rows
 
 from mmpipe import settings
 from mmpipe.kernels.decode_attention import decode_num_splits, paged_decode, paged_decode_rope
@@ -38,7 +38,7 @@ DECODE_ROWS_UP_TO = 64
 DECODE_ROWS_FROM_CONTEXT = 256
 
 
-class CudaLMAttention:
+class CudaLMAttention(RowsDecision):
     """`forward`: the new K/V are in the cache already (written with the rotary embedding).
     `decode_rope`: a decode step's rotary and K/V write inside the attention kernel."""
 
@@ -120,17 +120,10 @@ class CudaLMAttention:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._num_sms[index]
 
-    def runs_as_rows(self, meta: AttentionMetadata, heads: int, device: torch.device) -> bool:
-        """Whether this extend step's attention runs as decode rows (`heads`: query heads here):
-        at most DECODE_ROWS_UP_TO query tokens per sequence over a context of at least
+    def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int, device: torch.device) -> bool:
+        """At most DECODE_ROWS_UP_TO query tokens per sequence over a context of at least
         DECODE_ROWS_FROM_CONTEXT, with fewer extend programs than SMs; not with
         `MMPIPE_DISABLE=extend-decode-rows`."""
-        if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None:
-            return False
-        return self.rows_fit(meta.max_query_len, meta.max_seq_len, len(meta.seq_lens_host), heads, device)
-
-    def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int, device: torch.device) -> bool:
-        """`runs_as_rows` from an extend step's host lengths alone."""
         if max_query_len > DECODE_ROWS_UP_TO or not settings.current().extend_decode_rows:
             return False
         return max_seq_len >= DECODE_ROWS_FROM_CONTEXT and sequences * heads < self._sms(device)

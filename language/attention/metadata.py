@@ -51,6 +51,21 @@ class AttentionMetadata:
             self.seq_len_bound = self.max_seq_len
 
 
+class RowsDecision:
+    """`runs_as_rows` for every backend: an extend step's attention runs as decode rows when the
+    backend's `rows_fit` says so of its host lengths (never inside a graph, which has none)."""
+
+    def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int,
+                 device: torch.device) -> bool:
+        raise NotImplementedError
+
+    def runs_as_rows(self, meta: AttentionMetadata, heads: int, device: torch.device) -> bool:
+        """Whether this extend step's attention runs as decode rows (`heads`: query heads here)."""
+        if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None:
+            return False
+        return self.rows_fit(meta.max_query_len, meta.max_seq_len, len(meta.seq_lens_host), heads, device)
+
+
 def decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each real query token of an extend step as a row: its sequence's page-table row, the keys it
     sees (int32: its sequence's prefix, itself and the tokens before it in the step) and its

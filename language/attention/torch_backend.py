@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mmpipe.language.attention.metadata import AttentionMetadata
+from mmpipe.language.attention.metadata import AttentionMetadata, RowsDecision
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -19,18 +19,12 @@ def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Te
     return cache.index_select(0, pages).reshape(-1, heads, dim)[:length]
 
 
-class TorchLMAttention:
+class TorchLMAttention(RowsDecision):
     name = "torch"
     graph_safe = False
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
-
-    def runs_as_rows(self, meta: AttentionMetadata, heads: int, device: torch.device) -> bool:
-        """Whether an extend step runs as decode rows: as `rows_fit` says (see the CUDA backend)."""
-        if meta.is_decode or meta.seq_lens_host is None or meta.max_seq_len is None:
-            return False
-        return self.rows_fit(meta.max_query_len, meta.max_seq_len, len(meta.seq_lens_host), heads, device)
 
     def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int, device: torch.device) -> bool:
         """Never: the reference attends each sequence's queries at once (see the CUDA backend)."""
