@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from mmpipe.language.attention.metadata import AttentionMetadata
 from mmpipe.language.decode_batch import DecodeBatch, DecodeSource, row_sampling
+from mmpipe.language.host_tokens import HostTokens
 from mmpipe.language.kv_cache import KVCache
 from mmpipe.language.sampler import (
-    HostTokens,
     SampleResult,
     SamplerTensors,
     SamplerVariant,
@@ -54,12 +54,12 @@ from mmpipe.language.sampler import (
 )
 
 from mmpipe.config import GraphConfig
-from mmpipe.graphs.transfer import to_device
-from mmpipe.step_io import PendingDecode
 from mmpipe.graphs.cache import bucket_for
 from mmpipe.graphs.memory import GraphMemory
 from mmpipe.graphs.runner import GraphRunner, capturable
+from mmpipe.graphs.transfer import to_device
 from mmpipe.layers.context import ForwardContext, forward_context
+from mmpipe.step_io import PendingDecode
 
 log = logging.getLogger("mmpipe")
 LOGITS = "logits"  # second half of the key of a constrained step's forward graph (its first: the bucket)

@@ -5,7 +5,7 @@ with overlap off, True: on}."""
 
 from __future__ import annotations
 
-from mmpipe.language.sampler import HostTokens
+from mmpipe.language.host_tokens import HostTokens
 
 from mmpipe import SamplingParams
 from mmpipe.step_io import PendingDecode

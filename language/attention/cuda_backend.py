@@ -120,7 +120,8 @@ class CudaLMAttention(RowsDecision):
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._num_sms[index]
 
-    def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int, device: torch.device) -> bool:
+    def rows_fit(self, max_query_len: int, max_seq_len: int, sequences: int, heads: int,
+                 device: torch.device) -> bool:
         """At most DECODE_ROWS_UP_TO query tokens per sequence over a context of at least
         DECODE_ROWS_FROM_CONTEXT, with fewer extend programs than SMs; not with
         `MMPIPE_DISABLE=extend-decode-rows`."""

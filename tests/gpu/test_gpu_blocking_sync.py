@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from mmpipe.language.sampler import HostTokens, SampleResult
+from mmpipe.language.host_tokens import HostTokens
+from mmpipe.language.sampler import SampleResult
 
 pytestmark = pytest.mark.gpu
 

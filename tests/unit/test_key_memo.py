@@ -219,7 +219,6 @@ def test_captions_of_new_images_after_a_short_system_prompt_share_no_group():
     assert max(len(group) for group in memo._groups.values()) == 1
 
 
-
 def test_a_prompt_whose_positions_differ_only_in_its_last_page_is_not_taken_for_a_beginning():
     """Its ids and images begin the newer prompt, its last page's positions do not (as after an
     image of another grid): the newer prompt does not serve it, and both stay remembered."""
@@ -231,3 +230,18 @@ def test_a_prompt_whose_positions_differ_only_in_its_last_page_is_not_taken_for_
     _answer(memo, request, list(range(800, 812)))
     (group,) = memo._groups.values()
     assert [len(known.ids) for known in group] == [40, len(request.ids) // PAGE * PAGE]
+
+
+@pytest.mark.parametrize("older_shift, kept", [(37, True), (None, False)])
+def test_prompts_whose_keys_are_partly_hashed_are_compared_by_their_tokens(older_shift, kept):
+    """Neither prompt has keys yet for all of the older one's pages (a miss stopped the hashing):
+    their keys cannot decide, their ids and positions do. An older prompt whose last page's
+    positions differ is kept; one the newer begins is forgotten."""
+    memo = KeyMemo()
+    older = _Prompt(HISTORY + [1], shift_from=older_shift)
+    memo.seed(older, _pages(older), PAGE)
+    newer = _Prompt(HISTORY + [1, 2, 3, 4, 5, 6])
+    memo.seed(newer, _pages(newer), PAGE)
+    assert len(older.cache_keys) < _pages(older) and len(newer.cache_keys) < _pages(older)
+    (group,) = memo._groups.values()
+    assert [known.request() for known in group] == ([older, newer] if kept else [newer])

@@ -1,11 +1,13 @@
-"""`sampler.wait_for`: with `blocking-sync` on (the default) the engine looks at the step's event
+"""`host_tokens.wait_for`: with `blocking-sync` on (the default) the engine looks at the step's event
 between short sleeps and returns at the first look that finds it passed, never handing the wait to
 the driver; with it off, the driver's wait (a spin) alone."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
-from mmpipe.language import sampler
+from mmpipe.language import host_tokens
 
 
 class FakeEvent:
@@ -23,9 +25,10 @@ class FakeEvent:
 
 
 @pytest.fixture
-def sleeps(monkeypatch):
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The sleeps `wait_for` asks for (none really taken; only that module's `time` is replaced)."""
     asked: list[float] = []
-    monkeypatch.setattr(sampler.time, "sleep", asked.append)
+    monkeypatch.setattr(host_tokens, "time", SimpleNamespace(sleep=asked.append))
     return asked
 
 
@@ -33,15 +36,15 @@ def sleeps(monkeypatch):
 def test_blocking_sync_sleeps_between_looks_until_the_event_has_passed(switch, sleeps, pending):
     switch("blocking-sync", "1")
     event = FakeEvent(pending)
-    sampler.wait_for(event)
+    host_tokens.wait_for(event)
     assert event.looks == pending + 1  # stops at the first look that finds it passed
-    assert sleeps == [sampler.POLL_SECONDS] * pending
-    assert 0 < sampler.POLL_SECONDS <= 1e-4  # short against a step: a wake-up soon after the GPU is done
+    assert sleeps == [host_tokens.POLL_SECONDS] * pending
+    assert 0 < host_tokens.POLL_SECONDS <= 1e-4  # short against a step: a wake-up soon after the GPU is done
     assert event.synchronized == 0
 
 
 def test_without_blocking_sync_the_driver_waits(switch, sleeps):
     switch("blocking-sync", "0")
     event = FakeEvent(3)
-    sampler.wait_for(event)
+    host_tokens.wait_for(event)
     assert event.synchronized == 1 and event.looks == 0 and sleeps == []
