@@ -139,13 +139,13 @@ class _Known:
         """Whether `other` is a beginning of this prompt (every page of it equal, by their keys
         where both have them): this one then serves whatever it would."""
         n = len(other.ids)
-        if n > len(self.ids) or self.first_unshared_image(other) < n:
-            return False
-        if self.ids[n - page_size:n] != other.ids[n - page_size:n]:  # a cheap first look
+        if n > len(self.ids):
             return False
         pages = n // page_size
         if len(self.keys) >= pages and len(other.keys) >= pages:  # a key hashes all its page depends on
             return self.keys[:pages] == other.keys[:pages]
+        if self.first_unshared_image(other) < n or self.ids[n - page_size:n] != other.ids[n - page_size:n]:
+            return False  # a cheap first look
         known = self.base[1] if self.base is not None and self.base[0]() is other else 0  # compared at admission
         return self.equal_pages(other, page_size, known) * page_size >= n
 
