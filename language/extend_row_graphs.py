@@ -123,7 +123,7 @@ class RowGraphs(GraphRunner):
             self.region = InputRegion(rows, max(1, max_pages), device)
             self.buffers = RowBuffers(lm.embed_tokens.weight, *fixed_rows, slots, self.lens, self.seqs, self.table,
                                       torch.zeros(rows, dtype=torch.int64, device=device))
-            self.dummy_slot = DUMMY_PAGE * kv.page_size
+            self.dummy_slot = kv.dummy_slot
             if device.type == "cuda":
                 self.consumed = torch.cuda.Event(external=True)  # a node of each graph
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mmpipe.step_io import DUMMY_PAGE  # noqa: F401  (the layout's reserved page, re-exported)
+from mmpipe.step_io import DUMMY_PAGE  # the layout's reserved page (re-exported)
 
 
 class KVCache:
@@ -30,6 +30,11 @@ class KVCache:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(num_layers)]
+
+    @property
+    def dummy_slot(self) -> int:
+        """The flat slot padded rows write their K/V to: the reserved page's first."""
+        return DUMMY_PAGE * self.page_size
 
     @property
     def nbytes(self) -> int:

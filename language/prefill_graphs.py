@@ -48,17 +48,17 @@ from mmpipe.language.kv_cache import DUMMY_PAGE, KVCache
 from mmpipe.language.prefill_schedule import default_prefill_schedule
 
 from mmpipe.config import GraphConfig
-from mmpipe.step_io import ImageSpan, PrefillInputs
 from mmpipe.graphs.cache import bucket_for
 from mmpipe.graphs.capture import on_capture_stream
-from mmpipe.graphs.memory import GraphMemory
 from mmpipe.graphs.compile_cache import default_cache_dir, environment_key, make_piece_compiler
+from mmpipe.graphs.memory import GraphMemory
 from mmpipe.graphs.piecewise import PiecewiseBackend, PiecewiseState
 from mmpipe.graphs.runner import GraphRunner
 from mmpipe.graphs.split_capture import SplitGraphs
 from mmpipe.graphs.transfer import PackedUploader
 from mmpipe.kernels.stage_rows import stage_rows
 from mmpipe.layers.context import ForwardContext, forward_context
+from mmpipe.step_io import ImageSpan, PrefillInputs
 
 log = logging.getLogger("mmpipe")
 
@@ -114,7 +114,7 @@ class PrefillRunner(GraphRunner):
         # a [3, max] buffer is contiguous only at T = max, and the tracer would see two layouts).
         self.positions = torch.zeros(max_tokens, 3, dtype=torch.int64, device=device)
         # KV slots of the rows; each step sets its padding rows (past its tokens) to the dummy slot.
-        self.dummy_slot = DUMMY_PAGE * kv.page_size
+        self.dummy_slot = kv.dummy_slot
         self.slots = torch.full((max_tokens,), self.dummy_slot, dtype=torch.int64, device=device)
         self.levels = int(getattr(lm, "deepstack_levels", 0))
         self.deepstack = [torch.zeros(max_tokens, lm.hidden_size, dtype=dtype, device=device)
@@ -378,7 +378,7 @@ class PrefillRunner(GraphRunner):
         device = self.device
         meta = AttentionMetadata(
             is_decode=False, num_tokens=size,
-            slot_mapping=torch.full((size,), DUMMY_PAGE * page, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((size,), self.dummy_slot, dtype=torch.int64, device=device),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
             query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
             page_table=torch.full((1, -(-size // page)), DUMMY_PAGE, dtype=torch.int32, device=device),

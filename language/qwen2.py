@@ -28,8 +28,8 @@ from torch import nn
 
 from mmpipe.errors import CheckpointError, UnsupportedModelError
 from mmpipe.kernels import gemv, gemv_fp8
-from mmpipe.kernels.partial_sums import PartialSums
 from mmpipe.kernels.fused import add_rms_norm
+from mmpipe.kernels.partial_sums import PartialSums
 from mmpipe.layers.attention import AttentionBackend
 from mmpipe.layers.buffers import on_ambient_device
 from mmpipe.layers.context import get_forward_context

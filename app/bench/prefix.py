@@ -190,7 +190,7 @@ def run_prefix(args: argparse.Namespace) -> dict[str, Any]:
         stats = pipe.stats()["prefix_cache"]
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     result = {"device": device, "model": args.model or f"{SHAPES[args.shape].label} shape, random",
-              "image_size": f"{width}x{height}", "ttft": ttft, "unseen_ms": first_ms,
+              "image_size": f"{width}x{height}", "repeats": args.repeats, "ttft": ttft, "unseen_ms": first_ms,
               "caption": {"files": len(files), "new_tokens": args.new_tokens, "off_images_per_s": max(rates[False]),
                           "on_images_per_s": max(rates[True]),
                           "change_pct": 100 * (max(rates[True]) / max(rates[False]) - 1)},

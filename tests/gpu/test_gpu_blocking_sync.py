@@ -19,19 +19,20 @@ def wait_behind_a_long_kernel(switch, flag: str) -> tuple[float, float, list[lis
     switch("blocking-sync", flag)
     tokens = torch.arange(7, device="cuda") * 3
 
-    def one_round(cycles: int) -> tuple[float, float, list[list[int]]]:
+    def one_round(cycles: int, offset: int) -> tuple[float, float, list[list[int]]]:
         torch.cuda.synchronize()
         torch.cuda._sleep(cycles)
-        pending = HostTokens(SampleResult(tokens + 1, None, None, None), 5, logprobs=False)
+        pending = HostTokens(SampleResult(tokens + offset, None, None, None), 5, logprobs=False)
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         ids, _ = pending.get()
         return time.thread_time() - cpu0, time.perf_counter() - wall0, ids
 
     # The same round once untimed: the first such round in a process waited before `get`,
-    # spinning (most likely the first launch of the `tokens + 1` kernel, loaded while the GPU
-    # sleeps); later ones wait in `get` only.
-    one_round(100_000_000)
-    return one_round(600_000_000)  # six times the first round: long against any host overhead
+    # spinning (most likely the first launch of the `tokens + offset` kernel, loaded while the GPU
+    # sleeps); later ones wait in `get` only. Its values differ from the timed round's: pinned
+    # buffers are reused, so a read before the GPU wrote the timed tokens would show these.
+    one_round(100_000_000, 1000)
+    return one_round(600_000_000, 1)  # six times the first round: long against any host overhead
 
 
 def test_the_waiting_thread_sleeps_with_blocking_sync_and_spins_without(switch):
