@@ -24,7 +24,7 @@ on other kernels (another summation order, so other last bits):
 | `fp8-fused-quant` | norm and SiLU kernels writing the FP8 input of the product after them |
 | `fp8-triton-gemm` | mmpipe's Triton FP8 GEMM for 33-256 decode rows (cuBLASLt instead) |
 | `blocking-sync` | the engine sleeping between short looks while it waits for a step's tokens (it spins on a core instead) |
-| `extend-decode-rows` | an extend step of a few tokens per sequence over long contexts run as split-KV decode rows (the extend kernel instead) |
+| `extend-decode-rows` | an extend step of a few tokens per sequence over long contexts run as rows through the split-KV rows kernel, and in one graph where the step fits (the extend kernel between the prefill pieces instead) |
 
 The variables are read once, at the first `current()`; `refresh()` reads them again (tests, or a
 process that changes its own environment). An unknown name in `MMPIPE_DISABLE`, a flag other than
